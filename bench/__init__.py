@@ -1,0 +1,1 @@
+"""Benchmarks for ziplog (``python -m bench <experiment>``)."""

@@ -1,0 +1,5 @@
+"""Failure handler: suspects, freezes and recovers failed storage replicas (dissertation 4.2.5).
+
+Not yet implemented: today a replica failure stops inserts on its shard until the
+replica is restarted (reads of stable records continue from the survivor).
+"""

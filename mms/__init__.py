@@ -1,0 +1,1 @@
+"""Membership management service: starts an epoch every interval, replicated through ZooKeeper."""

@@ -1,0 +1,71 @@
+"""Epoch planning (sans-I/O): which shards are members of the next epoch and at
+what expected rate. Pure integer arithmetic; the leader process (``mms.server``)
+feeds it rate reports and the set of ready shards, and writes what it returns to
+ZooKeeper before broadcasting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ziplog.gsna import MAX_RATE, NS_PER_S, EpochConfig
+
+
+@dataclass
+class PlannerSettings:
+    #: Rate a shard gets before anything is observed (records/s).
+    default_rate: int = 2000
+    #: Floor: an idle shard still gets a few slots per epoch so its gsns stay spread.
+    min_rate: int = 200
+    max_rate: int = 1_000_000
+    #: Weight of the newest observation, as a fraction num/den (exact integers).
+    smoothing_num: int = 1
+    smoothing_den: int = 2
+
+
+@dataclass
+class EpochPlanner:
+    settings: PlannerSettings
+    last: EpochConfig | None = None
+    #: [[first_epoch, members], ...]: epochs from first_epoch on had members
+    history: list[list[Any]] = field(default_factory=list)
+    rates: dict[int, int] = field(default_factory=dict)
+    removed: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        assert self.settings.max_rate <= MAX_RATE
+        if self.last is not None:
+            for s, r in zip(self.last.shards, self.last.rates):
+                self.rates.setdefault(s, r)
+
+    def on_rate(self, shard: int, epoch: int, count: int, duration_ns: int) -> None:
+        """A shard's report of how many records it took in an epoch it served."""
+        if duration_ns <= 0 or count < 0:
+            return
+        observed = (count * NS_PER_S) // duration_ns
+        old = self.rates.get(shard, self.settings.default_rate)
+        st = self.settings
+        new = (old * (st.smoothing_den - st.smoothing_num) + observed * st.smoothing_num) // st.smoothing_den
+        self.rates[shard] = new
+
+    def remove(self, shard: int) -> None:
+        self.removed.add(shard)
+
+    def plan(self, ready: Iterable[int]) -> tuple[EpochConfig, list[list[Any]] | None]:
+        """The next epoch, and the new membership history if membership changed."""
+        st = self.settings
+        current = set(self.last.shards) if self.last is not None else set()
+        members = tuple(sorted((current | set(ready)) - self.removed))
+        rates = tuple(min(max(self.rates.get(s, st.default_rate), st.min_rate), st.max_rate) for s in members)
+        epoch = self.last.epoch + 1 if self.last is not None else 0
+        cfg = EpochConfig(epoch, members, rates)
+        new_history = None
+        if not self.history or tuple(self.history[-1][1]) != members:
+            new_history = self.history + [[epoch, list(members)]]
+        return cfg, new_history
+
+    def committed(self, cfg: EpochConfig, history: list[list[Any]] | None) -> None:
+        """The plan is in ZooKeeper: make it the base of the next one."""
+        self.last = cfg
+        if history is not None:
+            self.history = history

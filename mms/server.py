@@ -1,0 +1,205 @@
+"""Membership service replica process.
+
+    python -m mms.server --zk HOSTS --id N [--interval-ms 10]
+
+Several replicas run; a kazoo Election picks the leader. The leader, every
+interval, plans the next epoch, writes it to ZooKeeper with a version check
+(a transaction over ``/ziplog/epoch`` and, when membership changes,
+``/ziplog/membership``), and only once that commit succeeds publishes it on its
+PUB socket. The version check is what keeps two leaders (a deposed one still
+running, say) from ever broadcasting different configs for the same epoch: only
+one of them can commit epoch e, and a new leader continues from what is
+committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+from kazoo.exceptions import BadVersionError, NodeExistsError
+from kazoo.protocol.states import KazooState
+
+from ziplog import discovery, wire
+from ziplog.gsna import EpochConfig
+
+from .planner import EpochPlanner, PlannerSettings
+
+log = logging.getLogger("mms")
+
+
+class MembershipReplica:
+    def __init__(self, zk_hosts: str, replica_id: int, interval_ms: float = 10.0, host: str = "127.0.0.1",
+                 settings: PlannerSettings | None = None) -> None:
+        self.id = replica_id
+        self.interval_ns = int(interval_ms * 1_000_000)
+        self.settings = settings or PlannerSettings()
+        self.zk = discovery.connect(zk_hosts)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        pull_port = self.pull.bind_to_random_port(f"tcp://{host}")
+        self.addrs = {"pub": f"tcp://{host}:{pub_port}", "pull": f"tcp://{host}:{pull_port}"}
+        self.running = True
+        self.is_leader = False
+        self.lost = threading.Event()
+        self.zk.add_listener(self._on_zk_state)
+
+    def _on_zk_state(self, state: str) -> None:
+        if state != KazooState.CONNECTED:
+            self.lost.set()  # stop leading until we are sure again
+
+    def start(self) -> None:
+        for path in (discovery.EPOCH_PATH, discovery.MEMBERSHIP_PATH):
+            try:
+                self.zk.create(path, b"", makepath=True)
+            except NodeExistsError:
+                pass
+        self.zk.ensure_path(discovery.MMS_REPLICAS)
+        node = f"{discovery.MMS_REPLICAS}/{self.id}"
+        try:
+            self.zk.delete(node)
+        except Exception:
+            pass
+        self.zk.create(node, discovery.enc(self.addrs), ephemeral=True)
+        self.topology = discovery.Topology(self.zk)
+        log.info("mms replica %d up: %s", self.id, self.addrs)
+
+    def run(self) -> None:
+        election = self.zk.Election(discovery.MMS_ELECTION, identifier=str(self.id))
+        while self.running:
+            try:
+                election.run(self._lead)
+            except Exception:
+                log.exception("election round failed")
+                time.sleep(0.1)
+
+    # -- leader ---------------------------------------------------------------------------
+    def _lead(self) -> None:
+        self.lost.clear()
+        self.is_leader = True
+        log.info("mms replica %d is leader", self.id)
+        try:
+            self._lead_loop()
+        finally:
+            self.is_leader = False
+            log.info("mms replica %d stops leading", self.id)
+
+    def _lead_loop(self) -> None:
+        zk = self.zk
+        zk.sync(discovery.EPOCH_PATH)
+        data, stat = zk.get(discovery.EPOCH_PATH)
+        epoch_version = stat.version
+        hdata, hstat = zk.get(discovery.MEMBERSHIP_PATH)
+        history_version = hstat.version
+        cur = discovery.dec(data)
+        last = EpochConfig(cur["epoch"], tuple(cur["shards"]), tuple(cur["rates"])) if cur else None
+        planner = EpochPlanner(self.settings, last, discovery.dec(hdata) or [])
+        # Drop rate reports queued while we were not leading: they are stale.
+        while True:
+            try:
+                self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        next_t = time.monotonic_ns()
+        while self.running and not self.lost.is_set():
+            self._drain_rates(planner)
+            for s in self.topology.removed:
+                planner.remove(s)
+            ready = [s for s in self.topology.replica_counts if self.topology.shard_complete(s) and s not in self.topology.removed]
+            cfg, history = planner.plan(ready)
+            txn = zk.transaction()
+            txn.set_data(discovery.EPOCH_PATH, discovery.enc({"epoch": cfg.epoch, "shards": list(cfg.shards), "rates": list(cfg.rates)}), version=epoch_version)
+            if history is not None:
+                txn.set_data(discovery.MEMBERSHIP_PATH, discovery.enc(history), version=history_version)
+            results = txn.commit()
+            if any(isinstance(r, Exception) for r in results):
+                # Someone else committed: we are not (or no longer) the leader.
+                log.warning("epoch %d commit refused (%s); stepping down", cfg.epoch, results)
+                return
+            epoch_version += 1
+            if history is not None:
+                history_version += 1
+                log.info("epoch %d: membership now %s", cfg.epoch, list(cfg.shards))
+            planner.committed(cfg, history)
+            self.pub.send(wire.pack([wire.PROTOCOL_VERSION, wire.EPOCH, cfg.epoch, list(cfg.shards), list(cfg.rates)]))
+            next_t += self.interval_ns
+            now = time.monotonic_ns()
+            if next_t < now:
+                next_t = now  # fell behind (slow commit): do not burst to catch up
+            self._wait_until(next_t, planner)
+
+    def _drain_rates(self, planner: EpochPlanner) -> None:
+        while True:
+            try:
+                frame = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.unpack(frame)
+                if msg[1] == wire.RATE:
+                    planner.on_rate(int(msg[2]), int(msg[3]), int(msg[4]), int(msg[5]))
+            except Exception:
+                log.warning("bad rate report dropped")
+
+    def _wait_until(self, t_ns: int, planner: EpochPlanner) -> None:
+        while True:
+            left = t_ns - time.monotonic_ns()
+            if left <= 0:
+                return
+            if self.pull.poll(max(1, left // 1_000_000) if left > 1_000_000 else 0):
+                self._drain_rates(planner)
+            elif left < 1_000_000:
+                time.sleep(left / 1e9)
+
+    def close(self) -> None:
+        self.running = False
+        try:
+            self.zk.stop()
+            self.zk.close()
+        except Exception:
+            pass
+        self.ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mms.server", description="ziplog membership service replica")
+    ap.add_argument("--zk", required=True)
+    ap.add_argument("--id", type=int, required=True)
+    ap.add_argument("--interval-ms", type=float, default=10.0)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--default-rate", type=int, default=PlannerSettings.default_rate)
+    ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    replica = MembershipReplica(args.zk, args.id, args.interval_ms, args.host,
+                                PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate))
+
+    def stop(signum: int, frame: Any) -> None:
+        replica.running = False
+        replica.lost.set()
+        if not replica.is_leader:
+            raise SystemExit(0)  # a follower may be blocked inside the election
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    replica.start()
+    try:
+        replica.run()
+    finally:
+        replica.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""ziplog: a totally ordered, sharded, replicated shared log whose writes complete
+in two message delays.
+
+    import ziplog
+    with ziplog.local_cluster() as cluster, ziplog.Client(cluster.zk_hosts) as log:
+        a = log.insert_after(b"hello")
+        b = log.insert_after(b"world", a)      # b.gsn > a.gsn
+        for rec in log.subscribe(ziplog.RID_GENESIS):
+            print(rec.rid, rec.data)
+"""
+
+from .errors import (ClientClosedError, NoShardAvailableError, NotFoundError, RecordTooLargeError, ServerError,
+                     TrimmedError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
+from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
+
+
+def __getattr__(name: str):  # lazy: importing ziplog stays cheap for servers and tools
+    if name in ("Client", "Subscription", "Record"):
+        from . import client
+        return getattr(client, name)
+    if name == "AsyncClient":
+        from .aio import AsyncClient
+        return AsyncClient
+    if name in ("local_cluster", "LocalCluster"):
+        from . import cluster
+        return getattr(cluster, name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "Client", "AsyncClient", "Subscription", "Record", "RecordId", "RID_GENESIS", "RID_RECENT", "Policy",
+    "local_cluster", "LocalCluster", "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
+    "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError",
+]

@@ -1,0 +1,434 @@
+"""The blocking client: ``ziplog.Client``.
+
+InsertAfter (dissertation 4.2.4): the record goes to every replica of one shard;
+each answers with the gsn it assigned. The primary's answer is the decision;
+the insert is done once every backup's latest answer equals it. When the
+backups' first answers already equal it, that was the two-message-delay fast
+path; otherwise a backup re-acked after the primary's forward (slow path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import threading
+import time
+from typing import Any, Iterator
+
+import zmq
+
+from . import discovery, wire
+from .errors import (ClientClosedError, NoShardAvailableError, NotFoundError, UnknownRecordError, ZiplogError,
+                     ZiplogTimeoutError, from_reply)
+from .merge import SubscriberMerge
+from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
+from .wire import PROTOCOL_VERSION as V
+from .wire import pack, unpack
+
+#: Resend an unanswered insert (same client id and sequence number, so never twice
+#: in the log) after this long.
+RETRY_AFTER_S = 1.0
+SUB_CREDIT_BYTES = 8 << 20
+SUB_KEEPALIVE_S = 10.0
+
+
+class Record:
+    """A record delivered by a subscription."""
+
+    __slots__ = ("rid", "data")
+
+    def __init__(self, rid: RecordId, data: bytes) -> None:
+        self.rid = rid
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"Record(rid={self.rid!r}, data={self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
+
+
+class _Replicas:
+    """One DEALER per replica of a shard (a DEALER connected to several would
+    round-robin, and we must reach every replica)."""
+
+    def __init__(self, ctx: zmq.Context, addrs: list[str]) -> None:
+        self.addrs = addrs
+        self.socks: list[zmq.Socket] = []
+        for a in addrs:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+            self.socks.append(s)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+
+
+class Client:
+    """A ziplog client. Thread-compatible, not thread-safe: use one per thread."""
+
+    def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
+                 client_id: int | None = None) -> None:
+        self.timeout = timeout
+        self._policy = policy or Policy.random()
+        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(8), "big") >> 1
+        self._seq = itertools.count(1)
+        self._req = itertools.count(1)
+        self._rng = random.Random()
+        self._zk = discovery.connect(zk_hosts)
+        self.topology = discovery.Topology(self._zk)
+        self._ctx = zmq.Context()
+        self._shards: dict[int, _Replicas] = {}
+        self._stable: dict[int, int] = {}
+        self._closed = False
+        self._subs: list[Subscription] = []
+        self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
+        self._lock = threading.Lock()
+        if not self.topology.wait(lambda: bool(self.topology.live_shards()), timeout):
+            raise NoShardAvailableError("no live shard appeared in ZooKeeper")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in list(self._subs):
+            sub.close()
+        for r in self._shards.values():
+            r.close()
+        self._ctx.destroy(linger=0)
+        try:
+            self._zk.stop()
+            self._zk.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("client is closed")
+
+    # -- routing --------------------------------------------------------------------------------
+    def set_policy(self, policy: Policy) -> None:
+        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
+        Policy.by_key()."""
+        if not isinstance(policy, Policy):
+            raise TypeError("policy must be a ziplog.Policy")
+        self._policy = policy
+
+    def _replicas(self, shard: int) -> _Replicas:
+        addrs = self.topology.replica_addrs(shard)
+        if addrs is None:
+            raise UnknownRecordError(f"shard {shard} is unknown or not all of its replicas are up")
+        r = self._shards.get(shard)
+        if r is None or r.addrs != addrs:
+            if r is not None:
+                r.close()
+            r = _Replicas(self._ctx, addrs)
+            self._shards[shard] = r
+        return r
+
+    def live_shards(self) -> list[int]:
+        return self.topology.live_shards()
+
+    # -- insert ---------------------------------------------------------------------------------
+    def insert_after(self, data: bytes, after: RecordId = RID_GENESIS, *, key: bytes | None = None) -> RecordId:
+        """Insert ``data`` somewhere after record ``after``; returns its record id, whose
+        gsn is greater than ``after.gsn``."""
+        self._check_open()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError("data must be bytes")
+        data = bytes(data)
+        after_gsn = max(after.gsn, 0)
+        seq = next(self._seq)
+        deadline = time.monotonic() + self.timeout
+        excluded: set[int] = set()
+        while True:
+            live = [s for s in self.topology.live_shards() if s not in excluded]
+            shard = self._policy.choose(live, key, data, self._rng)
+            if shard is None:
+                if self._policy.kind == "fixed":
+                    raise NoShardAvailableError(f"shard {self._policy.shard} is not live")
+                raise NoShardAvailableError("no live shard accepts inserts")
+            try:
+                gsn = self._insert_on(shard, seq, after_gsn, data, deadline)
+            except _Redirect:
+                excluded.add(shard)
+                self.stats["redirects"] += 1
+                seq = next(self._seq)  # the refusing shard stored nothing; a fresh id is safe
+                continue
+            assert gsn > after_gsn, ("InsertAfter returned a gsn not above the rid", gsn, after_gsn)
+            return RecordId(gsn, shard)
+
+    def _insert_on(self, shard: int, seq: int, after_gsn: int, data: bytes, deadline: float) -> int:
+        reps = self._replicas(shard)
+        req_id = next(self._req)
+        frame = pack([V, wire.INSERT, req_id, self.client_id, seq, after_gsn, data])
+        socks = reps.socks
+        for s in socks:
+            s.send(frame, copy=len(frame) < 65536)
+        # The primary (replica 0) decides: wait for it first, then for each backup to agree.
+        retry_at = time.monotonic() + RETRY_AFTER_S
+        decided: int | None = None
+        fast = True
+        for i, sock in enumerate(socks):
+            first = True
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise ZiplogTimeoutError(f"insert on shard {shard} not acknowledged in time")
+                if now >= retry_at:
+                    self.stats["retries"] += 1
+                    for s in socks:
+                        s.send(frame)
+                    retry_at = now + RETRY_AFTER_S
+                if not sock.poll(int((min(deadline, retry_at) - now) * 1000) + 1):
+                    continue
+                msg = unpack(sock.recv())
+                if msg[1] == wire.ERROR:
+                    if msg[2] != req_id:
+                        continue
+                    if msg[3] == wire.E_NOT_MEMBER and i == 0:
+                        raise _Redirect()
+                    raise from_reply(msg[3], msg[4])
+                if msg[1] != wire.ACK or msg[2] != req_id:
+                    continue  # a late answer to an earlier request
+                gsn, stable = msg[3], msg[5]
+                if stable > self._stable.get(shard, 0):
+                    self._stable[shard] = stable
+                if i == 0:
+                    decided = gsn
+                    break
+                if gsn == decided:
+                    if not first:
+                        fast = False
+                    break
+                first = False
+                fast = False
+        self.stats["fast_path" if fast else "slow_path"] += 1
+        assert decided is not None
+        return decided
+
+    # -- read -----------------------------------------------------------------------------------
+    def read_record(self, rid: RecordId) -> bytes:
+        """The record with id ``rid``. Raises TrimmedError below the trim point and
+        NotFoundError where the log holds no record."""
+        self._check_open()
+        if rid.gsn <= 0 or rid.shard < 0:
+            raise UnknownRecordError(f"{rid!r} names no record")
+        reps = self._replicas(rid.shard)
+        req_id = next(self._req)
+        frame = pack([V, wire.READ, req_id, rid.gsn])
+        deadline = time.monotonic() + self.timeout
+        if rid.gsn <= self._stable.get(rid.shard, 0):
+            # Stable: every replica holds it; one answer suffices.
+            sock = reps.socks[self._rng.randrange(len(reps.socks))]
+            sock.send(frame)
+            msg = self._await(sock, req_id, deadline)
+            if msg[1] == wire.READ_OK and msg[5]:
+                return msg[4]
+            if msg[1] == wire.ERROR:
+                raise from_reply(msg[3], msg[4])
+        # Recent: ask every replica; a stable answer or agreement of all settles it.
+        for s in reps.socks:
+            s.send(frame)
+        answers = []
+        for s in reps.socks:
+            msg = self._await(s, req_id, deadline)
+            if msg[1] == wire.ERROR:
+                raise from_reply(msg[3], msg[4])
+            if msg[5]:
+                self._stable[rid.shard] = max(self._stable.get(rid.shard, 0), rid.gsn)
+                return msg[4]
+            answers.append(msg[4])
+        if all(a == answers[0] for a in answers):
+            return answers[0]
+        raise ZiplogError(f"replicas of shard {rid.shard} disagree on gsn {rid.gsn}")
+
+    def _await(self, sock: zmq.Socket, req_id: int, deadline: float) -> list[Any]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ZiplogTimeoutError("no answer in time")
+            if not sock.poll(int(left * 1000) + 1):
+                continue
+            msg = unpack(sock.recv())
+            if len(msg) > 2 and msg[2] == req_id:
+                return msg
+
+    # -- trim -----------------------------------------------------------------------------------
+    def trim(self, rid: RecordId) -> None:
+        """Delete every record below ``rid`` on every shard."""
+        self._check_open()
+        if rid.gsn <= 0:
+            return
+        req_id = next(self._req)
+        frame = pack([V, wire.TRIM, req_id, rid.gsn])
+        deadline = time.monotonic() + self.timeout
+        targets = []
+        for shard in sorted(self.topology.replica_counts):
+            addrs = self.topology.replica_addrs(shard)
+            if addrs is None:
+                raise ZiplogError(f"shard {shard} is not fully up; cannot trim everywhere")
+            targets.extend(self._replicas(shard).socks)
+        for s in targets:
+            s.send(frame)
+        for s in targets:
+            msg = self._await(s, req_id, deadline)
+            if msg[1] == wire.ERROR:
+                raise from_reply(msg[3], msg[4])
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict[int, list[dict[str, Any]]]:
+        """Every replica's status map, by shard."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        deadline = time.monotonic() + self.timeout
+        for shard in sorted(self.topology.replica_counts):
+            if self.topology.replica_addrs(shard) is None:
+                continue
+            reps = self._replicas(shard)
+            req_id = next(self._req)
+            for s in reps.socks:
+                s.send(pack([V, wire.STATUS, req_id]))
+            out[shard] = [self._await(s, req_id, deadline)[3] for s in reps.socks]
+        return out
+
+    # -- subscribe ------------------------------------------------------------------------------
+    def subscribe(self, start: RecordId = RID_GENESIS) -> "Subscription":
+        """Iterate the log in gsn order from ``start`` (inclusive), forever."""
+        self._check_open()
+        if start == RID_RECENT:
+            from_gsn = self._recent_position()
+        else:
+            from_gsn = max(start.gsn, 1)
+        sub = Subscription(self, from_gsn, explicit=start.gsn > 0)
+        self._subs.append(sub)
+        return sub
+
+    def _recent_position(self) -> int:
+        st = self.status()
+        stables = [min(r["stable"] for r in reps) for reps in st.values() if reps]
+        return max(min(stables), 0) + 1 if stables else 1
+
+
+class _Redirect(Exception):
+    """The shard takes no inserts in its current epoch."""
+
+
+class Subscription:
+    """Iterator over records in gsn order. Close it (or use ``with``) to free its sockets."""
+
+    def __init__(self, client: Client, from_gsn: int, explicit: bool) -> None:
+        self._client = client
+        self.from_gsn = from_gsn
+        self._explicit = explicit
+        self._merge = SubscriberMerge(from_gsn)
+        self._ctx = client._ctx
+        self._socks: dict[int, zmq.Socket] = {}
+        self._sub_id = next(client._req)
+        self._poller = zmq.Poller()
+        self._consumed: dict[int, int] = {}
+        self._last_keepalive = time.monotonic()
+        self._closed = False
+        self._connect_known()
+
+    def _connect_known(self) -> None:
+        topo = self._client.topology
+        wanted = set(topo.replica_counts) | self._merge.known_shards()
+        for shard in sorted(wanted):
+            if shard in self._socks:
+                continue
+            addrs = topo.replica_addrs(shard)
+            if addrs is None:
+                continue
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addrs[0])
+            # 0 asks for the start of the log (no TrimmedError); an explicit position must exist.
+            start = self.from_gsn if self._explicit else (0 if self.from_gsn == 1 else self.from_gsn)
+            s.send(pack([V, wire.SUBSCRIBE, self._sub_id, start, SUB_CREDIT_BYTES]))
+            self._socks[shard] = s
+            self._poller.register(s, zmq.POLLIN)
+
+    def __iter__(self) -> Iterator[Record]:
+        return self
+
+    def __next__(self) -> Record:
+        rec = self.next(timeout=None)
+        assert rec is not None
+        return rec
+
+    def next(self, timeout: float | None = None) -> Record | None:
+        """The next record, or None if none arrives within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise ClientClosedError("subscription is closed")
+            item = self._merge.pop()
+            if item is not None:
+                gsn, shard, data = item
+                self._credit(shard, len(data))
+                return Record(RecordId(gsn, shard), data)
+            wait_ms = 200
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                wait_ms = min(wait_ms, int(left * 1000) + 1)
+            events = self._poller.poll(wait_ms)
+            for sock, _ in events:
+                self._drain(sock)
+            now = time.monotonic()
+            if now - self._last_keepalive > SUB_KEEPALIVE_S:
+                self._last_keepalive = now
+                for s in self._socks.values():
+                    s.send(pack([V, wire.CREDIT, self._sub_id, 0]))
+            if not events:
+                self._connect_known()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        shard = next(s for s, k in self._socks.items() if k is sock)
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = unpack(frame)
+            if msg[1] == wire.SUB_BATCH and msg[2] == self._sub_id:
+                self._merge.on_batch(shard, msg[3], msg[4], msg[5])
+            elif msg[1] == wire.ERROR:
+                raise from_reply(msg[3], msg[4])
+        if self._merge.known_shards() - set(self._socks):
+            self._connect_known()
+
+    def _credit(self, shard: int, nbytes: int) -> None:
+        c = self._consumed.get(shard, 0) + nbytes
+        if c >= SUB_CREDIT_BYTES // 4:
+            self._socks[shard].send(pack([V, wire.CREDIT, self._sub_id, c]))
+            c = 0
+        self._consumed[shard] = c
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._socks.values():
+            try:
+                s.send(pack([V, wire.UNSUBSCRIBE, self._sub_id]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            s.close(0)
+        self._socks.clear()
+        if self in self._client._subs:
+            self._client._subs.remove(self)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""``ziplog.local_cluster``: a whole ziplog on this machine, the embedded default.
+
+Starts a 3-node ZooKeeper ensemble (Debian package), the membership service
+replicas and every storage replica as separate processes on loopback, and stops
+every one of them on exit, also on an exception or Ctrl-C (children also die
+with the parent: see ``ziplog.procs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import subprocess
+
+from kazoo.exceptions import NodeExistsError
+
+from . import discovery, procs, wire
+from .zk_ensemble import ZooKeeperEnsemble
+
+
+class LocalCluster:
+    def __init__(self, data_dir: Path, shards: int = 2, replicas: int = 2, mms_replicas: int = 3,
+                 epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
+                 server_args: list[str] | None = None, mms_args: list[str] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.logs = self.data_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.initial_shards = shards
+        self.replicas = replicas
+        self.mms_replicas = mms_replicas
+        self.epoch_interval_ms = epoch_interval_ms
+        self.fsync = fsync
+        self.server_args = list(server_args or [])
+        self.mms_args = list(mms_args or [])
+        self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync)
+        self.mms: dict[int, subprocess.Popen[bytes]] = {}
+        self.servers: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+        self.shard_ids: list[int] = []
+        self._zkc: Any = None
+
+    @property
+    def zk_hosts(self) -> str:
+        return self.zk.hosts
+
+    # -- processes ------------------------------------------------------------------------------
+    def _spawn_mms(self, i: int) -> None:
+        argv = [sys.executable, "-m", "mms.server", "--zk", self.zk_hosts, "--id", str(i),
+                "--interval-ms", str(self.epoch_interval_ms), *self.mms_args]
+        self.mms[i] = procs.spawn(argv, self.logs / f"mms{i}.log")
+
+    def _spawn_server(self, shard: int, replica: int) -> None:
+        argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
+                "--replica", str(replica), "--replicas", str(self.replicas),
+                "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *self.server_args]
+        self.servers[(shard, replica)] = procs.spawn(argv, self.logs / f"shard{shard}-replica{replica}.log")
+
+    def start(self, timeout: float = 90.0) -> None:
+        self.zk.start()
+        self._zkc = discovery.connect(self.zk_hosts)
+        self.topology = discovery.Topology(self._zkc)
+        for i in range(self.mms_replicas):
+            self._spawn_mms(i)
+        existing = sorted(int(c) for c in self._zkc.get_children(discovery.SHARDS))
+        if existing:  # restarting on an old data_dir: bring back the same shards
+            self.shard_ids = existing
+        else:
+            self.shard_ids = list(range(self.initial_shards))
+        for s in self.shard_ids:
+            for r in range(self.replicas):
+                self._spawn_server(s, r)
+        self.wait_ready(self.shard_ids, timeout)
+
+    def wait_ready(self, shards: list[int], timeout: float = 60.0) -> None:
+        """Until every shard is in the membership with all replicas up and its backups
+        connected to its primary."""
+        deadline = time.monotonic() + timeout
+        ok = self.topology.wait(lambda: set(shards) <= set(self.topology.live_shards()), timeout)
+        if not ok:
+            raise RuntimeError(f"shards {shards} did not join in {timeout}s; see logs in {self.logs}\n{self._tails()}")
+        import zmq
+        ctx = zmq.Context()
+        try:
+            for s in shards:
+                while True:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"shard {s} not serving; see {self.logs}\n{self._tails()}")
+                    addrs = self.topology.replica_addrs(s)
+                    if addrs and self._primary_ready(ctx, addrs[0]):
+                        break
+                    time.sleep(0.05)
+        finally:
+            ctx.destroy(linger=0)
+
+    def _primary_ready(self, ctx: Any, addr: str) -> bool:
+        import zmq
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(addr)
+            sock.send(wire.pack([wire.PROTOCOL_VERSION, wire.STATUS, 1]))
+            if not sock.poll(2000):
+                return False
+            st = wire.unpack(sock.recv())[3]
+            return len(st["backups_connected"]) == self.replicas - 1 and st["epoch"] >= 0
+        finally:
+            sock.close(0)
+
+    def _tails(self, lines: int = 15) -> str:
+        out = []
+        for p in sorted(self.logs.glob("*.log")):
+            text = p.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {p.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        procs.stop_many(list(self.servers.values()) + list(self.mms.values()))
+        self.servers.clear()
+        self.mms.clear()
+        if self._zkc is not None:
+            try:
+                self._zkc.stop()
+                self._zkc.close()
+            except Exception:
+                pass
+            self._zkc = None
+        self.zk.stop()
+
+    # -- operator actions ---------------------------------------------------------------------------
+    def kill_replica(self, shard: int, replica: int) -> None:
+        """SIGKILL one storage replica."""
+        procs.kill(self.servers[(shard, replica)])
+
+    def restart_replica(self, shard: int, replica: int) -> None:
+        """Start a stopped or killed replica again on its data directory."""
+        p = self.servers.get((shard, replica))
+        if p is not None and p.poll() is None:
+            procs.stop(p)
+        self._spawn_server(shard, replica)
+
+    def add_shard(self, timeout: float = 60.0) -> int:
+        """Start a new shard; returns its id once it is in the membership and serving."""
+        s = max(self.shard_ids) + 1 if self.shard_ids else 0
+        self.shard_ids.append(s)
+        for r in range(self.replicas):
+            self._spawn_server(s, r)
+        self.wait_ready([s], timeout)
+        return s
+
+    def remove_shard(self, shard: int, timeout: float = 30.0) -> None:
+        """Take a shard out of the next epoch's membership; it stays readable."""
+        path = f"{discovery.SHARDS}/{shard}"
+        data, stat = self._zkc.get(path)
+        meta = discovery.dec(data) or {}
+        meta["removed"] = True
+        self._zkc.set(path, discovery.enc(meta), version=stat.version)
+        if not self.topology.wait(lambda: shard not in (self.topology.history[-1][1] if self.topology.history else []), timeout):
+            raise RuntimeError(f"shard {shard} still a member after {timeout}s")
+
+    def client(self, **kw: Any) -> Any:
+        from .client import Client
+        return Client(self.zk_hosts, **kw)
+
+
+@contextlib.contextmanager
+def local_cluster(shards: int = 2, replicas: int = 2, data_dir: str | Path | None = None, **kw: Any) -> Iterator[LocalCluster]:
+    """Run a local ziplog cluster for the duration of the ``with`` block.
+
+    ``data_dir`` keeps ZooKeeper data, segment files and logs; None uses a temporary
+    directory removed afterwards. Reusing a ``data_dir`` restarts the same log."""
+    tmp = None
+    if data_dir is None:
+        tmp = tempfile.mkdtemp(prefix="ziplog-")
+        data_dir = tmp
+    cluster = LocalCluster(Path(data_dir), shards=shards, replicas=replicas, **kw)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,186 @@
+"""Where everything is written in ZooKeeper, and a watched view of the topology.
+
+Layout (all values msgpack)::
+
+    /ziplog/epoch                     current epoch config {epoch, shards, rates}
+    /ziplog/membership                history [[first_epoch, members], ...]
+    /ziplog/mms/election              leader election (kazoo Election)
+    /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
+    /ziplog/shards/<shard>            {replicas: n}  (persistent: the shard exists)
+    /ziplog/shards/<shard>/<replica>  ephemeral {addr}  (the replica is up)
+
+Every process finds every address here; nothing is configured by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import msgpack
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+ROOT = "/ziplog"
+EPOCH_PATH = f"{ROOT}/epoch"
+MEMBERSHIP_PATH = f"{ROOT}/membership"
+MMS_ELECTION = f"{ROOT}/mms/election"
+MMS_REPLICAS = f"{ROOT}/mms/replicas"
+SHARDS = f"{ROOT}/shards"
+
+
+def enc(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def dec(data: bytes | None) -> Any:
+    if not data:
+        return None
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
+    zk = KazooClient(hosts=hosts, timeout=10.0, connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0},
+                     command_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0})
+    zk.start(timeout=timeout)
+    return zk
+
+
+def members_in_history(history: list[list[Any]], epoch: int) -> tuple[int, ...]:
+    """Members of ``epoch`` according to a membership history (empty before the first)."""
+    members: tuple[int, ...] = ()
+    for first, m in history:
+        if first <= epoch:
+            members = tuple(m)
+        else:
+            break
+    return members
+
+
+def history_ranges(history: list[list[Any]], first: int, last: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Epochs first..last as (first, last, members) ranges."""
+    out: list[tuple[int, int, tuple[int, ...]]] = []
+    if last < first:
+        return out
+    points = sorted({first} | {f for f, _ in history if first < f <= last})
+    for i, p in enumerate(points):
+        end = points[i + 1] - 1 if i + 1 < len(points) else last
+        out.append((p, end, members_in_history(history, p)))
+    return out
+
+
+class Topology:
+    """A live view of shards, their replicas' addresses, and the latest membership.
+
+    Kept current by ZooKeeper watches (callbacks in kazoo's thread replace whole
+    dicts, so readers on other threads never see a half-built view)."""
+
+    def __init__(self, zk: KazooClient) -> None:
+        self.zk = zk
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.replicas: dict[int, dict[int, str]] = {}  # shard -> replica -> addr
+        self.replica_counts: dict[int, int] = {}
+        self.removed: frozenset[int] = frozenset()
+        self.history: list[list[Any]] = []
+        self.mms: dict[str, dict[str, str]] = {}
+        self._watched_shards: set[int] = set()
+        self._listeners: list[Callable[[], None]] = []
+        zk.ensure_path(SHARDS)
+        zk.ensure_path(MMS_REPLICAS)
+        zk.ChildrenWatch(SHARDS, self._on_shards)
+        zk.DataWatch(MEMBERSHIP_PATH, self._on_membership)
+        zk.ChildrenWatch(MMS_REPLICAS, self._on_mms)
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+        for fn in list(self._listeners):
+            fn()
+
+    def _on_shards(self, children: list[str]) -> None:
+        for c in children:
+            s = int(c)
+            if s in self._watched_shards:
+                continue
+            self._watched_shards.add(s)
+            # kazoo counts a watcher's parameters to decide what to pass, so the shard id
+            # is bound by a closure, not a default argument.
+            self.zk.DataWatch(f"{SHARDS}/{c}", self._meta_watcher(s))
+            self.zk.ChildrenWatch(f"{SHARDS}/{c}", self._replicas_watcher(s))
+
+    def _meta_watcher(self, shard: int) -> Callable[[bytes | None, Any], None]:
+        def watch(data: bytes | None, stat: Any) -> None:
+            self._on_shard_meta(shard, data)
+        return watch
+
+    def _replicas_watcher(self, shard: int) -> Callable[[list[str]], None]:
+        def watch(kids: list[str]) -> None:
+            self._on_replicas(shard, kids)
+        return watch
+
+    def _on_shard_meta(self, shard: int, data: bytes | None) -> None:
+        meta = dec(data) or {}
+        counts = dict(self.replica_counts)
+        counts[shard] = int(meta.get("replicas", 0))
+        self.replica_counts = counts
+        if meta.get("removed") and shard not in self.removed:
+            self.removed = self.removed | {shard}
+        self._changed()
+
+    def _on_replicas(self, shard: int, kids: list[str]) -> None:
+        addrs: dict[int, str] = {}
+        for k in kids:
+            try:
+                data, _ = self.zk.get(f"{SHARDS}/{shard}/{k}")
+            except NoNodeError:
+                continue
+            info = dec(data) or {}
+            if "addr" in info:
+                addrs[int(k)] = info["addr"]
+        reps = dict(self.replicas)
+        reps[shard] = addrs
+        self.replicas = reps
+        self._changed()
+
+    def _on_membership(self, data: bytes | None, stat: Any) -> None:
+        self.history = dec(data) or []
+        self._changed()
+
+    def _on_mms(self, children: list[str]) -> None:
+        out: dict[str, dict[str, str]] = {}
+        for c in children:
+            try:
+                data, _ = self.zk.get(f"{MMS_REPLICAS}/{c}")
+            except NoNodeError:
+                continue
+            out[c] = dec(data) or {}
+        self.mms = out
+        self._changed()
+
+    # -- queries ------------------------------------------------------------------------------
+    def live_shards(self) -> list[int]:
+        """Shards in the latest membership whose replicas are all registered."""
+        if not self.history:
+            return []
+        members = self.history[-1][1]
+        return [s for s in members if self.shard_complete(s)]
+
+    def shard_complete(self, shard: int) -> bool:
+        n = self.replica_counts.get(shard, 0)
+        addrs = self.replicas.get(shard, {})
+        return n > 0 and all(i in addrs for i in range(n))
+
+    def replica_addrs(self, shard: int) -> list[str] | None:
+        n = self.replica_counts.get(shard, 0)
+        addrs = self.replicas.get(shard, {})
+        if n == 0 or any(i not in addrs for i in range(n)):
+            return None
+        return [addrs[i] for i in range(n)]
+
+    def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)

@@ -1,0 +1,63 @@
+"""Typed exceptions: everything the client raises derives from :class:`ZiplogError`."""
+
+from __future__ import annotations
+
+from . import wire
+
+
+class ZiplogError(Exception):
+    """Base class of every ziplog error."""
+
+
+class TrimmedError(ZiplogError):
+    """The record lies below the trim point: it has been deleted."""
+
+
+class NotFoundError(ZiplogError):
+    """No record at that position (a no-op, or a gsn the shard does not own)."""
+
+
+class RecordTooLargeError(ZiplogError):
+    """The record exceeds the server's size limit."""
+
+
+class UnknownRecordError(ZiplogError):
+    """The record id names a shard or position the log does not know."""
+
+
+class ZiplogTimeoutError(ZiplogError, TimeoutError):
+    """The operation did not complete in time."""
+
+
+class NoShardAvailableError(ZiplogError):
+    """No live shard accepts inserts (or the policy names one that does not)."""
+
+
+class ClientClosedError(ZiplogError):
+    """The client (or subscription) was closed."""
+
+
+class ServerError(ZiplogError):
+    """A server answered with an error the client does not map to a narrower type."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+_BY_CODE: dict[str, type[ZiplogError]] = {
+    wire.E_TRIMMED: TrimmedError,
+    wire.E_NOT_FOUND: NotFoundError,
+    wire.E_TOO_LARGE: RecordTooLargeError,
+    wire.E_UNKNOWN_RID: UnknownRecordError,
+    wire.E_TIMEOUT: ZiplogTimeoutError,
+}
+
+
+def from_reply(code: str, message: str) -> ZiplogError:
+    """The exception for an ERROR frame."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return ServerError(code, message)
+    return cls(f"{code}: {message}")

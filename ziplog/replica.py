@@ -1,0 +1,779 @@
+"""The storage replica's protocol core (sans-I/O).
+
+One :class:`ReplicaCore` is one storage server of one shard: the primary
+(replica 0) or a backup. It takes events (a client frame, a peer frame, an
+epoch broadcast, the passage of time) and leaves what must happen in
+``outbox`` (frames to send), ``disk`` (decided-stream events to persist) and
+``next_deadline()`` (when to call :meth:`tick` again). No sockets, clocks or
+threads: the transport shell in ``ziplog.server`` owns those, and the
+simulation tests drive the same object over a simulated network.
+
+Replication (dissertation 4.2.4):
+
+* Every replica assigns a gsn to a client's record speculatively from the
+  epoch schedule and acks at once. Equal acks from all replicas complete the
+  insert in two message delays.
+* The primary's assignment is the decision. It forwards the decided stream
+  (records, epoch starts, frontier moves) to the backups in order. A backup
+  that guessed differently stores the record where the primary put it and
+  re-acks (three delays). Backups never decide anything themselves.
+* ``frontier``: every slot of this shard with gsn <= frontier is decided here
+  (record or no-op). Backups report theirs; the primary publishes the minimum
+  as ``stable``. Only stable positions are ever shown to subscribers, which
+  is what makes a delivered record impossible to lose or move.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Union
+
+from . import wire
+from .gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base, epoch_end, epoch_of
+from .wire import PROTOCOL_VERSION as V
+from .wire import pack
+
+#: Destination of a frame the backup sends to its primary (over its DEALER).
+TO_PRIMARY = "primary"
+#: Destination of a rate report to the membership service.
+TO_MMS = "mms"
+
+Dest = Union[bytes, str]
+Members = tuple[int, ...]
+
+
+@dataclass
+class ReplicaSettings:
+    shard: int
+    replica: int
+    replicas: int = 2
+    max_record_bytes: int = 1 << 20
+    #: A slot of the primary whose expected arrival passed this long ago
+    #: becomes a no-op.
+    noop_timeout_ns: int = 1_000_000
+    #: How long an InsertAfter or read may wait for a future epoch/position.
+    park_timeout_ns: int = 2_000_000_000
+    #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
+    max_epochs_ahead: int = 200
+    #: The primary pushes the stable watermark to backups at least this often.
+    stable_push_ns: int = 1_000_000
+    #: Subscriptions with no word from their subscriber this long are dropped.
+    subscription_lease_ns: int = 60_000_000_000
+    #: Largest SUB_BATCH payload.
+    sub_batch_bytes: int = 1 << 20
+
+    @property
+    def is_primary(self) -> bool:
+        return self.replica == 0
+
+
+@dataclass
+class Record:
+    gsn: int
+    client_id: int
+    seq: int
+    data: bytes
+
+
+@dataclass
+class Subscription:
+    route: bytes
+    sub_id: int
+    next_gsn: int  # records >= next_gsn not yet sent
+    credit: int  # bytes the subscriber can still take
+    progress_sent: int  # last progress reported
+    epoch_sent: int  # membership sent for every epoch <= this
+    last_heard_ns: int
+
+
+@dataclass
+class ParkedRequest:
+    need_epoch: int  # wait until this epoch is current (inserts) ...
+    need_frontier: int  # ... or until frontier reaches this (reads)
+    deadline_ns: int
+    route: bytes
+    msg: list[Any]
+
+
+@dataclass
+class Speculation:
+    """A backup's guesses for the current epoch: what it acked but the primary has not
+    yet decided."""
+
+    config: EpochConfig
+    cursor: SlotCursor | None  # None when this shard is not a member
+    next_slot: int = 0
+    by_key: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> gsn
+    by_gsn: dict[int, tuple[int, int]] = field(default_factory=dict)  # gsn -> key
+
+
+class ReplicaCore:
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.s = settings
+        self.shard = settings.shard
+        self.outbox: list[tuple[Dest, bytes]] = []
+        self.disk: list[tuple[Any, ...]] = []
+        # -- decided stream ---------------------------------------------------------
+        self.records: dict[int, Record] = {}
+        self.gsns: list[int] = []  # sorted gsns of self.records
+        self.dedup: dict[tuple[int, int], int] = {}  # (client_id, seq) -> decided gsn
+        self.frontier = 0
+        self.stable = 0
+        self.trim_point = 0  # records below are logically deleted
+        #: membership history: [first_epoch, last_epoch, members]; contiguous from 0
+        self.membership: list[list[Any]] = []
+        # -- primary assignment state (current epoch) ---------------------------------
+        self.cur_config: EpochConfig | None = None
+        self.cursor: SlotCursor | None = None
+        self.next_slot = 0
+        self.epoch_start_ns = 0
+        self.epoch_count = 0  # records assigned in the current epoch (rate report)
+        self.backup_routes: dict[int, bytes] = {}
+        self.prefixes: dict[int, int] = {}
+        self._fwd_events: list[tuple[Any, ...]] = []
+        self._fwd_mark: tuple[int, int] = (0, -1)
+        self._stable_sent = 0
+        self._last_stable_push_ns = 0
+        # -- backup state ---------------------------------------------------------------
+        self.spec: Speculation | None = None
+        self.pending_routes: dict[tuple[int, int], tuple[bytes, int, int]] = {}
+        self._pending_pruned_ns = 0
+        self._hello_sent_at: int | None = None
+        self._prefix_dirty = False
+        # -- everyone -------------------------------------------------------------------
+        self.parked: list[ParkedRequest] = []
+        self.subs: dict[tuple[bytes, int], Subscription] = {}
+        self._subs_dirty = False
+        self.stats = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
+
+    # ================================================================================
+    # properties
+    @property
+    def is_primary(self) -> bool:
+        return self.s.is_primary
+
+    @property
+    def last_epoch(self) -> int:
+        """Last epoch of the decided stream (-1 before any)."""
+        return self.membership[-1][1] if self.membership else -1
+
+    def members_of(self, epoch: int) -> Members | None:
+        i = bisect.bisect_right(self.membership, epoch, key=lambda r: r[0]) - 1
+        if i < 0 or epoch > self.membership[i][1]:
+            return None
+        return tuple(self.membership[i][2])
+
+    # ================================================================================
+    # decided stream: the only way state changes (primary emits, backup applies)
+    def _apply_record(self, gsn: int, slot: int, client_id: int, seq: int, data: bytes) -> bool:
+        if gsn <= self.frontier:
+            return False  # duplicate delivery of an event already applied
+        assert not self.gsns or gsn > self.gsns[-1], "decided records must arrive in gsn order"
+        assert epoch_of(gsn) == self.last_epoch, ("record outside the current epoch", gsn, self.last_epoch)
+        key = (client_id, seq)
+        assert key not in self.dedup, ("record decided twice", key, self.dedup.get(key), gsn)
+        self.records[gsn] = Record(gsn, client_id, seq, data)
+        self.gsns.append(gsn)
+        self.dedup[key] = gsn
+        self.frontier = gsn
+        ev = (wire.EV_RECORD, gsn, slot, client_id, seq, data)
+        self.disk.append(ev)
+        return True
+
+    def _apply_frontier(self, frontier: int) -> bool:
+        if frontier <= self.frontier:
+            return False
+        assert epoch_of(frontier) <= self.last_epoch, "frontier beyond the known epochs"
+        self.frontier = frontier
+        self._serve_parked_reads()
+        return True
+
+    def _apply_epochs(self, first: int, last: int, members: Members | list[int] | None) -> bool:
+        """Record that epochs first..last had ``members`` (None: same as the previous)."""
+        if last <= self.last_epoch:
+            return False
+        if first <= self.last_epoch:
+            first = self.last_epoch + 1
+        assert first == self.last_epoch + 1 or not self.membership, ("membership gap", first, self.last_epoch)
+        if members is None:
+            assert self.membership, "first epoch event must carry its members"
+            members = self.membership[-1][2]
+        members = tuple(members)
+        if self.membership and tuple(self.membership[-1][2]) == members and self.membership[-1][1] == first - 1:
+            self.membership[-1][1] = last
+        else:
+            self.membership.append([first, last, members])
+        # Epochs before ``first`` are closed: nothing of ours can appear there any more.
+        if self.frontier < epoch_base(first) - 1:
+            self.frontier = epoch_base(first) - 1
+        self.disk.append((wire.EV_EPOCH, first, last, members))
+        return True
+
+    # ================================================================================
+    # client requests
+    def on_request(self, route: bytes, msg: list[Any], now: int) -> None:
+        op = msg[1]
+        if op == wire.INSERT:
+            self._on_insert(route, msg, now)
+        elif op == wire.READ:
+            self._on_read(route, msg, now)
+        elif op == wire.SUBSCRIBE:
+            self._on_subscribe(route, msg, now)
+        elif op == wire.CREDIT:
+            sub = self.subs.get((route, msg[2]))
+            if sub is not None:
+                sub.credit += msg[3]
+                sub.last_heard_ns = now
+                self._subs_dirty = True
+        elif op == wire.UNSUBSCRIBE:
+            self.subs.pop((route, msg[2]), None)
+        elif op == wire.TRIM:
+            self._on_trim(route, msg)
+        elif op == wire.STATUS:
+            self.outbox.append((route, pack([V, wire.STATUS_OK, msg[2], self.status()])))
+        elif op == wire.HELLO:
+            self._on_hello(route, msg)
+        elif op == wire.PREFIX:
+            self._on_prefix(msg)
+        else:  # decode_request rejects these; keep the core total anyway
+            self.error(route, msg[2] if len(msg) > 2 else None, wire.E_UNKNOWN_OP, f"op {op}")
+
+    def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
+        self.stats["errors"] += 1
+        self.outbox.append((route, wire.error_frame(req_id, code, message)))
+
+    def _ack(self, route: bytes, req_id: int, gsn: int, decided: bool) -> None:
+        self.outbox.append((route, pack([V, wire.ACK, req_id, gsn, self.s.replica, self.stable, decided])))
+
+    # -- insert -----------------------------------------------------------------------------
+    def _on_insert(self, route: bytes, msg: list[Any], now: int) -> None:
+        _, _, req_id, client_id, seq, after, data = msg
+        key = (client_id, seq)
+        decided = self.dedup.get(key)
+        if decided is not None:  # a retry, or the primary's decision arrived first
+            self._ack(route, req_id, decided, True)
+            return
+        if len(data) > self.s.max_record_bytes:
+            self.error(route, req_id, wire.E_TOO_LARGE, f"record of {len(data)} bytes exceeds the limit of {self.s.max_record_bytes}")
+            return
+        self.stats["inserts"] += 1
+        if self.is_primary:
+            self._primary_insert(route, msg, now)
+        else:
+            self._backup_insert(route, msg, now)
+
+    def _check_epoch(self, route: bytes, msg: list[Any], now: int, config: EpochConfig | None, member: bool) -> bool:
+        """Shared admission for inserts: park when the rid or our epoch is ahead; refuse
+        when this shard takes no inserts. True when the insert can be placed now."""
+        req_id, after = msg[2], msg[5]
+        need_epoch = epoch_of(after + 1)
+        have = config.epoch if config is not None else -1
+        if need_epoch > have:
+            if need_epoch > max(have, self.last_epoch) + self.s.max_epochs_ahead:
+                self.error(route, req_id, wire.E_UNKNOWN_RID, f"rid gsn {after} lies in epoch {need_epoch}, far beyond the current epoch {have}")
+                return False
+            self.parked.append(ParkedRequest(need_epoch, 0, now + self.s.park_timeout_ns, route, msg))
+            return False
+        if not member:
+            self.error(route, req_id, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
+            return False
+        return True
+
+    def _primary_insert(self, route: bytes, msg: list[Any], now: int) -> None:
+        cfg, cur = self.cur_config, self.cursor
+        if not self._check_epoch(route, msg, now, cfg, cur is not None):
+            return
+        assert cfg is not None and cur is not None
+        req_id, client_id, seq, after, data = msg[2], msg[3], msg[4], msg[5], msg[6]
+        k = self.next_slot
+        if k < cur.count and cur.gsn(k) <= after:
+            k = cur.first_slot_after(after)
+        if k >= cur.count:  # this epoch has no slot left after `after`: wait for the next
+            self.parked.append(ParkedRequest(cfg.epoch + 1, 0, now + self.s.park_timeout_ns, route, msg))
+            return
+        gsn = cur.gsn(k)
+        assert gsn > after, ("InsertAfter must return a gsn above the rid", gsn, after)
+        self.next_slot = k + 1
+        self.epoch_count += 1
+        self._apply_record(gsn, k, client_id, seq, data)
+        self.frontier = cur.gsn(k + 1) - 1
+        self._ack(route, req_id, gsn, True)
+        self._forward((wire.EV_RECORD, gsn, k, client_id, seq, data))
+        self._primary_stable_changed()
+
+    def _backup_insert(self, route: bytes, msg: list[Any], now: int) -> None:
+        req_id, client_id, seq, after, data = msg[2], msg[3], msg[4], msg[5], msg[6]
+        key = (client_id, seq)
+        # Remember who asked: when the primary's decision arrives we ack (again) there.
+        self.pending_routes[key] = (route, req_id, now)
+        sp = self.spec
+        if sp is None or sp.cursor is None or epoch_of(after + 1) > sp.config.epoch:
+            # No guess possible (not a member by our view, or the rid is ahead of us). The
+            # primary decides or refuses; a backup never refuses on its own.
+            return
+        guessed = sp.by_key.get(key)
+        if guessed is not None:
+            self._ack(route, req_id, guessed, False)
+            return
+        cur = sp.cursor
+        k = sp.next_slot
+        floor_gsn = max(after, self.frontier)
+        if k < cur.count and cur.gsn(k) <= floor_gsn:
+            k = cur.first_slot_after(floor_gsn)
+        if k >= cur.count:
+            return  # no room left in this epoch by our reckoning: wait for the decision
+        gsn = cur.gsn(k)
+        sp.next_slot = k + 1
+        sp.by_key[key] = gsn
+        sp.by_gsn[gsn] = key
+        self.stats["fast_acks"] += 1
+        self._ack(route, req_id, gsn, False)
+
+    # -- primary: forwarding and stability ----------------------------------------------------
+    def _forward(self, ev: tuple[Any, ...]) -> None:
+        self._fwd_events.append(ev)
+
+    def _mark_forward_point(self) -> None:
+        """Remember (frontier, last epoch): the state a backup is in after applying every
+        forward sent so far. The next FORWARD names it so a backup can spot a gap."""
+        self._fwd_mark = (self.frontier, self.last_epoch)
+
+    def flush(self, now: int) -> None:
+        """End of an event-loop turn: send the batched forwards / prefix reports and push
+        subscriptions. Batching per turn keeps the per-record message count low under load
+        without delaying anything when idle."""
+        if self.is_primary:
+            push_stable = self.stable > self._stable_sent and now - self._last_stable_push_ns >= self.s.stable_push_ns
+            if self._fwd_events or push_stable:
+                prev_f, prev_e = self._fwd_mark
+                frame = pack([V, wire.FORWARD, self.stable, [prev_f, prev_e, self._fwd_events + [(wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot)]]])
+                for r in sorted(self.backup_routes):
+                    self.outbox.append((self.backup_routes[r], frame))
+                self._fwd_events = []
+                self._stable_sent = self.stable
+                self._last_stable_push_ns = now
+            self._mark_forward_point()
+        elif self._prefix_dirty:
+            self.outbox.append((TO_PRIMARY, pack([V, wire.PREFIX, self.s.replica, self.frontier])))
+            self._prefix_dirty = False
+        if self.parked:
+            self._serve_parked_reads()
+        if self._subs_dirty:
+            self._subs_dirty = False
+            for sub in list(self.subs.values()):
+                self._serve(sub)
+
+    def _primary_stable_changed(self) -> None:
+        new = self.frontier
+        for r in range(1, self.s.replicas):
+            new = min(new, self.prefixes.get(r, 0))
+        if new > self.stable:
+            self.stable = new
+            self._subs_dirty = True
+            self._apply_trim_physically()
+
+    def _on_hello(self, route: bytes, msg: list[Any]) -> None:
+        _, _, shard, replica, frontier = msg
+        if not self.is_primary or shard != self.shard or not (1 <= replica < self.s.replicas):
+            return
+        if frontier > self.frontier:
+            # The backup holds decisions this primary does not: the primary lost state
+            # (restarted from a disk that lagged). Only failure recovery may reconcile
+            # that; serving on would fork the shard's log.
+            self.stats["conflicting_hellos"] = self.stats.get("conflicting_hellos", 0) + 1
+            self.error(route, None, wire.E_NOT_READY, f"backup frontier {frontier} is ahead of primary frontier {self.frontier}")
+            return
+        self.backup_routes[replica] = route
+        self.prefixes[replica] = frontier
+        # Catch the backup up: everything decided above its frontier.
+        events = list(self._stream_after(frontier, self._backup_epoch_hint(frontier)))
+        events.append((wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot))
+        prev_epoch = self._backup_epoch_hint(frontier)
+        self.outbox.append((route, pack([V, wire.FORWARD, self.stable, [frontier, prev_epoch, events]])))
+
+    def _backup_epoch_hint(self, frontier: int) -> int:
+        # A backup at frontier f has applied every epoch up to epoch_of(f) at least.
+        return epoch_of(frontier) if frontier > 0 else -1
+
+    def _stream_after(self, frontier: int, known_epoch: int) -> Iterator[tuple[Any, ...]]:
+        """The decided stream above (frontier, known_epoch): epoch events and records in
+        order, for a catch-up."""
+        i = bisect.bisect_right(self.gsns, frontier)
+        ranges = [r for r in self.membership if r[1] > known_epoch]
+        for first, last, members in ranges:
+            first = max(first, known_epoch + 1)
+            # records of epochs before `first` come first
+            while i < len(self.gsns) and epoch_of(self.gsns[i]) < first:
+                rec = self.records[self.gsns[i]]
+                yield (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
+                i += 1
+            yield (wire.EV_EPOCH, first, last, list(members))
+        while i < len(self.gsns):
+            rec = self.records[self.gsns[i]]
+            yield (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
+            i += 1
+
+    def _on_prefix(self, msg: list[Any]) -> None:
+        _, _, replica, frontier = msg
+        if not self.is_primary or not (1 <= replica < self.s.replicas):
+            return
+        if frontier > self.prefixes.get(replica, 0):
+            self.prefixes[replica] = min(frontier, self.frontier)
+            self._primary_stable_changed()
+
+    # -- backup: applying the primary's decisions -------------------------------------------
+    def on_forward(self, msg: list[Any], now: int) -> None:
+        if self.is_primary:
+            return
+        stable = msg[2]
+        body = msg[3]
+        try:
+            prev_frontier, prev_epoch, events = body
+        except (TypeError, ValueError):
+            return
+        if prev_frontier > self.frontier or prev_epoch > self.last_epoch:
+            # We missed a forward (or restarted): ask for a catch-up, at most every 100 ms.
+            if self._hello_sent_at is None or now - self._hello_sent_at > 100_000_000:
+                self.outbox.append((TO_PRIMARY, self.hello_frame()))
+                self._hello_sent_at = now
+            return
+        self._hello_sent_at = None
+        changed = False
+        for ev in events:
+            kind = ev[0]
+            if kind == wire.EV_RECORD:
+                _, gsn, slot, client_id, seq, data = ev
+                if self._apply_record(gsn, slot, client_id, seq, data):
+                    changed = True
+                    self._backup_settle(gsn, slot, (client_id, seq))
+            elif kind == wire.EV_FRONTIER:
+                _, frontier, epoch, next_slot = ev
+                if self._apply_frontier(frontier):
+                    changed = True
+                sp = self.spec
+                if sp is not None and sp.config.epoch == epoch and next_slot > sp.next_slot:
+                    sp.next_slot = next_slot
+            elif kind == wire.EV_EPOCH:
+                _, first, last, members = ev
+                if self._apply_epochs(first, last, members):
+                    changed = True
+        if changed:
+            self._prefix_dirty = True
+            self._drop_displaced_guesses()
+        new_stable = min(stable, self.frontier)
+        if new_stable > self.stable:
+            self.stable = new_stable
+            self._subs_dirty = True
+            self._apply_trim_physically()
+
+    def _backup_settle(self, gsn: int, slot: int, key: tuple[int, int]) -> None:
+        sp = self.spec
+        if sp is not None:
+            guessed = sp.by_key.pop(key, None)
+            if guessed is not None:
+                sp.by_gsn.pop(guessed, None)
+            other = sp.by_gsn.pop(gsn, None)
+            if other is not None and other != key:
+                sp.by_key.pop(other, None)  # displaced: the primary will place it
+            if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
+                sp.next_slot = slot + 1
+        else:
+            guessed = None
+        pending = self.pending_routes.pop(key, None)
+        if pending is not None and guessed != gsn:
+            self.stats["reacks"] += 1
+            self._ack(pending[0], pending[1], gsn, True)
+
+    def _drop_displaced_guesses(self) -> None:
+        sp = self.spec
+        if sp is None or not sp.by_gsn:
+            return
+        for g in [g for g in sp.by_gsn if g <= self.frontier]:
+            key = sp.by_gsn.pop(g)
+            sp.by_key.pop(key, None)
+
+    def hello_frame(self) -> bytes:
+        return pack([V, wire.HELLO, self.shard, self.s.replica, self.frontier])
+
+    # ================================================================================
+    # epochs
+    def on_epoch(self, config: EpochConfig, now: int) -> None:
+        """A broadcast from the membership service. The shell guarantees that for the
+        primary, epochs arrive in order with no gap (it fills gaps with
+        :meth:`on_missed_epochs` first)."""
+        if self.is_primary:
+            if config.epoch <= self.last_epoch:
+                return
+            assert config.epoch == self.last_epoch + 1 or self.last_epoch == -1, ("epoch gap", config.epoch, self.last_epoch)
+            self._close_epoch(now)
+            self._apply_epochs(config.epoch, config.epoch, config.shards)
+            self.cur_config = config
+            self.epoch_start_ns = now
+            self.epoch_count = 0
+            self.next_slot = 0
+            if self.shard in config.shards:
+                self.cursor = SlotCursor(EpochSchedule(config), self.shard)
+            else:
+                self.cursor = None
+                self.frontier = config.end  # nothing of ours in this epoch
+            self._forward((wire.EV_EPOCH, config.epoch, config.epoch, list(config.shards)))
+            self._primary_stable_changed()
+            self._subs_dirty = True
+        else:
+            if self.spec is not None and config.epoch <= self.spec.config.epoch:
+                return
+            cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
+            self.spec = Speculation(config, cursor)
+        self._unpark(now)
+
+    def on_missed_epochs(self, first: int, last: int, members: Members, now: int) -> None:
+        """Epochs this primary never saw broadcast (it was down or slow): it assigned
+        nothing in them, so they close at once."""
+        if not self.is_primary or last <= self.last_epoch:
+            return
+        self._close_epoch(now)
+        first = max(first, self.last_epoch + 1)
+        self._apply_epochs(first, last, members)
+        self._forward((wire.EV_EPOCH, first, last, list(members)))
+        self.frontier = epoch_end(last)
+        self.cur_config = None
+        self.cursor = None
+        self._primary_stable_changed()
+
+    def _close_epoch(self, now: int) -> None:
+        """End-of-epoch token: every gsn of the current epoch past our last one is a no-op."""
+        if self.cur_config is None:
+            return
+        cfg = self.cur_config
+        if self.cursor is not None:
+            self.outbox.append((TO_MMS, pack([V, wire.RATE, self.shard, cfg.epoch, self.epoch_count, max(now - self.epoch_start_ns, 1)])))
+        self.frontier = max(self.frontier, cfg.end)
+        self.cur_config = None
+        self.cursor = None
+
+    def _unpark(self, now: int) -> None:
+        """Retry inserts that waited for an epoch that has now begun, in arrival order."""
+        if not self.parked:
+            return
+        cfg = self.cur_config if self.is_primary else (self.spec.config if self.spec else None)
+        have = cfg.epoch if cfg is not None else -1
+        ready = [p for p in self.parked if p.msg[1] == wire.INSERT and p.need_epoch <= have]
+        if not ready:
+            return
+        self.parked = [p for p in self.parked if not (p.msg[1] == wire.INSERT and p.need_epoch <= have)]
+        for p in ready:
+            self._on_insert(p.route, p.msg, now)
+
+    # ================================================================================
+    # time
+    def tick(self, now: int) -> None:
+        if self.is_primary and self.cursor is not None:
+            cur = self.cursor
+            due = self.cursor.schedule.slots_due(self.shard, now - self.epoch_start_ns - self.s.noop_timeout_ns)
+            due = min(due, cur.count)
+            if due > self.next_slot:
+                # Expected records that never came: their slots become no-ops.
+                self.next_slot = due
+                self.frontier = cur.gsn(due) - 1
+                self._forward((wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot))
+                self._primary_stable_changed()
+                self._serve_parked_reads()
+        if self.parked:
+            keep = []
+            for p in self.parked:
+                if p.deadline_ns <= now:
+                    what = "epoch" if p.msg[1] == wire.INSERT else "position"
+                    self.error(p.route, p.msg[2], wire.E_TIMEOUT, f"timed out waiting for the {what} the request names")
+                else:
+                    keep.append(p)
+            self.parked = keep
+        if self.pending_routes and now - self._pending_pruned_ns > 1_000_000_000:
+            # Inserts the primary never decided (it refused them, or the client gave up).
+            self._pending_pruned_ns = now
+            old = now - 10 * self.s.park_timeout_ns
+            for key in [k for k, v in self.pending_routes.items() if v[2] < old]:
+                del self.pending_routes[key]
+        if self.subs:
+            for key, sub in list(self.subs.items()):
+                if now - sub.last_heard_ns > self.s.subscription_lease_ns:
+                    del self.subs[key]
+
+    def next_deadline(self, now: int) -> int | None:
+        """Earliest time :meth:`tick` has work; None when only events can make progress."""
+        best: int | None = None
+        if self.is_primary and self.cursor is not None and self.next_slot < self.cursor.count:
+            t = self.epoch_start_ns + self.cursor.schedule.expected_ns(self.shard, self.next_slot) + self.s.noop_timeout_ns
+            best = t
+        if self.is_primary and self.stable > self._stable_sent:
+            t = self._last_stable_push_ns + self.s.stable_push_ns
+            best = t if best is None else min(best, t)
+        for p in self.parked:
+            best = p.deadline_ns if best is None else min(best, p.deadline_ns)
+        return best
+
+    # ================================================================================
+    # reads
+    def _on_read(self, route: bytes, msg: list[Any], now: int) -> None:
+        req_id, gsn = msg[2], msg[3]
+        self.stats["reads"] += 1
+        if gsn > self.frontier:
+            if epoch_of(gsn) > self.last_epoch + self.s.max_epochs_ahead:
+                self.error(route, req_id, wire.E_UNKNOWN_RID, f"gsn {gsn} lies far beyond this shard's log")
+                return
+            self.parked.append(ParkedRequest(0, gsn, now + self.s.park_timeout_ns, route, msg))
+            return
+        self._answer_read(route, req_id, gsn)
+
+    def _answer_read(self, route: bytes, req_id: int, gsn: int) -> None:
+        if gsn < self.trim_point:
+            self.error(route, req_id, wire.E_TRIMMED, f"gsn {gsn} is below the trim point {self.trim_point}")
+            return
+        rec = self.records.get(gsn)
+        if rec is None:
+            self.error(route, req_id, wire.E_NOT_FOUND, f"shard {self.shard} holds no record at gsn {gsn}")
+            return
+        self.outbox.append((route, pack([V, wire.READ_OK, req_id, gsn, rec.data, gsn <= self.stable])))
+
+    def _serve_parked_reads(self) -> None:
+        if not self.parked:
+            return
+        keep = []
+        for p in self.parked:
+            if p.msg[1] == wire.READ and p.need_frontier <= self.frontier:
+                self._answer_read(p.route, p.msg[2], p.msg[3])
+            else:
+                keep.append(p)
+        self.parked = keep
+
+    # ================================================================================
+    # trim
+    def _on_trim(self, route: bytes, msg: list[Any]) -> None:
+        req_id, gsn = msg[2], msg[3]
+        if gsn > self.trim_point:
+            self.trim_point = gsn
+            self.disk.append((wire.EV_TRIM, gsn))
+            self._apply_trim_physically()
+            self._subs_dirty = True
+        self.outbox.append((route, pack([V, wire.TRIM_OK, req_id, self.trim_point])))
+
+    def _apply_trim_physically(self) -> None:
+        """Drop trimmed records from memory, but only stable ones: an unstable record may
+        still be needed to catch a backup up."""
+        limit = min(self.trim_point, self.stable + 1)
+        if not self.gsns or self.gsns[0] >= limit:
+            return
+        i = bisect.bisect_left(self.gsns, limit)
+        for g in self.gsns[:i]:
+            rec = self.records.pop(g)
+            # dedup entries of trimmed records go too: their clients are long done
+            self.dedup.pop((rec.client_id, rec.seq), None)
+        del self.gsns[:i]
+
+    # ================================================================================
+    # subscriptions
+    def _on_subscribe(self, route: bytes, msg: list[Any], now: int) -> None:
+        _, _, sub_id, from_gsn, credit = msg
+        if 0 < from_gsn < self.trim_point:
+            self.error(route, sub_id, wire.E_TRIMMED, f"subscription start {from_gsn} is below the trim point {self.trim_point}")
+            return
+        start = max(from_gsn, 1)
+        sub = Subscription(route, sub_id, start, credit, start - 1, epoch_of(start) - 1, now)
+        self.subs[(route, sub_id)] = sub
+        self._serve(sub)
+
+    def _serve(self, sub: Subscription) -> None:
+        limit = self.stable
+        i = bisect.bisect_left(self.gsns, max(sub.next_gsn, self.trim_point))
+        records: list[list[Any]] = []
+        size = 0
+        progress = limit
+        while i < len(self.gsns):
+            g = self.gsns[i]
+            if g > limit:
+                break
+            if sub.credit <= 0 or size >= self.s.sub_batch_bytes:
+                progress = g - 1
+                break
+            data = self.records[g].data
+            records.append([g, data])
+            size += len(data) + 16
+            sub.credit -= len(data)
+            i += 1
+        if records:
+            sub.next_gsn = records[-1][0] + 1
+        if progress <= sub.progress_sent and not records:
+            return
+        epochs: list[list[Any]] = []
+        target_epoch = epoch_of(progress) if progress > 0 else -1
+        if target_epoch > sub.epoch_sent:
+            for first, last, members in self.membership:
+                if last <= sub.epoch_sent:
+                    continue
+                if first > target_epoch:
+                    break
+                epochs.append([max(first, sub.epoch_sent + 1), min(last, target_epoch), list(members)])
+            sub.epoch_sent = target_epoch
+        sub.progress_sent = max(progress, sub.progress_sent)
+        self.outbox.append((sub.route, pack([V, wire.SUB_BATCH, sub.sub_id, records, epochs, sub.progress_sent])))
+
+    # ================================================================================
+    def status(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "replica": self.s.replica,
+            "primary": self.is_primary,
+            "epoch": self.last_epoch,
+            "frontier": self.frontier,
+            "stable": self.stable,
+            "trim_point": self.trim_point,
+            "records": len(self.gsns),
+            "subscriptions": len(self.subs),
+            "backups_connected": sorted(self.backup_routes),
+            **self.stats,
+        }
+
+    # ================================================================================
+    # recovery from disk
+    def replay(self, events: list[tuple[Any, ...]] | Iterator[tuple[Any, ...]]) -> None:
+        """Rebuild the decided stream from persisted events (see ``ziplog.segments``)."""
+        for ev in events:
+            kind = ev[0]
+            if kind == wire.EV_RECORD:
+                _, gsn, slot, client_id, seq, data = ev
+                if gsn > self.frontier:
+                    self.records[gsn] = Record(gsn, client_id, seq, data)
+                    self.gsns.append(gsn)
+                    self.dedup[(client_id, seq)] = gsn
+                    self.frontier = gsn
+            elif kind == wire.EV_FRONTIER:
+                self.frontier = max(self.frontier, ev[1])
+            elif kind == wire.EV_EPOCH:
+                _, first, last, members = ev
+                self._apply_epochs(first, last, members)
+            elif kind == wire.EV_TRIM:
+                self.trim_point = max(self.trim_point, ev[1])
+            elif kind == EV_STABLE:
+                self.stable = max(self.stable, ev[1])
+            elif kind == EV_SNAPSHOT:
+                _, ranges, frontier, stable, trim = ev
+                for first, last, members in ranges:
+                    self._apply_epochs(first, last, members)
+                self.frontier = max(self.frontier, frontier)
+                self.stable = max(self.stable, stable)
+                self.trim_point = max(self.trim_point, trim)
+        self.stable = min(self.stable, self.frontier)
+        self.disk.clear()
+        self._mark_forward_point()
+        self._apply_trim_physically()
+
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """What a new segment file opens with (see ``ziplog.segments``)."""
+        return (EV_SNAPSHOT, [list(r) for r in self.membership], self.frontier, self.stable, self.trim_point)
+
+
+#: Persisted only (not on the wire): the stable watermark at a flush.
+EV_STABLE = 4
+#: Persisted only: the state a segment file opens with.
+EV_SNAPSHOT = 5
