@@ -58,6 +58,10 @@ class ReplicaSettings:
     max_epochs_ahead: int = 200
     #: The primary pushes the stable watermark to backups at least this often.
     stable_push_ns: int = 1_000_000
+    #: A backup that found a gap in the forwards asks again after this long.
+    hello_retry_ns: int = 10_000_000
+    #: How often the primary re-announces its state to a backup that lags.
+    lag_probe_ns: int = 20_000_000
     #: Subscriptions with no word from their subscriber this long are dropped.
     subscription_lease_ns: int = 60_000_000_000
     #: Largest SUB_BATCH payload.
@@ -140,6 +144,7 @@ class ReplicaCore:
         self.pending_routes: dict[tuple[int, int], tuple[bytes, int, int]] = {}
         self._pending_pruned_ns = 0
         self._hello_sent_at: int | None = None
+        self._heard_primary = False
         self._prefix_dirty = False
         # -- everyone -------------------------------------------------------------------
         self.parked: list[ParkedRequest] = []
@@ -344,8 +349,12 @@ class ReplicaCore:
         subscriptions. Batching per turn keeps the per-record message count low under load
         without delaying anything when idle."""
         if self.is_primary:
-            push_stable = self.stable > self._stable_sent and now - self._last_stable_push_ns >= self.s.stable_push_ns
-            if self._fwd_events or push_stable:
+            since = now - self._last_stable_push_ns
+            push_stable = self.stable > self._stable_sent and since >= self.s.stable_push_ns
+            # A backup that lags with nothing new to send may have lost a FORWARD: a
+            # periodic (empty) FORWARD names our state so it can spot the gap and ask.
+            lagging = since >= self.s.lag_probe_ns and any(self.prefixes.get(r, 0) < self.frontier for r in self.backup_routes)
+            if self._fwd_events or push_stable or lagging:
                 prev_f, prev_e = self._fwd_mark
                 frame = pack([V, wire.FORWARD, self.stable, [prev_f, prev_e, self._fwd_events + [(wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot)]]])
                 for r in sorted(self.backup_routes):
@@ -397,21 +406,36 @@ class ReplicaCore:
         return epoch_of(frontier) if frontier > 0 else -1
 
     def _stream_after(self, frontier: int, known_epoch: int) -> Iterator[tuple[Any, ...]]:
-        """The decided stream above (frontier, known_epoch): epoch events and records in
-        order, for a catch-up."""
-        i = bisect.bisect_right(self.gsns, frontier)
-        ranges = [r for r in self.membership if r[1] > known_epoch]
-        for first, last, members in ranges:
-            first = max(first, known_epoch + 1)
-            # records of epochs before `first` come first
-            while i < len(self.gsns) and epoch_of(self.gsns[i]) < first:
-                rec = self.records[self.gsns[i]]
-                yield (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
+        """The decided stream above (frontier, known_epoch), for a catch-up: epoch events
+        and records in order, a range of epochs split wherever records fall so that every
+        record follows the event that opens its epoch."""
+        gsns = self.gsns
+        i = bisect.bisect_right(gsns, frontier)
+
+        def record(j: int) -> tuple[Any, ...]:
+            rec = self.records[gsns[j]]
+            return (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
+
+        for first, last, members in self.membership:
+            if last <= known_epoch:
+                continue
+            e = max(first, known_epoch + 1)
+            while i < len(gsns) and epoch_of(gsns[i]) < e:  # records of epochs it already knows
+                yield record(i)
                 i += 1
-            yield (wire.EV_EPOCH, first, last, list(members))
-        while i < len(self.gsns):
-            rec = self.records[self.gsns[i]]
-            yield (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
+            while e <= last:
+                if i < len(gsns) and epoch_of(gsns[i]) <= last:
+                    re = epoch_of(gsns[i])
+                    yield (wire.EV_EPOCH, e, re, list(members))
+                    while i < len(gsns) and epoch_of(gsns[i]) == re:
+                        yield record(i)
+                        i += 1
+                    e = re + 1
+                else:
+                    yield (wire.EV_EPOCH, e, last, list(members))
+                    e = last + 1
+        while i < len(gsns):
+            yield record(i)
             i += 1
 
     def _on_prefix(self, msg: list[Any]) -> None:
@@ -433,12 +457,14 @@ class ReplicaCore:
         except (TypeError, ValueError):
             return
         if prev_frontier > self.frontier or prev_epoch > self.last_epoch:
-            # We missed a forward (or restarted): ask for a catch-up, at most every 100 ms.
-            if self._hello_sent_at is None or now - self._hello_sent_at > 100_000_000:
+            # We missed a forward (or restarted): ask for a catch-up, not more than once
+            # per retry interval (the catch-up itself may be in flight).
+            if self._hello_sent_at is None or now - self._hello_sent_at > self.s.hello_retry_ns:
                 self.outbox.append((TO_PRIMARY, self.hello_frame()))
                 self._hello_sent_at = now
             return
         self._hello_sent_at = None
+        self._heard_primary = True
         changed = False
         for ev in events:
             kind = ev[0]
@@ -458,8 +484,8 @@ class ReplicaCore:
                 _, first, last, members = ev
                 if self._apply_epochs(first, last, members):
                     changed = True
+        self._prefix_dirty = True  # answer every FORWARD: a lost PREFIX must not stall stability
         if changed:
-            self._prefix_dirty = True
             self._drop_displaced_guesses()
         new_stable = min(stable, self.frontier)
         if new_stable > self.stable:
@@ -492,6 +518,13 @@ class ReplicaCore:
         for g in [g for g in sp.by_gsn if g <= self.frontier]:
             key = sp.by_gsn.pop(g)
             sp.by_key.pop(key, None)
+
+    def connect_primary(self, now: int) -> None:
+        """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
+        the primary answers (it may not be up yet, or the hello may be lost)."""
+        self._heard_primary = False
+        self._hello_sent_at = now
+        self.outbox.append((TO_PRIMARY, self.hello_frame()))
 
     def hello_frame(self) -> bytes:
         return pack([V, wire.HELLO, self.shard, self.s.replica, self.frontier])
@@ -588,6 +621,9 @@ class ReplicaCore:
                 else:
                     keep.append(p)
             self.parked = keep
+        if (not self.is_primary and not self._heard_primary and self._hello_sent_at is not None
+                and now - self._hello_sent_at > self.s.hello_retry_ns):
+            self.connect_primary(now)
         if self.pending_routes and now - self._pending_pruned_ns > 1_000_000_000:
             # Inserts the primary never decided (it refused them, or the client gave up).
             self._pending_pruned_ns = now
@@ -607,6 +643,12 @@ class ReplicaCore:
             best = t
         if self.is_primary and self.stable > self._stable_sent:
             t = self._last_stable_push_ns + self.s.stable_push_ns
+            best = t if best is None else min(best, t)
+        if self.is_primary and self.backup_routes and self.stable < self.frontier:
+            t = self._last_stable_push_ns + self.s.lag_probe_ns
+            best = t if best is None else min(best, t)
+        if not self.is_primary and not self._heard_primary and self._hello_sent_at is not None:
+            t = self._hello_sent_at + self.s.hello_retry_ns
             best = t if best is None else min(best, t)
         for p in self.parked:
             best = p.deadline_ns if best is None else min(best, p.deadline_ns)

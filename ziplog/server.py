@@ -71,7 +71,6 @@ class StorageServer:
             self.seglog.start(self.core.snapshot())
         self._disk_buf: list[tuple[Any, ...]] = []
         self._last_disk_ns = 0
-        self._hello_due = 0
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -131,8 +130,7 @@ class StorageServer:
                 self.primary_addr = addr
                 if hasattr(self, "poller"):
                     self.poller.register(self.dealer, zmq.POLLIN)
-                self.dealer.send(self.core.hello_frame())
-                self._hello_due = time.monotonic_ns() + 1_000_000_000
+                self.core.connect_primary(time.monotonic_ns())
 
     @staticmethod
     def _config_from(d: dict[str, Any]) -> EpochConfig:
@@ -227,10 +225,6 @@ class StorageServer:
             if now >= next_tick:
                 core.tick(now)
                 next_tick = now + MIN_TICK_NS
-            if not core.is_primary and self.dealer is not None and now >= self._hello_due and core.frontier == 0:
-                # Nothing heard from the primary yet: say hello again (it may have started after us).
-                self.dealer.send(core.hello_frame())
-                self._hello_due = now + 1_000_000_000
             core.flush(now)
             if core.outbox:
                 self._send(core.outbox)

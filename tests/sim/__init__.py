@@ -1,0 +1,1 @@
+"""Deterministic simulations of ziplog's protocol cores. ``python -m tests.sim --seeds N``."""
