@@ -108,8 +108,17 @@ class Speculation:
     config: EpochConfig
     cursor: SlotCursor | None  # None when this shard is not a member
     next_slot: int = 0
-    by_key: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> gsn
-    by_gsn: dict[int, tuple[int, int]] = field(default_factory=dict)  # gsn -> key
+    by_key: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> guessed gsn
+    by_gsn: dict[int, tuple[int, int]] = field(default_factory=dict)  # guessed gsn -> key
+    slot_of: dict[int, int] = field(default_factory=dict)  # guessed gsn -> slot
+
+    def resync(self, primary_next_slot: int) -> None:
+        """Follow the primary's slot pointer, backwards too: a guess the primary did not
+        take (a record it placed elsewhere, an epoch switch seen at different moments)
+        must not leave us one slot off for the rest of the epoch. Never below a slot
+        still held by an outstanding guess, so no two guesses share a gsn."""
+        top = max(self.slot_of.values(), default=-1) + 1
+        self.next_slot = max(primary_next_slot, top)
 
 
 class ReplicaCore:
@@ -332,6 +341,7 @@ class ReplicaCore:
         sp.next_slot = k + 1
         sp.by_key[key] = gsn
         sp.by_gsn[gsn] = key
+        sp.slot_of[gsn] = k
         self.stats["fast_acks"] += 1
         self._ack(route, req_id, gsn, False)
 
@@ -478,8 +488,9 @@ class ReplicaCore:
                 if self._apply_frontier(frontier):
                     changed = True
                 sp = self.spec
-                if sp is not None and sp.config.epoch == epoch and next_slot > sp.next_slot:
-                    sp.next_slot = next_slot
+                if sp is not None and sp.config.epoch == epoch:
+                    self._drop_displaced_guesses()
+                    sp.resync(next_slot)
             elif kind == wire.EV_EPOCH:
                 _, first, last, members = ev
                 if self._apply_epochs(first, last, members):
@@ -499,9 +510,11 @@ class ReplicaCore:
             guessed = sp.by_key.pop(key, None)
             if guessed is not None:
                 sp.by_gsn.pop(guessed, None)
+                sp.slot_of.pop(guessed, None)
             other = sp.by_gsn.pop(gsn, None)
             if other is not None and other != key:
                 sp.by_key.pop(other, None)  # displaced: the primary will place it
+                sp.slot_of.pop(gsn, None)
             if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
                 sp.next_slot = slot + 1
         else:
@@ -518,6 +531,7 @@ class ReplicaCore:
         for g in [g for g in sp.by_gsn if g <= self.frontier]:
             key = sp.by_gsn.pop(g)
             sp.by_key.pop(key, None)
+            sp.slot_of.pop(g, None)
 
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
@@ -603,10 +617,14 @@ class ReplicaCore:
     def tick(self, now: int) -> None:
         if self.is_primary and self.cursor is not None:
             cur = self.cursor
-            due = self.cursor.schedule.slots_due(self.shard, now - self.epoch_start_ns - self.s.noop_timeout_ns)
-            due = min(due, cur.count)
-            if due > self.next_slot:
-                # Expected records that never came: their slots become no-ops.
+            sched, elapsed = cur.schedule, now - self.epoch_start_ns
+            if sched.slots_due(self.shard, elapsed - self.s.noop_timeout_ns) > self.next_slot:
+                # Expected records that never came: their slots become no-ops. Catch up to
+                # the schedule *now*, not just to the timeout: a writer slower than its
+                # rate then triggers this once per timeout's worth of lag rather than once
+                # per record, and each expiry is a chance for a backup to guess a record's
+                # slot before it hears of the no-ops (a slow-path insert).
+                due = min(sched.slots_due(self.shard, elapsed), cur.count)
                 self.next_slot = due
                 self.frontier = cur.gsn(due) - 1
                 self._forward((wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot))

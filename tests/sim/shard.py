@@ -134,7 +134,7 @@ class SimClient:
 
 class ShardSim:
     def __init__(self, seed: int, clients: int = 3, inserts: int = 30, net: NetParams | None = None,
-                 epoch_ms: int = 5) -> None:
+                 epoch_ms: int = 5, rates: tuple[int, ...] = (200, 1000, 5000, 20000), noop_timeout_ns: int | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         if net is None:
@@ -149,7 +149,8 @@ class ShardSim:
         self._n = 0
         self.outcome = Outcome()
         self.acked_gsns: list[int] = []
-        st = dict(noop_timeout_ns=self.rng.choice([200 * US, 1 * MS, 3 * MS]), park_timeout_ns=200 * MS,
+        self.rates = rates
+        st = dict(noop_timeout_ns=noop_timeout_ns or self.rng.choice([200 * US, 1 * MS, 3 * MS]), park_timeout_ns=200 * MS,
                   stable_push_ns=1 * MS, lag_probe_ns=5 * MS)
         self.P = ReplicaCore(ReplicaSettings(SHARD, 0, 2, **st))
         self.B = ReplicaCore(ReplicaSettings(SHARD, 1, 2, **st))
@@ -245,7 +246,7 @@ class ShardSim:
             # replicas can be compared at rest.
             cfg = EpochConfig(self.epoch, (), ())
         else:
-            cfg = EpochConfig(self.epoch, (SHARD,), (self.rng.choice([200, 1000, 5000, 20000]),))
+            cfg = EpochConfig(self.epoch, (SHARD,), (self.rng.choice(self.rates),))
         self.configs[cfg.epoch] = cfg
         for name in ("P", "B"):
             d = self.rng.randint(10 * US, 300 * US)
