@@ -21,6 +21,7 @@ import zmq
 from . import discovery, wire
 from .errors import (ClientClosedError, NoShardAvailableError, NotFoundError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
+from .client_core import InsertWait, ReadWait, Redirect
 from .merge import SubscriberMerge
 from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
 from .wire import PROTOCOL_VERSION as V
@@ -58,6 +59,34 @@ class _Replicas:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(a)
             self.socks.append(s)
+
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+        self.index = {s: i for i, s in enumerate(self.socks)}
+
+    def send_all(self, frame: bytes) -> None:
+        copy = len(frame) < 65536  # zero-copy only pays off for large frames
+        for s in self.socks:
+            s.send(frame, copy=copy)
+
+    def collect(self, wait: InsertWait | ReadWait, until: float, only: int | None = None) -> bool:
+        """Feed replies into ``wait`` until it is settled (True) or ``until`` passes."""
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            for sock, _ in self.poller.poll(int(left * 1000) + 1):
+                i = self.index[sock]
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if only is not None and i != only:
+                        continue
+                    if wait.feed(0 if only is not None else i, unpack(frame)):
+                        return True
 
     def close(self) -> None:
         for s in self.socks:
@@ -157,7 +186,7 @@ class Client:
                 raise NoShardAvailableError("no live shard accepts inserts")
             try:
                 gsn = self._insert_on(shard, seq, after_gsn, data, deadline)
-            except _Redirect:
+            except Redirect:
                 excluded.add(shard)
                 self.stats["redirects"] += 1
                 seq = next(self._seq)  # the refusing shard stored nothing; a fresh id is safe
@@ -167,52 +196,24 @@ class Client:
 
     def _insert_on(self, shard: int, seq: int, after_gsn: int, data: bytes, deadline: float) -> int:
         reps = self._replicas(shard)
-        req_id = next(self._req)
-        frame = pack([V, wire.INSERT, req_id, self.client_id, seq, after_gsn, data])
-        socks = reps.socks
-        for s in socks:
-            s.send(frame, copy=len(frame) < 65536)
-        # The primary (replica 0) decides: wait for it first, then for each backup to agree.
+        wait = InsertWait(next(self._req), len(reps.socks))
+        frame = pack([V, wire.INSERT, wait.req_id, self.client_id, seq, after_gsn, data])
+        reps.send_all(frame)
         retry_at = time.monotonic() + RETRY_AFTER_S
-        decided: int | None = None
-        fast = True
-        for i, sock in enumerate(socks):
-            first = True
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise ZiplogTimeoutError(f"insert on shard {shard} not acknowledged in time")
-                if now >= retry_at:
-                    self.stats["retries"] += 1
-                    for s in socks:
-                        s.send(frame)
-                    retry_at = now + RETRY_AFTER_S
-                if not sock.poll(int((min(deadline, retry_at) - now) * 1000) + 1):
-                    continue
-                msg = unpack(sock.recv())
-                if msg[1] == wire.ERROR:
-                    if msg[2] != req_id:
-                        continue
-                    if msg[3] == wire.E_NOT_MEMBER and i == 0:
-                        raise _Redirect()
-                    raise from_reply(msg[3], msg[4])
-                if msg[1] != wire.ACK or msg[2] != req_id:
-                    continue  # a late answer to an earlier request
-                gsn, stable = msg[3], msg[5]
-                if stable > self._stable.get(shard, 0):
-                    self._stable[shard] = stable
-                if i == 0:
-                    decided = gsn
-                    break
-                if gsn == decided:
-                    if not first:
-                        fast = False
-                    break
-                first = False
-                fast = False
-        self.stats["fast_path" if fast else "slow_path"] += 1
-        assert decided is not None
-        return decided
+        while not reps.collect(wait, min(deadline, retry_at)):
+            now = time.monotonic()
+            if now >= deadline:
+                raise ZiplogTimeoutError(f"insert on shard {shard} not acknowledged in time")
+            # Unanswered: resend with the same client id and sequence number; replicas
+            # answer a duplicate with the gsn they already gave it.
+            self.stats["retries"] += 1
+            reps.send_all(frame)
+            retry_at = now + RETRY_AFTER_S
+        self.stats["fast_path" if wait.fast else "slow_path"] += 1
+        if wait.stable > self._stable.get(shard, 0):
+            self._stable[shard] = wait.stable
+        assert wait.decided is not None
+        return wait.decided
 
     # -- read -----------------------------------------------------------------------------------
     def read_record(self, rid: RecordId) -> bytes:
@@ -222,33 +223,23 @@ class Client:
         if rid.gsn <= 0 or rid.shard < 0:
             raise UnknownRecordError(f"{rid!r} names no record")
         reps = self._replicas(rid.shard)
-        req_id = next(self._req)
-        frame = pack([V, wire.READ, req_id, rid.gsn])
         deadline = time.monotonic() + self.timeout
         if rid.gsn <= self._stable.get(rid.shard, 0):
-            # Stable: every replica holds it; one answer suffices.
-            sock = reps.socks[self._rng.randrange(len(reps.socks))]
-            sock.send(frame)
-            msg = self._await(sock, req_id, deadline)
-            if msg[1] == wire.READ_OK and msg[5]:
-                return msg[4]
-            if msg[1] == wire.ERROR:
-                raise from_reply(msg[3], msg[4])
+            # Stable: every replica holds it, so one answer suffices (and spreads the load).
+            i = self._rng.randrange(len(reps.socks))
+            wait = ReadWait(next(self._req), 1)
+            reps.socks[i].send(pack([V, wire.READ, wait.req_id, rid.gsn]))
+            if not reps.collect(wait, deadline, only=i):
+                raise ZiplogTimeoutError(f"read of {rid!r} not answered in time")
+            assert wait.data is not None
+            return wait.data
         # Recent: ask every replica; a stable answer or agreement of all settles it.
-        for s in reps.socks:
-            s.send(frame)
-        answers = []
-        for s in reps.socks:
-            msg = self._await(s, req_id, deadline)
-            if msg[1] == wire.ERROR:
-                raise from_reply(msg[3], msg[4])
-            if msg[5]:
-                self._stable[rid.shard] = max(self._stable.get(rid.shard, 0), rid.gsn)
-                return msg[4]
-            answers.append(msg[4])
-        if all(a == answers[0] for a in answers):
-            return answers[0]
-        raise ZiplogError(f"replicas of shard {rid.shard} disagree on gsn {rid.gsn}")
+        wait = ReadWait(next(self._req), len(reps.socks))
+        reps.send_all(pack([V, wire.READ, wait.req_id, rid.gsn]))
+        if not reps.collect(wait, deadline):
+            raise ZiplogTimeoutError(f"read of {rid!r} not answered in time")
+        assert wait.data is not None
+        return wait.data
 
     def _await(self, sock: zmq.Socket, req_id: int, deadline: float) -> list[Any]:
         while True:
@@ -314,10 +305,6 @@ class Client:
         st = self.status()
         stables = [min(r["stable"] for r in reps) for reps in st.values() if reps]
         return max(min(stables), 0) + 1 if stables else 1
-
-
-class _Redirect(Exception):
-    """The shard takes no inserts in its current epoch."""
 
 
 class Subscription:
