@@ -210,8 +210,7 @@ class Client:
             reps.send_all(frame)
             retry_at = now + RETRY_AFTER_S
         self.stats["fast_path" if wait.fast else "slow_path"] += 1
-        if wait.stable > self._stable.get(shard, 0):
-            self._stable[shard] = wait.stable
+        self._learn_stable(shard, wait.stable)
         assert wait.decided is not None
         return wait.decided
 
@@ -227,19 +226,26 @@ class Client:
         if rid.gsn <= self._stable.get(rid.shard, 0):
             # Stable: every replica holds it, so one answer suffices (and spreads the load).
             i = self._rng.randrange(len(reps.socks))
-            wait = ReadWait(next(self._req), 1)
+            wait = ReadWait(next(self._req), rid.gsn, 1)
             reps.socks[i].send(pack([V, wire.READ, wait.req_id, rid.gsn]))
             if not reps.collect(wait, deadline, only=i):
                 raise ZiplogTimeoutError(f"read of {rid!r} not answered in time")
             assert wait.data is not None
+            self._learn_stable(rid.shard, wait.stable)
             return wait.data
         # Recent: ask every replica; a stable answer or agreement of all settles it.
-        wait = ReadWait(next(self._req), len(reps.socks))
+        wait = ReadWait(next(self._req), rid.gsn, len(reps.socks))
         reps.send_all(pack([V, wire.READ, wait.req_id, rid.gsn]))
         if not reps.collect(wait, deadline):
             raise ZiplogTimeoutError(f"read of {rid!r} not answered in time")
         assert wait.data is not None
+        self._learn_stable(rid.shard, wait.stable)
         return wait.data
+
+    def _learn_stable(self, shard: int, stable: int) -> None:
+        """Replies carry the replica's stable watermark; reads at or below it need one replica."""
+        if stable > self._stable.get(shard, 0):
+            self._stable[shard] = stable
 
     def _await(self, sock: zmq.Socket, req_id: int, deadline: float) -> list[Any]:
         while True:

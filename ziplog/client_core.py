@@ -71,13 +71,15 @@ class ReadWait:
     """Waits out a ReadRecord sent to ``n`` replicas: one stable answer settles it, as
     does agreement of all."""
 
-    __slots__ = ("req_id", "n", "answers", "data")
+    __slots__ = ("req_id", "gsn", "n", "answers", "data", "stable")
 
-    def __init__(self, req_id: int, replicas: int) -> None:
+    def __init__(self, req_id: int, gsn: int, replicas: int) -> None:
         self.req_id = req_id
+        self.gsn = gsn
         self.n = replicas
         self.answers: dict[int, bytes] = {}
         self.data: bytes | None = None
+        self.stable = 0  # highest stable watermark a replica reported
 
     def feed(self, replica: int, msg: list[Any]) -> bool:
         if len(msg) < 3 or msg[2] != self.req_id:
@@ -86,7 +88,9 @@ class ReadWait:
             raise from_reply(msg[3], msg[4])
         if msg[1] != wire.READ_OK:
             return False
-        if msg[5]:  # stable: every replica holds exactly this
+        if msg[5] > self.stable:
+            self.stable = msg[5]
+        if msg[5] >= self.gsn:  # stable: every replica holds exactly this
             self.data = msg[4]
             return True
         self.answers[replica] = msg[4]

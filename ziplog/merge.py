@@ -28,6 +28,7 @@ class MergeError(AssertionError):
 class SubscriberMerge:
     def __init__(self, start_gsn: int) -> None:
         assert start_gsn >= 1
+        self.start = start_gsn
         self.delivered = start_gsn - 1  # every gsn <= delivered has been decided on
         self.last_delivered_gsn = 0
         self.progress: dict[int, int] = {}
@@ -85,10 +86,10 @@ class SubscriberMerge:
         for first, last, members in epochs:
             self._add_epochs(first, last, members)
         q = self.queues.setdefault(shard, deque())
-        prev = q[-1][0] if q else self.progress.get(shard, 0)
+        # Everything up to the shard's progress (and its last record) has been sent:
+        # a record at or below it would be a duplicate or out of order.
+        prev = max(q[-1][0] if q else 0, self.progress.get(shard, 0), self.start - 1)
         for gsn, data in records:
-            if gsn <= self.delivered:
-                continue  # from before our start
             if gsn <= prev:
                 raise MergeError(f"shard {shard} sent gsn {gsn} after {prev}: not increasing")
             q.append((gsn, data))

@@ -693,7 +693,7 @@ class ReplicaCore:
         if rec is None:
             self.error(route, req_id, wire.E_NOT_FOUND, f"shard {self.shard} holds no record at gsn {gsn}")
             return
-        self.outbox.append((route, pack([V, wire.READ_OK, req_id, gsn, rec.data, gsn <= self.stable])))
+        self.outbox.append((route, pack([V, wire.READ_OK, req_id, gsn, rec.data, self.stable])))
 
     def _serve_parked_reads(self) -> None:
         if not self.parked:

@@ -177,11 +177,13 @@ class StorageServer:
             if router in events:
                 for _ in range(256):
                     try:
-                        route, frame = router.recv_multipart(zmq.NOBLOCK)
+                        parts = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    except ValueError:
-                        continue  # not [route, frame]: drop
+                    if len(parts) != 2:
+                        core.error(parts[0], None, wire.E_MALFORMED, f"a request is one frame, got {len(parts) - 1}")
+                        continue
+                    route, frame = parts
                     try:
                         msg = decode(frame)
                     except wire.ProtocolError as exc:

@@ -24,7 +24,7 @@ STATUS = 7  # [v, op, req_id]
 
 # -- storage server -> client ----------------------------------------------------------
 ACK = 16  # [v, op, req_id, gsn, replica, stable, decided]
-READ_OK = 17  # [v, op, req_id, gsn, data, stable]
+READ_OK = 17  # [v, op, req_id, gsn, data, stable_watermark]
 TRIM_OK = 18  # [v, op, req_id, trim_point]
 SUB_BATCH = 19  # [v, op, sub_id, records, epochs, progress]
 STATUS_OK = 20  # [v, op, req_id, status_map]

@@ -1,0 +1,348 @@
+"""The ``ziplog`` command line.
+
+    ziplog cluster up [--shards N] [--replicas N] [--data-dir D]
+    ziplog insert  --zk HOSTS [--after GSN:SHARD] [--shard S] DATA... | -
+    ziplog tail    --zk HOSTS [--from GSN|genesis|recent] [-n COUNT]
+    ziplog read    --zk HOSTS GSN:SHARD
+    ziplog trim    --zk HOSTS GSN
+    ziplog status  --zk HOSTS
+
+``--zk`` defaults to the environment variable ``ZIPLOG_ZK``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from .errors import ZiplogError
+from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
+
+ENV_ZK = "ZIPLOG_ZK"
+
+
+class _UsageError(Exception):
+    """A usage problem found after parsing (exit status 2)."""
+
+
+# -- argument types -------------------------------------------------------------------------------
+def parse_rid(text: str) -> RecordId:
+    """``GSN:SHARD`` -> RecordId."""
+    gsn_s, sep, shard_s = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        gsn, shard = int(gsn_s), int(shard_s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a record id GSN:SHARD (e.g. 42:0), got {text!r}") from None
+    if gsn <= 0 or shard < 0:
+        raise argparse.ArgumentTypeError(f"a record id needs GSN >= 1 and SHARD >= 0, got {text!r}")
+    return RecordId(gsn, shard)
+
+
+def _position(text: str) -> RecordId:
+    """``genesis``, ``recent`` or a gsn (inclusive) -> a subscription start."""
+    t = text.strip().lower()
+    if t == "genesis":
+        return RID_GENESIS
+    if t == "recent":
+        return RID_RECENT
+    try:
+        gsn = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GSN, 'genesis' or 'recent', got {text!r}") from None
+    if gsn <= 0:
+        raise argparse.ArgumentTypeError(f"GSN must be >= 1, got {text!r}")
+    return RecordId(gsn, -1)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def format_data(data: bytes) -> str:
+    """Record data for a terminal: the text if it is printable UTF-8, else the bytes' repr."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(data)
+    return text if text.isprintable() else repr(data)
+
+
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# -- client plumbing ------------------------------------------------------------------------------
+def _zk_hosts(args: argparse.Namespace) -> str:
+    hosts = args.zk or os.environ.get(ENV_ZK, "")
+    if not hosts:
+        raise _UsageError(f"no ZooKeeper hosts: pass --zk HOSTS or set {ENV_ZK}")
+    return hosts
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from .client import Client
+    hosts = _zk_hosts(args)
+    try:
+        return Client(hosts, timeout=args.timeout)
+    except ZiplogError:
+        raise
+    except Exception as e:  # kazoo's connection timeout and friends
+        if "timeout" in type(e).__name__.lower():
+            raise ZiplogError(f"cannot reach ZooKeeper at {hosts} (is the cluster up?)") from e
+        raise ZiplogError(f"cannot connect to {hosts}: {type(e).__name__}: {e}") from e
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    from .cluster import local_cluster
+
+    stopping = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # The first Ctrl-C/SIGTERM unwinds into local_cluster's cleanup; later ones must not interrupt it.
+        if stopping:
+            return
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        _out(f"starting ZooKeeper x3, membership service x3 and {args.shards} shard(s) x "
+             f"{args.replicas} replica(s) ...")
+        t0 = time.monotonic()
+        try:
+            with local_cluster(shards=args.shards, replicas=args.replicas, data_dir=args.data_dir) as c:
+                hosts = c.zk_hosts
+                _out(f"ziplog is up ({time.monotonic() - t0:.1f} s); logs in {c.logs}")
+                _out("")
+                _out(f"  ZooKeeper hosts:  {hosts}")
+                _out("")
+                _out("  from a shell:")
+                _out(f"    export {ENV_ZK}={hosts}")
+                _out(f"    ziplog insert --zk {hosts} hello")
+                _out(f"    ziplog tail --zk {hosts} --from genesis")
+                _out(f"    ziplog status --zk {hosts}")
+                _out("")
+                _out("  from Python:")
+                _out("    import ziplog")
+                _out(f"    with ziplog.Client({hosts!r}) as log:")
+                _out("        rid = log.insert_after(b\"hello\")")
+                _out("        print(rid, log.read_record(rid))")
+                _out("")
+                _out("press Ctrl-C to stop")
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        _out("stopped every process")
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _insert_payloads(args: argparse.Namespace) -> Iterable[bytes]:
+    if args.data == ["-"]:
+        for line in sys.stdin.buffer:
+            yield line.rstrip(b"\r\n") if not args.keep_newlines else line
+        return
+    if "-" in args.data:
+        raise _UsageError("'-' (read stdin) cannot be mixed with other DATA arguments")
+    for d in args.data:
+        yield d.encode("utf-8", "surrogateescape")
+
+
+def cmd_insert(args: argparse.Namespace) -> int:
+    with _client(args) as log:
+        if args.shard is not None:
+            log.set_policy(Policy.fixed(args.shard))
+        after = args.after if args.after is not None else RID_GENESIS
+        for data in _insert_payloads(args):
+            # Each record goes after the previous one, so arguments (or lines) keep their order in the log.
+            rid = log.insert_after(data, after)
+            _out(f"{rid.gsn}:{rid.shard}")
+            after = rid
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    with _client(args) as log:
+        with log.subscribe(args.start) as sub:
+            n = 0
+            while args.count is None or n < args.count:
+                rec = sub.next(timeout=args.idle_timeout)
+                if rec is None:  # only with --idle-timeout
+                    break
+                _out(f"{rec.rid.gsn} {rec.rid.shard} {format_data(rec.data)}")
+                n += 1
+    return 0
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    with _client(args) as log:
+        data = log.read_record(args.rid)
+    if args.raw:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        _out(format_data(data))
+    return 0
+
+
+def cmd_trim(args: argparse.Namespace) -> int:
+    with _client(args) as log:
+        log.trim(RecordId(args.gsn, -1))
+    _out(f"trimmed every record below gsn {args.gsn}")
+    return 0
+
+
+STATUS_COLUMNS = ["shard", "replica", "role", "epoch", "frontier", "stable", "trim_point", "records", "subscriptions"]
+
+
+def status_rows(status: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for shard, replicas in sorted(status.items()):
+        for i, st in enumerate(replicas):
+            row = dict(st)
+            row.setdefault("shard", shard)
+            row.setdefault("replica", i)
+            row["role"] = "primary" if st.get("primary") else "backup"
+            rows.append(row)
+    return rows
+
+
+def format_status(rows: list[dict[str, Any]], columns: Sequence[str] = STATUS_COLUMNS) -> str:
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    left = {"role"}
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, columns)).rstrip()
+
+    return "\n".join([line(list(columns))] + [line(r) for r in cells])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as log:
+        live = set(log.live_shards())
+        st = log.status()
+        known = set(log.topology.replica_counts)
+    rows = status_rows(st)
+    if not rows:
+        _out("no shard has all of its replicas up")
+        return 1
+    _out(format_status(rows))
+    down = sorted(known - set(st))
+    if down:
+        _out(f"not fully up (not shown): shards {', '.join(map(str, down))}")
+    not_live = sorted(set(st) - live)
+    if not_live:
+        _out(f"not accepting inserts: shards {', '.join(map(str, not_live))}")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ziplog", description="A totally ordered, sharded, replicated shared log.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def client_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument("--zk", metavar="HOSTS", default=None,
+                        help=f"ZooKeeper hosts, host:port[,host:port...] (default: ${ENV_ZK})")
+        sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-operation timeout (default 30)")
+        sp.set_defaults(func=func)
+        return sp
+
+    cl = sub.add_parser("cluster", help="run a local cluster", description="Run a local cluster.")
+    clsub = cl.add_subparsers(dest="cluster_command", metavar="ACTION")
+    clsub.required = True
+    up = clsub.add_parser("up", help="start a local cluster in the foreground (Ctrl-C stops it)",
+                          description="Start ZooKeeper, the membership service and the storage replicas on "
+                                      "this machine; runs until Ctrl-C or SIGTERM, then stops every process.")
+    up.add_argument("--shards", type=_positive_int, default=2, help="number of shards (default 2)")
+    up.add_argument("--replicas", type=_positive_int, default=2, help="replicas per shard (default 2)")
+    up.add_argument("--data-dir", default=None, metavar="D",
+                    help="keep data and logs here (default: a temporary directory removed on exit); "
+                         "reusing it restarts the same log")
+    up.set_defaults(func=cmd_cluster_up)
+
+    ins = client_cmd("insert", "insert records, each after the previous one; prints each record id as GSN:SHARD",
+                     cmd_insert)
+    ins.add_argument("--after", type=parse_rid, default=None, metavar="GSN:SHARD",
+                     help="insert the first record after this record (default: anywhere)")
+    ins.add_argument("--shard", type=_nonneg_int, default=None, metavar="S", help="insert on shard S")
+    ins.add_argument("--keep-newlines", action="store_true", help="with '-': keep each line's newline")
+    ins.add_argument("data", nargs="+", metavar="DATA", help="record data (UTF-8), or '-' to insert each stdin line")
+
+    tail = client_cmd("tail", "print records in log order as 'GSN SHARD DATA'", cmd_tail)
+    tail.add_argument("--from", dest="start", type=_position, default=RID_GENESIS, metavar="POS",
+                      help="GSN (inclusive), 'genesis' (default) or 'recent'")
+    tail.add_argument("-n", dest="count", type=_positive_int, default=None, metavar="COUNT",
+                      help="stop after COUNT records (default: follow forever)")
+    tail.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                      help="stop when no record arrives for S seconds")
+
+    rd = client_cmd("read", "print one record's data", cmd_read)
+    rd.add_argument("rid", type=parse_rid, metavar="GSN:SHARD")
+    rd.add_argument("--raw", action="store_true", help="write the bytes exactly, without a newline")
+
+    tr = client_cmd("trim", "delete every record below GSN on every shard", cmd_trim)
+    tr.add_argument("gsn", type=_positive_int, metavar="GSN")
+
+    client_cmd("status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions", cmd_status)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help (0)
+        return e.code if isinstance(e.code, int) else 2
+    name = args.command if args.command != "cluster" else f"cluster {args.cluster_command}"
+    try:
+        return args.func(args)
+    except _UsageError as e:
+        print(f"ziplog {name}: error: {e}", file=sys.stderr)
+        return 2
+    except ZiplogError as e:
+        print(f"ziplog {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `ziplog tail | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
