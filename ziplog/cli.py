@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ziplog {name}: error: {e}", file=sys.stderr)
         return 2
     except ZiplogError as e:
-        print(f"ziplog {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ziplog {name}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

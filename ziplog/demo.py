@@ -102,8 +102,13 @@ def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size:
     insert_ns: list[int] = []
     path = {"fast_path": 0, "slow_path": 0, "retries": 0}
     writer_errors: list[str] = []
-    start = threading.Barrier(writers + 1)
-    stop_at = [0.0]
+    stop_at = [0.0, 0.0]  # end, start (set by the barrier's action, before any writer is released)
+
+    def go() -> None:
+        stop_at[1] = time.perf_counter()
+        stop_at[0] = stop_at[1] + seconds
+
+    start = threading.Barrier(writers + 1, action=go)
 
     def writer(w: int) -> None:
         lat: list[int] = []
@@ -149,14 +154,14 @@ def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size:
         "1 subscriber following from the start of the log")
     try:
         start.wait(60.0)
-        stop_at[0] = time.perf_counter() + seconds
-        start_t = time.perf_counter()
     except threading.BrokenBarrierError:
-        start_t = time.perf_counter()
+        failures.append("the writers did not start")
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - start_t
+    elapsed = time.perf_counter() - (stop_at[1] or time.perf_counter())
     failures.extend(writer_errors)
+    if not written:
+        failures.append("no record was written")
     expected_total.append(len(written))
     writers_done.set()
     say(f"wrote {len(written)} records in {elapsed:.1f} s; waiting for the subscriber to see them all")

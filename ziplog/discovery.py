@@ -40,8 +40,10 @@ def dec(data: bytes | None) -> Any:
 
 
 def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
+    # Reconnect forever, but give up on a single command after a few tries: an endless
+    # command retry inside a watch callback can block kazoo's shutdown for good.
     zk = KazooClient(hosts=hosts, timeout=10.0, connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0},
-                     command_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0})
+                     command_retry={"max_tries": 5, "delay": 0.05, "max_delay": 1.0})
     zk.start(timeout=timeout)
     return zk
 

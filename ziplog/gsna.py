@@ -33,6 +33,8 @@ EPOCH_SPAN = 1 << EPOCH_BITS
 #: index k < 2**32, so the int64 numpy arithmetic below cannot overflow.
 MAX_RATE = 1 << 30
 NS_PER_S = 1_000_000_000
+#: Up to this many shards, plain integer loops beat numpy's per-call overhead.
+SMALL = 32
 
 
 def epoch_base(epoch: int) -> int:
@@ -81,14 +83,19 @@ class EpochSchedule:
     """Slot <-> gsn arithmetic for one epoch configuration."""
 
     config: EpochConfig
-    _rates: np.ndarray = field(init=False, repr=False)
     _index: dict[int, int] = field(init=False, repr=False)
     _slot_counts: dict[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._rates = np.asarray(self.config.rates, dtype=np.int64)
         self._index = {s: i for i, s in enumerate(self.config.shards)}
         self._slot_counts = {}
+
+    @property
+    def _rates(self) -> np.ndarray:  # built on first use: small configs never need it
+        r = self.__dict__.get("_rates_arr")
+        if r is None:
+            r = self.__dict__["_rates_arr"] = np.asarray(self.config.rates, dtype=np.int64)
+        return r
 
     # -- gsn of slots -----------------------------------------------------------------
     def _offsets(self, i: int, ks: np.ndarray) -> np.ndarray:
@@ -102,15 +109,22 @@ class EpochSchedule:
         """Gsns of slots ``first_slot .. first_slot+count-1`` of ``shard`` (may run past
         the epoch's end; callers cut at :meth:`slot_count`)."""
         i = self._index[shard]
-        ks = np.arange(first_slot, first_slot + count, dtype=np.int64)
         base = self.config.base
+        if len(self.config.rates) <= SMALL:
+            # numpy's per-call overhead dominates for a handful of shards
+            rates = self.config.rates
+            r_s = rates[i]
+            terms = [(r_t, 1 if t >= i else 0) for t, r_t in enumerate(rates)]
+            return [base + sum((k1 * r_t - tie) // r_s for r_t, tie in terms)
+                    for k1 in range(first_slot + 1, first_slot + count + 1)]
+        ks = np.arange(first_slot, first_slot + count, dtype=np.int64)
         return [base + int(o) for o in self._offsets(i, ks)]
 
     def gsn(self, shard: int, slot: int) -> int:
         """Gsn of slot ``slot`` of ``shard`` (exact, pure-Python for small shard counts)."""
         i = self._index[shard]
         rates = self.config.rates
-        if len(rates) > 64:
+        if len(rates) > SMALL:
             return self.slot_gsns(shard, slot, 1)[0]
         r_s = rates[i]
         k1 = slot + 1
@@ -158,7 +172,7 @@ class EpochSchedule:
         if gsn < self.config.base:
             return 0
         rates = self.config.rates
-        if len(rates) > 64:
+        if len(rates) > SMALL:
             return int(self.first_slots_after(gsn)[i])
         d = gsn - self.config.base + 1
         total = sum(rates)
@@ -203,7 +217,7 @@ class SlotCursor:
     numpy batches so the per-record cost is a list index.
     """
 
-    BATCH = 256
+    BATCH = 64
 
     def __init__(self, schedule: EpochSchedule, shard: int) -> None:
         self.schedule = schedule
@@ -214,12 +228,15 @@ class SlotCursor:
 
     def gsn(self, slot: int) -> int:
         """Gsn of ``slot``; slot == count means 'past the epoch' and maps to end + 1."""
-        assert 0 <= slot <= self.count, (slot, self.count)
-        if slot == self.count:
-            return self.schedule.config.end + 1
         idx = slot - self._cache_first
         if 0 <= idx < len(self._cache):
             return self._cache[idx]
+        assert 0 <= slot <= self.count, (slot, self.count)
+        if slot == self.count:
+            return self.schedule.config.end + 1
+        if idx < 0:
+            # A look back (tick and insert interleave): one exact value, keep the window.
+            return self.schedule.gsn(self.shard, slot)
         n = min(self.BATCH, self.count - slot)
         self._cache = self.schedule.slot_gsns(self.shard, slot, n)
         self._cache_first = slot

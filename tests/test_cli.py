@@ -1,0 +1,223 @@
+"""The ``ziplog`` command line and the demo, against one real local cluster."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+
+import ziplog
+from ziplog import RecordId
+from ziplog.cli import main, parse_rid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ziplog.LocalCluster]:
+    with ziplog.local_cluster(shards=2, replicas=2) as c:
+        yield c
+
+
+@pytest.fixture
+def zk(cluster: ziplog.LocalCluster) -> str:
+    return cluster.zk_hosts
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def rids(out: str) -> list[RecordId]:
+    return [parse_rid(line) for line in out.split()]
+
+
+def test_insert_prints_record_ids_in_argument_order(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "insert", "--zk", zk, "alpha", "beta", "gamma")
+    assert rc == 0, err
+    got = rids(out)
+    assert len(got) == 3
+    assert [r.gsn for r in got] == sorted(r.gsn for r in got) and len({r.gsn for r in got}) == 3
+    with ziplog.Client(zk) as c:
+        assert [c.read_record(r) for r in got] == [b"alpha", b"beta", b"gamma"]
+
+
+def test_insert_after_and_fixed_shard(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "insert", "--zk", zk, "--shard", "1", "first")
+    assert rc == 0
+    (first,) = rids(out)
+    assert first.shard == 1
+    rc, out, _ = run(capsys, "insert", "--zk", zk, "--shard", "0", "--after", f"{first.gsn}:{first.shard}", "second")
+    assert rc == 0
+    (second,) = rids(out)
+    assert second.shard == 0 and second.gsn > first.gsn
+
+
+def test_insert_from_stdin(zk: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"line one\nline two\n\xff\xfe\n")))
+    monkeypatch.setenv("ZIPLOG_ZK", zk)  # no --zk: taken from the environment
+    rc, out, err = run(capsys, "insert", "-")
+    assert rc == 0, err
+    got = rids(out)
+    assert len(got) == 3
+    with ziplog.Client(zk) as c:
+        assert [c.read_record(r) for r in got] == [b"line one", b"line two", b"\xff\xfe"]
+
+
+def test_read(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with ziplog.Client(zk) as c:
+        text = c.insert_after("héllo wörld".encode())
+        binary = c.insert_after(b"\x00\x01bin\n")
+    rc, out, _ = run(capsys, "read", "--zk", zk, f"{text.gsn}:{text.shard}")
+    assert (rc, out) == (0, "héllo wörld\n")
+    rc, out, _ = run(capsys, "read", "--zk", zk, f"{binary.gsn}:{binary.shard}")
+    assert (rc, out) == (0, repr(b"\x00\x01bin\n") + "\n")
+
+
+def test_read_missing_record_is_one_clear_error_line(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "read", "--zk", zk, "5:99")
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("ziplog read: error:") and "shard 99" in err
+    assert "Traceback" not in err
+
+
+def test_tail_n_prints_records_in_gsn_order(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Insert after every replica's frontier, so no earlier record has a gsn above ours.
+    with ziplog.Client(zk) as c:
+        top = max(r["frontier"] for reps in c.status().values() for r in reps)
+    rc, out, _ = run(capsys, "insert", "--zk", zk, "--after", f"{top}:0", "t1", "t2", "t3")
+    assert rc == 0
+    mine = rids(out)
+    rc, out, _ = run(capsys, "tail", "--zk", zk, "--from", str(mine[0].gsn), "-n", "3")
+    assert rc == 0
+    lines = out.splitlines()
+    assert len(lines) == 3
+    parsed = [line.split(" ", 2) for line in lines]
+    gsns = [int(g) for g, _, _ in parsed]
+    assert gsns == sorted(gsns) and len(set(gsns)) == 3
+    assert gsns[0] == mine[0].gsn
+    assert [(int(g), int(s), d) for g, s, d in parsed] == [(r.gsn, r.shard, d) for r, d in zip(mine, ["t1", "t2", "t3"])]
+
+
+def test_tail_from_genesis_sees_everything_in_order(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "tail", "--zk", zk, "--from", "genesis", "--idle-timeout", "1")
+    assert rc == 0
+    gsns = [int(line.split(" ", 1)[0]) for line in out.splitlines()]
+    assert len(gsns) >= 10
+    assert gsns == sorted(set(gsns))
+
+
+def test_status_table(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "status", "--zk", zk)
+    assert rc == 0, err
+    lines = out.splitlines()
+    header = lines[0].split()
+    for col in ("shard", "replica", "role", "epoch", "frontier", "stable", "records", "subscriptions"):
+        assert col in header
+    rows = [dict(zip(header, line.split())) for line in lines[1:]]
+    assert sorted((r["shard"], r["replica"]) for r in rows) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert sorted(r["role"] for r in rows) == ["backup", "backup", "primary", "primary"]
+    for r in rows:
+        assert int(r["epoch"]) >= 0 and int(r["records"]) > 0
+        assert int(r["stable"]) <= int(r["frontier"])
+
+
+@pytest.mark.parametrize("bad", ["abc", "12", "x:0", "0:0", "5:-1"])
+def test_bad_after_is_a_usage_error(zk: str, capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    rc, out, err = run(capsys, "insert", "--zk", zk, "--after", bad, "data")
+    assert rc == 2 and out == ""
+    assert "argument --after" in err and ("GSN:SHARD" in err or "GSN >= 1" in err)
+    assert "Traceback" not in err
+
+
+def test_missing_zk_hosts(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZIPLOG_ZK", raising=False)
+    rc, _, err = run(capsys, "status")
+    assert rc == 2 and "ZIPLOG_ZK" in err and err.count("\n") == 1
+
+
+def test_insert_on_unknown_shard_fails_cleanly(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "insert", "--zk", zk, "--shard", "7", "x")
+    assert rc == 1 and out == ""
+    assert err.startswith("ziplog insert: error:") and "shard 7" in err and err.count("\n") == 1
+
+
+def test_demo_core_against_the_cluster(zk: str) -> None:
+    from ziplog import demo
+
+    lines: list[str] = []
+    summary = demo.run_demo(zk, seconds=0.5, writers=2, reads=20, log=lines.append)
+    assert summary["ok"], summary["failures"]
+    assert summary["records_written"] > 0
+    assert summary["records_seen"] == summary["records_written"]
+    assert summary["order_ok"]
+    assert summary["reads_ok"] == summary["reads"] > 0
+    assert summary["insert_p50_us"] > 0 and summary["fast_path_ratio"] is not None
+    assert "all checks passed" in demo.format_summary(summary)
+    assert lines
+
+
+def test_trim(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Last: it deletes the older records the other tests wrote.
+    rc, out, _ = run(capsys, "insert", "--zk", zk, "old", "new")
+    old, new = rids(out)
+    rc, out, err = run(capsys, "trim", "--zk", zk, str(new.gsn))
+    assert rc == 0, err
+    rc, out, err = run(capsys, "read", "--zk", zk, f"{old.gsn}:{old.shard}")
+    assert rc == 1 and err.startswith("ziplog read: error:") and "trim" in err.lower()
+    rc, out, _ = run(capsys, "read", "--zk", zk, f"{new.gsn}:{new.shard}")
+    assert (rc, out) == (0, "new\n")
+    rc, out, _ = run(capsys, "tail", "--zk", zk, "-n", "1")
+    assert rc == 0 and out.split(" ", 2)[:2] == [str(new.gsn), str(new.shard)]
+
+
+def test_demo_module_is_importable() -> None:
+    import importlib
+
+    mod = importlib.import_module("ziplog.demo")
+    assert callable(mod.main) and callable(mod.run_demo)
+
+
+def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ziplog.cli", "cluster", "up", "--shards", "1",
+                             "--data-dir", str(tmp_path / "data")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    try:
+        seen = []
+        deadline = time.monotonic() + 90
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "press Ctrl-C" in line:
+                break
+        text = "".join(seen)
+        assert "press Ctrl-C" in text, text
+        m = re.search(r"ZooKeeper hosts:\s+(\S+)", text)
+        assert m, text
+        hosts = m.group(1)
+        assert f"ziplog insert --zk {hosts} hello" in text and "import ziplog" in text
+        with ziplog.Client(hosts) as c:
+            rid = c.insert_after(b"via cluster up")
+            assert c.read_record(rid) == b"via cluster up"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
