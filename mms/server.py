@@ -36,8 +36,10 @@ log = logging.getLogger("mms")
 
 class MembershipReplica:
     def __init__(self, zk_hosts: str, replica_id: int, interval_ms: float = 10.0, host: str = "127.0.0.1",
-                 settings: PlannerSettings | None = None) -> None:
+                 settings: PlannerSettings | None = None, epochs_per_commit: int = 10) -> None:
+        assert epochs_per_commit >= 1
         self.id = replica_id
+        self.epochs_per_commit = epochs_per_commit
         self.interval_ns = int(interval_ms * 1_000_000)
         self.settings = settings or PlannerSettings()
         self.zk = discovery.connect(zk_hosts)
@@ -96,15 +98,30 @@ class MembershipReplica:
             log.info("mms replica %d stops leading", self.id)
 
     def _lead_loop(self) -> None:
+        """Commit epochs to ZooKeeper in blocks of ``epochs_per_commit`` (one transaction,
+        same members and rates), broadcast them one per interval.
+
+        A block in ZooKeeper may have been partly broadcast by a previous leader, so a new
+        leader honours it whole: it broadcasts the block's last epoch (shards that missed
+        the ones between fill them from the membership history) and plans after it. Its
+        own blocks it may cut short at any epoch it has not broadcast yet, which is how a
+        membership change takes effect at the next epoch."""
         zk = self.zk
         zk.sync(discovery.EPOCH_PATH)
         data, stat = zk.get(discovery.EPOCH_PATH)
-        epoch_version = stat.version
+        block_version = stat.version
         hdata, hstat = zk.get(discovery.MEMBERSHIP_PATH)
         history_version = hstat.version
         cur = discovery.dec(data)
-        last = EpochConfig(cur["epoch"], tuple(cur["shards"]), tuple(cur["rates"])) if cur else None
-        planner = EpochPlanner(self.settings, last, discovery.dec(hdata) or [])
+        planner = EpochPlanner(self.settings, None, discovery.dec(hdata) or [])
+        block: tuple[int, int, EpochConfig] | None = None  # (first, last, config) we may use
+        next_epoch = 0
+        if cur:
+            first, last = int(cur["epoch"]), int(cur.get("last", cur["epoch"]))
+            inherited = EpochConfig(last, tuple(cur["shards"]), tuple(cur["rates"]))
+            planner.committed(inherited, None)
+            next_epoch = last
+            block = (last, last, inherited)
         # Drop rate reports queued while we were not leading: they are stale.
         while True:
             try:
@@ -118,21 +135,32 @@ class MembershipReplica:
                 planner.remove(s)
             ready = [s for s in self.topology.replica_counts if self.topology.shard_complete(s) and s not in self.topology.removed]
             cfg, history = planner.plan(ready)
-            txn = zk.transaction()
-            txn.set_data(discovery.EPOCH_PATH, discovery.enc({"epoch": cfg.epoch, "shards": list(cfg.shards), "rates": list(cfg.rates)}), version=epoch_version)
-            if history is not None:
-                txn.set_data(discovery.MEMBERSHIP_PATH, discovery.enc(history), version=history_version)
-            results = txn.commit()
-            if any(isinstance(r, Exception) for r in results):
-                # Someone else committed: we are not (or no longer) the leader.
-                log.warning("epoch %d commit refused (%s); stepping down", cfg.epoch, results)
-                return
-            epoch_version += 1
-            if history is not None:
-                history_version += 1
-                log.info("epoch %d: membership now %s", cfg.epoch, list(cfg.shards))
-            planner.committed(cfg, history)
-            self.pub.send(wire.pack([wire.PROTOCOL_VERSION, wire.EPOCH, cfg.epoch, list(cfg.shards), list(cfg.rates)]))
+            changed = history is not None
+            if block is None or next_epoch > block[1] or (changed and next_epoch > block[0]):
+                # Commit the next block: it starts at the first epoch nobody broadcast.
+                first = next_epoch
+                last = first + self.epochs_per_commit - 1
+                cfg = EpochConfig(first, cfg.shards, cfg.rates)
+                history = planner.history + [[first, list(cfg.shards)]] if changed else None
+                txn = zk.transaction()
+                txn.set_data(discovery.EPOCH_PATH, discovery.enc({"epoch": first, "last": last, "shards": list(cfg.shards), "rates": list(cfg.rates)}), version=block_version)
+                if history is not None:
+                    txn.set_data(discovery.MEMBERSHIP_PATH, discovery.enc(history), version=history_version)
+                results = txn.commit()
+                if any(isinstance(r, Exception) for r in results):
+                    # Someone else committed: we are not (or no longer) the leader.
+                    log.warning("block from epoch %d refused (%s); stepping down", first, results)
+                    return
+                block_version += 1
+                if history is not None:
+                    history_version += 1
+                    log.info("epoch %d: membership now %s", first, list(cfg.shards))
+                planner.committed(cfg, history)
+                block = (first, last, cfg)
+            bcfg = block[2]
+            self.pub.send(wire.pack([wire.PROTOCOL_VERSION, wire.EPOCH, next_epoch, list(bcfg.shards), list(bcfg.rates)]))
+            planner.last = EpochConfig(next_epoch, bcfg.shards, bcfg.rates)
+            next_epoch += 1
             next_t += self.interval_ns
             now = time.monotonic_ns()
             if next_t < now:
@@ -180,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--default-rate", type=int, default=PlannerSettings.default_rate)
     ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
+    ap.add_argument("--epochs-per-commit", type=int, default=10,
+                    help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     replica = MembershipReplica(args.zk, args.id, args.interval_ms, args.host,
-                                PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate))
+                                PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
+                                epochs_per_commit=args.epochs_per_commit)
 
     def stop(signum: int, frame: Any) -> None:
         replica.running = False

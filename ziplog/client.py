@@ -30,6 +30,7 @@ from .wire import pack, unpack
 #: Resend an unanswered insert (same client id and sequence number, so never twice
 #: in the log) after this long.
 RETRY_AFTER_S = 1.0
+POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic costs on the hot path
 SUB_CREDIT_BYTES = 8 << 20
 SUB_KEEPALIVE_S = 10.0
 
@@ -78,11 +79,8 @@ class _Replicas:
                 return False
             for sock, _ in self.poller.poll(int(left * 1000) + 1):
                 i = self.index[sock]
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                while sock.getsockopt(zmq.EVENTS) & POLLIN:
+                    frame = sock.recv()
                     if only is not None and i != only:
                         continue
                     if wait.feed(0 if only is not None else i, unpack(frame)):
@@ -178,7 +176,9 @@ class Client:
         deadline = time.monotonic() + self.timeout
         excluded: set[int] = set()
         while True:
-            live = [s for s in self.topology.live_shards() if s not in excluded]
+            live = self.topology.live_shards()
+            if excluded:
+                live = [s for s in live if s not in excluded]
             shard = self._policy.choose(live, key, data, self._rng)
             if shard is None:
                 if self._policy.kind == "fixed":

@@ -98,6 +98,7 @@ class Topology:
         self._listeners.append(fn)
 
     def _changed(self) -> None:
+        self._live = None
         with self._cond:
             self._cond.notify_all()
         for fn in list(self._listeners):
@@ -164,12 +165,16 @@ class Topology:
         self._changed()
 
     # -- queries ------------------------------------------------------------------------------
+    _live: list[int] | None = None
+
     def live_shards(self) -> list[int]:
-        """Shards in the latest membership whose replicas are all registered."""
-        if not self.history:
-            return []
-        members = self.history[-1][1]
-        return [s for s in members if self.shard_complete(s)]
+        """Shards in the latest membership whose replicas are all registered (cached until
+        ZooKeeper says something changed: this is on every insert's path)."""
+        live = self._live
+        if live is None:
+            members = self.history[-1][1] if self.history else []
+            live = self._live = [s for s in members if self.shard_complete(s)]
+        return live
 
     def shard_complete(self, shard: int) -> bool:
         n = self.replica_counts.get(shard, 0)

@@ -217,7 +217,7 @@ class SlotCursor:
     numpy batches so the per-record cost is a list index.
     """
 
-    BATCH = 64
+    BATCH = 16
 
     def __init__(self, schedule: EpochSchedule, shard: int) -> None:
         self.schedule = schedule

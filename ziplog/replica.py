@@ -57,7 +57,11 @@ class ReplicaSettings:
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
     max_epochs_ahead: int = 200
     #: The primary pushes the stable watermark to backups at least this often.
-    stable_push_ns: int = 1_000_000
+    stable_push_ns: int = 2_000_000
+    #: The primary sends at most one FORWARD with records per interval (0: every turn).
+    forward_interval_ns: int = 0
+    #: A backup reports its prefix at most once per interval (0: after every FORWARD).
+    prefix_interval_ns: int = 0
     #: A backup that found a gap in the forwards asks again after this long.
     hello_retry_ns: int = 10_000_000
     #: How often the primary re-announces its state to a backup that lags.
@@ -155,6 +159,7 @@ class ReplicaCore:
         self._hello_sent_at: int | None = None
         self._heard_primary = False
         self._prefix_dirty = False
+        self._last_prefix_ns = 0
         # -- everyone -------------------------------------------------------------------
         self.parked: list[ParkedRequest] = []
         self.subs: dict[tuple[bytes, int], Subscription] = {}
@@ -359,12 +364,18 @@ class ReplicaCore:
         subscriptions. Batching per turn keeps the per-record message count low under load
         without delaying anything when idle."""
         if self.is_primary:
+            # Every FORWARD carries the stable watermark; a FORWARD of its own is only
+            # worth it when no records have gone out for a while.
             since = now - self._last_stable_push_ns
             push_stable = self.stable > self._stable_sent and since >= self.s.stable_push_ns
             # A backup that lags with nothing new to send may have lost a FORWARD: a
             # periodic (empty) FORWARD names our state so it can spot the gap and ask.
             lagging = since >= self.s.lag_probe_ns and any(self.prefixes.get(r, 0) < self.frontier for r in self.backup_routes)
-            if self._fwd_events or push_stable or lagging:
+            # Records wait up to forward_interval so that under load one FORWARD (and
+            # one PREFIX back) carries several: fewer messages per insert, at the price of
+            # that much more time until records are stable.
+            due = not self._fwd_events or since >= self.s.forward_interval_ns
+            if (self._fwd_events and due) or push_stable or lagging:
                 prev_f, prev_e = self._fwd_mark
                 frame = pack([V, wire.FORWARD, self.stable, [prev_f, prev_e, self._fwd_events + [(wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot)]]])
                 for r in sorted(self.backup_routes):
@@ -372,10 +383,11 @@ class ReplicaCore:
                 self._fwd_events = []
                 self._stable_sent = self.stable
                 self._last_stable_push_ns = now
-            self._mark_forward_point()
-        elif self._prefix_dirty:
+                self._mark_forward_point()
+        elif self._prefix_dirty and now - self._last_prefix_ns >= self.s.prefix_interval_ns:
             self.outbox.append((TO_PRIMARY, pack([V, wire.PREFIX, self.s.replica, self.frontier])))
             self._prefix_dirty = False
+            self._last_prefix_ns = now
         if self.parked:
             self._serve_parked_reads()
         if self._subs_dirty:
@@ -661,6 +673,12 @@ class ReplicaCore:
             best = t
         if self.is_primary and self.stable > self._stable_sent:
             t = self._last_stable_push_ns + self.s.stable_push_ns
+            best = t if best is None else min(best, t)
+        if self.is_primary and self._fwd_events:
+            t = self._last_stable_push_ns + self.s.forward_interval_ns
+            best = t if best is None else min(best, t)
+        if not self.is_primary and self._prefix_dirty:
+            t = self._last_prefix_ns + self.s.prefix_interval_ns
             best = t if best is None else min(best, t)
         if self.is_primary and self.backup_routes and self.stable < self.frontier:
             t = self._last_stable_push_ns + self.s.lag_probe_ns

@@ -31,14 +31,18 @@ from .segments import SegmentLog
 
 log = logging.getLogger("ziplog.server")
 
-POLLIN = zmq.POLLIN
+# Plain ints: pyzmq's flag enums cost a Python-level enum operation per send.
+POLLIN = int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE = int(zmq.SNDMORE)
+RCVMORE = int(zmq.RCVMORE)
 DISK_FLUSH_NS = 5_000_000
 MIN_TICK_NS = 500_000
 
 
 class StorageServer:
     def __init__(self, zk_hosts: str, settings: ReplicaSettings, data_dir: Path | None,
-                 fsync: str = "interval", host: str = "127.0.0.1", port: int = 0) -> None:
+                 fsync: str = "interval", host: str = "127.0.0.1", port: int = 0, fsync_interval: float = 1.0) -> None:
         self.settings = settings
         self.core = ReplicaCore(settings)
         self.zk = discovery.connect(zk_hosts)
@@ -67,7 +71,8 @@ class StorageServer:
         self.running = True
         self.seglog: SegmentLog | None = None
         if data_dir is not None:
-            self.seglog = SegmentLog(Path(data_dir) / f"shard{settings.shard}-replica{settings.replica}", fsync=fsync)
+            self.seglog = SegmentLog(Path(data_dir) / f"shard{settings.shard}-replica{settings.replica}", fsync=fsync,
+                                     fsync_interval=fsync_interval)
             self.core.replay(self.seglog.load())
             self.seglog.start(self.core.snapshot())
         self._disk_buf: list[tuple[Any, ...]] = []
@@ -84,12 +89,8 @@ class StorageServer:
         self.topology = discovery.Topology(self.zk)
         self.topology.on_change(self._poke)
         self._refresh_peers()
-        # Start from the epoch ZooKeeper holds now; later ones arrive by broadcast.
-        self.zk.sync(discovery.EPOCH_PATH)
-        data, _ = self.zk.get(discovery.EPOCH_PATH) if self.zk.exists(discovery.EPOCH_PATH) else (None, None)
-        cfg = self._config_from(discovery.dec(data)) if data else None
-        if cfg is not None:
-            self._on_epoch(cfg)
+        # Epochs arrive by broadcast; the first one we see is preceded by the ones we
+        # missed, filled in from the membership history (see _on_epoch).
         node = f"{shard_path}/{s.replica}"
         try:
             self.zk.delete(node)  # a stale ephemeral of our previous life
@@ -181,11 +182,15 @@ class StorageServer:
                 for _ in range(256):
                     if not router.getsockopt(zmq.EVENTS) & POLLIN:
                         break
-                    parts = router.recv_multipart()
-                    if len(parts) != 2:
-                        core.error(parts[0], None, wire.E_MALFORMED, f"a request is one frame, got {len(parts) - 1}")
+                    route = router.recv()
+                    frame = router.recv()
+                    if router.getsockopt(zmq.RCVMORE):
+                        extra = 1
+                        while router.getsockopt(zmq.RCVMORE):
+                            router.recv()
+                            extra += 1
+                        core.error(route, None, wire.E_MALFORMED, f"a request is one frame, got {extra + 1}")
                         continue
-                    route, frame = parts
                     try:
                         msg = decode(frame)
                     except wire.ProtocolError as exc:
@@ -253,16 +258,17 @@ class StorageServer:
         for dest, frame in outbox:
             if type(dest) is bytes:
                 try:
-                    router.send_multipart([dest, frame], zmq.NOBLOCK)
+                    router.send(dest, SNDMORE | NOBLOCK)
+                    router.send(frame, NOBLOCK)
                 except zmq.Again:
                     log.warning("dropped a frame to a slow peer")
             elif dest == TO_PRIMARY:
                 if self.dealer is not None:
-                    self.dealer.send(frame, zmq.NOBLOCK)
+                    self.dealer.send(frame, NOBLOCK)
             elif dest == TO_MMS:
                 for sock in self.pushes.values():
                     try:
-                        sock.send(frame, zmq.NOBLOCK)
+                        sock.send(frame, NOBLOCK)
                     except zmq.Again:
                         pass
 
@@ -296,16 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica", type=int, required=True, help="0 is the primary")
     ap.add_argument("--replicas", type=int, default=2, help="replicas per shard (f+1)")
     ap.add_argument("--data-dir", type=Path, default=None, help="where segment files live (none: memory only)")
-    ap.add_argument("--fsync", choices=["never", "interval", "always"], default="interval")
+    ap.add_argument("--fsync", choices=["never", "interval", "always"], default="interval",
+                    help="when segment writes are fsynced (interval: every --fsync-interval seconds)")
+    ap.add_argument("--fsync-interval", type=float, default=1.0)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--noop-timeout-us", type=int, default=1000)
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
+    ap.add_argument("--forward-interval-us", type=int, default=0,
+                    help="batch forwarded decisions for up to this long (fewer messages, later stability)")
+    ap.add_argument("--prefix-interval-us", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
-                               max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000)
-    server = StorageServer(args.zk, settings, args.data_dir, fsync=args.fsync, host=args.host, port=args.port)
+                               max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
+                               forward_interval_ns=args.forward_interval_us * 1000,
+                               prefix_interval_ns=args.prefix_interval_us * 1000)
+    server = StorageServer(args.zk, settings, args.data_dir, fsync=args.fsync, host=args.host, port=args.port,
+                           fsync_interval=args.fsync_interval)
 
     def stop(signum: int, frame: Any) -> None:
         server.running = False
