@@ -148,3 +148,32 @@ def test_errors_are_typed(cluster: ziplog.LocalCluster) -> None:
         with pytest.raises(ziplog.UnknownRecordError):
             c.read_record(RecordId(5, 7))  # no such shard
         assert isinstance(ziplog.TrimmedError("x"), ziplog.ZiplogError)
+
+
+def test_slow_subscriber_memory_is_bounded(cluster: ziplog.LocalCluster) -> None:
+    """Flow control: a subscriber that does not read holds at most its byte credit per
+    shard, however much is written."""
+    from ziplog.client import SUB_CREDIT_BYTES
+    big = b"z" * 65536
+    with cluster.client() as c:
+        first = c.insert_after(b"start")
+        with c.subscribe(first) as sub:
+            assert sub.next(timeout=30) is not None
+            rids = [c.insert_after(big) for _ in range(600)]  # ~39 MiB, far above the credit
+            last = max(rids)
+            peak = 0
+            seen = 0
+            while seen < len(rids):
+                # let everything the servers are willing to send arrive before each read
+                sub._poller.poll(20)
+                for s in list(sub._socks.values()):
+                    sub._drain(s)
+                peak = max(peak, sub._merge.buffered_bytes)
+                rec = sub.next(timeout=30)
+                assert rec is not None
+                if rec.rid in set(rids):
+                    seen += 1
+                if rec.rid == last:
+                    break
+            limit = len(sub._socks) * (SUB_CREDIT_BYTES + len(big) + (1 << 20))
+            assert peak <= limit, (peak, limit)
