@@ -177,6 +177,26 @@ def test_subscribe_recent(cluster: ziplog.LocalCluster, written: dict[RecordId, 
     run(body, cluster)
 
 
+def test_plain_asyncio_loop(cluster: ziplog.LocalCluster, written: dict[RecordId, bytes]) -> None:
+    """The same client on the default event loop (asyncio.run), subscribing with ``await``."""
+    async def main() -> None:
+        c = await AsyncClient.connect(cluster.zk_hosts)
+        try:
+            sub = await c.subscribe(RID_GENESIS)
+            rids = await insert_chains(c, written, tasks=5, per_task=4, tag="plain")
+            assert [await c.read_record(r) for r in rids] == [d for d, _ in rids.values()]
+            missing = set(rids)
+            while missing:
+                rec = await sub.next(timeout=WAIT_S)
+                assert rec is not None, "subscription stalled"
+                missing.discard(rec.rid)
+            await sub.aclose()
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
 def test_close_leaves_no_task_pending(cluster: ziplog.LocalCluster, written: dict[RecordId, bytes]) -> None:
     async def main() -> None:
         me = asyncio.current_task()

@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import os
 import random
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -274,6 +274,14 @@ class AsyncClient:
             r = self._shards[shard] = _AsyncReplicas(self._ctx, addrs)
         return r
 
+    def _refresh(self, shard: int) -> None:
+        """Replace the shard's sockets if its replicas' addresses changed (a replica that is
+        down right now changes nothing: keep sending where it was)."""
+        try:
+            self._replicas(shard)
+        except UnknownRecordError:
+            pass
+
     async def _roundtrip(self, shard: int, make_wait: Callable[[int], Any], frame: bytes, deadline: float,
                          what: str, *, one: bool = False, resend: bool = False) -> Any:
         """Send ``frame`` to every replica of ``shard`` (one random replica if ``one``) and
@@ -299,7 +307,8 @@ class AsyncClient:
                     # Unanswered: resend with the same client id and sequence number; replicas
                     # answer a duplicate with the gsn they already gave it.
                     self.stats["retries"] += 1
-                    await reps.send(frame, only)
+                    self._refresh(shard)  # a restarted replica may listen elsewhere now
+                    await reps.send(frame, only)  # raises _Stale if it does: resend there
                     retry_at = now + RETRY_AFTER_S
             except _Stale:
                 if loop.time() >= deadline:
@@ -403,8 +412,10 @@ class AsyncClient:
 
     # -- subscribe ------------------------------------------------------------------------------
     def subscribe(self, start: RecordId = RID_GENESIS) -> "AsyncSubscription":
-        """Iterate the log in gsn order from ``start`` (inclusive), forever (call it from a
-        coroutine: the subscription's tasks start at once)."""
+        """Iterate the log in gsn order from ``start`` (inclusive), forever. Call it from a
+        coroutine: the subscription's tasks start at once. For RID_RECENT the position is
+        found by a status round trip: ``async with`` or ``await`` the subscription to know
+        it is fixed before inserting what it must see."""
         self._check_open()
         sub = AsyncSubscription(self, start)
         self._subs.append(sub)
@@ -438,6 +449,7 @@ class AsyncSubscription:
         self._readers: dict[int, asyncio.Task[None]] = {}
         self._consumed: dict[int, int] = {}
         self._wake = asyncio.Event()
+        self._positioned = asyncio.Event()  # set once the start position is fixed (or failed)
         self._error: BaseException | None = None
         self._closed = False
         self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep(), name="ziplog-subscription")
@@ -448,6 +460,7 @@ class AsyncSubscription:
             if self.from_gsn == 0:  # RID_RECENT
                 self.from_gsn = await self._client._recent_position()
             self._merge = SubscriberMerge(self.from_gsn)
+            self._positioned.set()
             self._wake.set()
             loop = asyncio.get_running_loop()
             keepalive_at = loop.time() + SUB_KEEPALIVE_S
@@ -499,7 +512,21 @@ class AsyncSubscription:
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
+        self._positioned.set()
         self._wake.set()
+
+    async def ready(self) -> "AsyncSubscription":
+        """Wait until the start position is fixed: immediate, but for RID_RECENT a status
+        round trip. Records inserted after this are seen; ``async with`` and ``await`` of
+        the subscription do this."""
+        if not self._positioned.is_set():
+            await asyncio.wait_for(self._positioned.wait(), self._client.timeout)
+        if self._error is not None and self._merge is None:
+            raise self._error
+        return self
+
+    def __await__(self) -> Any:
+        return self.ready().__await__()
 
     # -- consuming ------------------------------------------------------------------------------
     def __aiter__(self) -> "AsyncSubscription":
@@ -570,7 +597,11 @@ class AsyncSubscription:
             self._client._subs.remove(self)
 
     async def __aenter__(self) -> "AsyncSubscription":
-        return self
+        try:
+            return await self.ready()
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()

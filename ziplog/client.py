@@ -205,8 +205,13 @@ class Client:
             if now >= deadline:
                 raise ZiplogTimeoutError(f"insert on shard {shard} not acknowledged in time")
             # Unanswered: resend with the same client id and sequence number; replicas
-            # answer a duplicate with the gsn they already gave it.
+            # answer a duplicate with the gsn they already gave it. A replica that restarted
+            # has a new address: look it up again.
             self.stats["retries"] += 1
+            try:
+                reps = self._replicas(shard)
+            except UnknownRecordError:
+                pass  # a replica is down right now; keep asking the ones we know
             reps.send_all(frame)
             retry_at = now + RETRY_AFTER_S
         self.stats["fast_path" if wait.fast else "slow_path"] += 1
@@ -323,6 +328,7 @@ class Subscription:
         self._merge = SubscriberMerge(from_gsn)
         self._ctx = client._ctx
         self._socks: dict[int, zmq.Socket] = {}
+        self._addrs: dict[int, str] = {}
         self._sub_id = next(client._req)
         self._poller = zmq.Poller()
         self._consumed: dict[int, int] = {}
@@ -331,19 +337,32 @@ class Subscription:
         self._connect_known()
 
     def _connect_known(self) -> None:
+        """Subscribe on every shard we know of; re-subscribe where a shard's serving
+        replica moved (restarted), from just past what that shard already sent us."""
         topo = self._client.topology
         wanted = set(topo.replica_counts) | self._merge.known_shards()
         for shard in sorted(wanted):
-            if shard in self._socks:
-                continue
             addrs = topo.replica_addrs(shard)
             if addrs is None:
                 continue
+            old = self._socks.get(shard)
+            if old is not None:
+                if self._addrs.get(shard) == addrs[0]:
+                    continue
+                self._poller.unregister(old)
+                old.close(0)
+                del self._socks[shard]
+                resume = self._merge.resume_point(shard)
+            else:
+                resume = None
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addrs[0])
             # 0 asks for the start of the log (no TrimmedError); an explicit position must exist.
             start = self.from_gsn if self._explicit else (0 if self.from_gsn == 1 else self.from_gsn)
+            if resume is not None:
+                start = resume
+            self._addrs[shard] = addrs[0]
             s.send(pack([V, wire.SUBSCRIBE, self._sub_id, start, SUB_CREDIT_BYTES]))
             self._socks[shard] = s
             self._poller.register(s, zmq.POLLIN)

@@ -99,6 +99,12 @@ class SubscriberMerge:
             self.progress[shard] = progress
         self._advance()
 
+    def resume_point(self, shard: int) -> int:
+        """Where to subscribe again on ``shard`` so that nothing it already sent comes twice."""
+        q = self.queues.get(shard)
+        last = q[-1][0] if q else 0
+        return max(last, self.progress.get(shard, 0), self.start - 1) + 1
+
     # -- output -----------------------------------------------------------------------------
     def deliverable(self) -> int:
         """Largest gsn below which every position is decided by every member."""
