@@ -46,3 +46,31 @@ def test_backup_sigkill_and_restart() -> None:
             status = c.status()[0]
             assert status[0]["frontier"] >= acked[-1].gsn and status[1]["frontier"] >= acked[-1].gsn
             sub.close()
+
+
+def test_primary_sigkill_and_restart_never_forks_the_log() -> None:
+    """A primary that comes back with less than its backup holds must not decide again
+    (that would fork the shard): it reports itself blocked, and writers go elsewhere."""
+    with ziplog.local_cluster(shards=2, replicas=2) as cluster:
+        with cluster.client() as c:
+            c.set_policy(Policy.fixed(0))
+            rid = RID_GENESIS
+            acked = []
+            for i in range(200):
+                rid = c.insert_after(b"p-%d" % i, rid)
+                acked.append(rid)
+            cluster.kill_replica(0, 0)
+            cluster.restart_replica(0, 0)
+            c.set_policy(Policy.random())
+            # Writers keep writing: a blocked shard 0 redirects them to shard 1.
+            more = [c.insert_after(b"q-%d" % i) for i in range(50)]
+            assert all(r.shard in (0, 1) for r in more)
+            st = {r["replica"]: r for r in c.status()[0]}
+            if st[0]["blocked"] is None:
+                # It recovered everything it had acknowledged from disk: both replicas agree.
+                assert st[0]["frontier"] >= st[1]["frontier"]
+                for r in acked[::20]:
+                    assert c.read_record(r).startswith(b"p-")
+            else:
+                assert "failure recovery" in st[0]["blocked"]
+                assert all(r.shard == 1 for r in more[-10:])

@@ -41,8 +41,8 @@ class InsertWait:
             return False  # a late answer to an earlier request
         op = msg[1]
         if op == wire.ERROR:
-            if msg[3] == wire.E_NOT_MEMBER and replica == 0:
-                raise Redirect()
+            if msg[3] in (wire.E_NOT_MEMBER, wire.E_NOT_READY) and replica == 0:
+                raise Redirect()  # the shard takes no inserts now: another shard will
             raise from_reply(msg[3], msg[4])
         if op != wire.ACK:
             return False

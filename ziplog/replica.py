@@ -147,6 +147,13 @@ class ReplicaCore:
         self.epoch_start_ns = 0
         self.epoch_count = 0  # records assigned in the current epoch (rate report)
         self.backup_routes: dict[int, bytes] = {}
+        #: A (re)started primary decides nothing until every backup's HELLO shows it is
+        #: not ahead; then the shell replays ``replay_epoch`` (the latest broadcast).
+        self.awaiting_backups: set[int] = set(range(1, settings.replicas)) if settings.is_primary else set()
+        self._stashed_epoch: EpochConfig | None = None
+        self.replay_epoch: EpochConfig | None = None
+        #: Why this primary refuses to decide (it lost state), or None.
+        self.blocked: str | None = None
         self.prefixes: dict[int, int] = {}
         self._fwd_events: list[tuple[Any, ...]] = []
         self._fwd_mark: tuple[int, int] = (0, -1)
@@ -300,6 +307,9 @@ class ReplicaCore:
         return True
 
     def _primary_insert(self, route: bytes, msg: list[Any], now: int) -> None:
+        if self.blocked is not None:
+            self.error(route, msg[2], wire.E_NOT_READY, self.blocked)
+            return
         cfg, cur = self.cur_config, self.cursor
         if not self._check_epoch(route, msg, now, cfg, cur is not None):
             return
@@ -405,18 +415,31 @@ class ReplicaCore:
             self._apply_trim_physically()
 
     def _on_hello(self, route: bytes, msg: list[Any]) -> None:
-        _, _, shard, replica, frontier = msg
+        _, _, shard, replica, frontier, guessed_top = msg
         if not self.is_primary or shard != self.shard or not (1 <= replica < self.s.replicas):
             return
-        if frontier > self.frontier:
-            # The backup holds decisions this primary does not: the primary lost state
-            # (restarted from a disk that lagged). Only failure recovery may reconcile
-            # that; serving on would fork the shard's log.
+        # Guesses above our frontier are normal while we run (inserts in flight); right
+        # after our (re)start they may be acknowledged records we no longer have.
+        starting = replica in self.awaiting_backups
+        if self.blocked is not None or frontier > self.frontier or (starting and guessed_top > self.frontier):
+            # The backup holds decisions (or acked guesses) above everything this primary
+            # knows: the primary lost state (it restarted from a disk that lagged its
+            # memory). A record acknowledged to a client may live only there. Going on
+            # would fork the shard's log, so this primary stops deciding for good; only
+            # failure recovery may reconcile the replicas.
+            if self.blocked is None:
+                self.blocked = (f"backup {replica} is ahead (frontier {frontier}, guesses up to {guessed_top}) "
+                                f"of this primary (frontier {self.frontier}): failure recovery needed")
             self.stats["conflicting_hellos"] = self.stats.get("conflicting_hellos", 0) + 1
-            self.error(route, None, wire.E_NOT_READY, f"backup frontier {frontier} is ahead of primary frontier {self.frontier}")
+            self.error(route, None, wire.E_NOT_READY, self.blocked)
             return
         self.backup_routes[replica] = route
         self.prefixes[replica] = frontier
+        if replica in self.awaiting_backups:
+            self.awaiting_backups.discard(replica)
+            if not self.awaiting_backups and self._stashed_epoch is not None:
+                # Every backup is known to be behind us: safe to decide again.
+                self.replay_epoch, self._stashed_epoch = self._stashed_epoch, None
         # Catch the backup up: everything decided above its frontier.
         events = list(self._stream_after(frontier, self._backup_epoch_hint(frontier)))
         events.append((wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot))
@@ -553,7 +576,9 @@ class ReplicaCore:
         self.outbox.append((TO_PRIMARY, self.hello_frame()))
 
     def hello_frame(self) -> bytes:
-        return pack([V, wire.HELLO, self.shard, self.s.replica, self.frontier])
+        sp = self.spec
+        guessed_top = max(sp.by_gsn, default=0) if sp is not None else 0
+        return pack([V, wire.HELLO, self.shard, self.s.replica, self.frontier, guessed_top])
 
     # ================================================================================
     # epochs
@@ -563,6 +588,11 @@ class ReplicaCore:
         :meth:`on_missed_epochs` first)."""
         if self.is_primary:
             if config.epoch <= self.last_epoch:
+                return
+            if self.awaiting_backups or self.blocked is not None:
+                # Until every backup has said where it is, we cannot know that we did not
+                # lose decisions it holds: decide nothing, not even an epoch's start.
+                self._stashed_epoch = config
                 return
             assert config.epoch == self.last_epoch + 1 or self.last_epoch == -1, ("epoch gap", config.epoch, self.last_epoch)
             self._close_epoch(now)
@@ -591,6 +621,7 @@ class ReplicaCore:
         nothing in them, so they close at once."""
         if not self.is_primary or last <= self.last_epoch:
             return
+        assert not self.awaiting_backups and self.blocked is None, "epochs before the backups said hello"
         self._close_epoch(now)
         first = max(first, self.last_epoch + 1)
         self._apply_epochs(first, last, members)
@@ -808,6 +839,7 @@ class ReplicaCore:
             "records": len(self.gsns),
             "subscriptions": len(self.subs),
             "backups_connected": sorted(self.backup_routes),
+            "blocked": self.blocked,
             **self.stats,
         }
 

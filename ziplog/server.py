@@ -238,6 +238,9 @@ class StorageServer:
             if now >= next_tick:
                 core.tick(now)
                 next_tick = now + MIN_TICK_NS
+            if core.replay_epoch is not None:
+                cfg, core.replay_epoch = core.replay_epoch, None
+                self._on_epoch(cfg)
             core.flush(now)
             if core.outbox:
                 self._send(core.outbox)

@@ -31,8 +31,8 @@ STATUS_OK = 20  # [v, op, req_id, status_map]
 ERROR = 31  # [v, op, req_id, code, message]
 
 # -- replica <-> replica ---------------------------------------------------------------
-HELLO = 32  # [v, op, shard, replica, frontier]          backup -> primary
-FORWARD = 33  # [v, op, stable, events]                  primary -> backup
+HELLO = 32  # [v, op, shard, replica, frontier, guessed_top]  backup -> primary
+FORWARD = 33  # [v, op, stable, [prev_frontier, prev_epoch, events]]  primary -> backup
 PREFIX = 34  # [v, op, replica, frontier]                backup -> primary
 
 # -- membership service ------------------------------------------------------------------
@@ -97,7 +97,7 @@ CLIENT_SCHEMAS: dict[int, tuple[tuple[str, Any], ...]] = {
 }
 
 PEER_SCHEMAS: dict[int, tuple[tuple[str, Any], ...]] = {
-    HELLO: (_U, _U, _U),
+    HELLO: (_U, _U, _U, _U),
     FORWARD: (_U, ("list", lambda x: type(x) is list)),
     PREFIX: (_U, _U),
 }

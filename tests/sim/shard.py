@@ -218,6 +218,12 @@ class ShardSim:
 
     def pump(self, name: str, now: int) -> None:
         core = self.cores[name]
+        if core.replay_epoch is not None:
+            # What the server shell does: the latest stashed epoch, after the ones missed.
+            cfg, core.replay_epoch = core.replay_epoch, None
+            for e in range(core.last_epoch + 1, cfg.epoch):
+                core.on_missed_epochs(e, e, self.configs[e].shards, now)
+            core.on_epoch(cfg, now)
         core.flush(now)
         out, core.outbox = core.outbox, []
         for dest, frame in out:
