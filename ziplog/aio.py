@@ -501,6 +501,7 @@ class AsyncSubscription:
                 msg = unpack(await sock.recv())
                 if msg[1] == wire.SUB_BATCH and msg[2] == self._sub_id:
                     merge.on_batch(shard, msg[3], msg[4], msg[5])
+                    await self._credit(shard, wire.SUB_BATCH_COST)
                     self._wake.set()
                     if merge.known_shards() - set(self._socks):
                         self._connect_known()

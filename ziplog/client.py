@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import threading
 import time
 from typing import Any, Iterator
 
@@ -32,7 +31,11 @@ from .wire import pack, unpack
 RETRY_AFTER_S = 1.0
 POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic costs on the hot path
 SUB_CREDIT_BYTES = 8 << 20
+#: A stable read asks one replica; after this long without an answer it asks all.
+STABLE_READ_WAIT_S = 0.5
 SUB_KEEPALIVE_S = 10.0
+#: Servers drop a subscription silent for this long (ReplicaSettings.subscription_lease_ns).
+SUB_LEASE_S = 50.0
 
 
 class Record:
@@ -110,8 +113,8 @@ class Client:
         self._closed = False
         self._subs: list[Subscription] = []
         self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
-        self._lock = threading.Lock()
         if not self.topology.wait(lambda: bool(self.topology.live_shards()), timeout):
+            self.close()
             raise NoShardAvailableError("no live shard appeared in ZooKeeper")
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -233,11 +236,11 @@ class Client:
             i = self._rng.randrange(len(reps.socks))
             wait = ReadWait(next(self._req), rid.gsn, 1)
             reps.socks[i].send(pack([V, wire.READ, wait.req_id, rid.gsn]))
-            if not reps.collect(wait, deadline, only=i):
-                raise ZiplogTimeoutError(f"read of {rid!r} not answered in time")
-            assert wait.data is not None
-            self._learn_stable(rid.shard, wait.stable)
-            return wait.data
+            if reps.collect(wait, min(deadline, time.monotonic() + STABLE_READ_WAIT_S), only=i):
+                assert wait.data is not None
+                self._learn_stable(rid.shard, wait.stable)
+                return wait.data
+            # That replica is slow or gone: fall through and ask them all.
         # Recent: ask every replica; a stable answer or agreement of all settles it.
         wait = ReadWait(next(self._req), rid.gsn, len(reps.socks))
         reps.send_all(pack([V, wire.READ, wait.req_id, rid.gsn]))
@@ -396,6 +399,10 @@ class Subscription:
             for sock, _ in events:
                 self._drain(sock)
             now = time.monotonic()
+            if now - self._last_keepalive > SUB_LEASE_S:
+                # We were not called for longer than the servers keep a silent subscription:
+                # they may have dropped it. Subscribe again from where each shard left off.
+                self._resubscribe_all()
             if now - self._last_keepalive > SUB_KEEPALIVE_S:
                 self._last_keepalive = now
                 for s in self._socks.values():
@@ -413,10 +420,16 @@ class Subscription:
             msg = unpack(frame)
             if msg[1] == wire.SUB_BATCH and msg[2] == self._sub_id:
                 self._merge.on_batch(shard, msg[3], msg[4], msg[5])
+                self._credit(shard, wire.SUB_BATCH_COST)
             elif msg[1] == wire.ERROR:
                 raise from_reply(msg[3], msg[4])
         if self._merge.known_shards() - set(self._socks):
             self._connect_known()
+
+    def _resubscribe_all(self) -> None:
+        self._last_keepalive = time.monotonic()
+        self._addrs.clear()  # every socket looks moved: _connect_known resumes each shard
+        self._connect_known()
 
     def _credit(self, shard: int, nbytes: int) -> None:
         c = self._consumed.get(shard, 0) + nbytes
@@ -434,7 +447,7 @@ class Subscription:
                 s.send(pack([V, wire.UNSUBSCRIBE, self._sub_id]), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            s.close(0)
+            s.close(linger=200)  # long enough for the UNSUBSCRIBE to leave
         self._socks.clear()
         if self in self._client._subs:
             self._client._subs.remove(self)

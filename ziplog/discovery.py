@@ -98,6 +98,7 @@ class Topology:
         self._listeners.append(fn)
 
     def _changed(self) -> None:
+        self._generation += 1
         self._live = None
         with self._cond:
             self._cond.notify_all()
@@ -166,14 +167,18 @@ class Topology:
 
     # -- queries ------------------------------------------------------------------------------
     _live: list[int] | None = None
+    _generation = 0
 
     def live_shards(self) -> list[int]:
         """Shards in the latest membership whose replicas are all registered (cached until
         ZooKeeper says something changed: this is on every insert's path)."""
         live = self._live
         if live is None:
+            gen = self._generation
             members = self.history[-1][1] if self.history else []
-            live = self._live = [s for s in members if self.shard_complete(s)]
+            live = [s for s in members if self.shard_complete(s)]
+            if gen == self._generation:  # no change raced with us: safe to keep
+                self._live = live
         return live
 
     def shard_complete(self, shard: int) -> bool:

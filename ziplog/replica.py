@@ -792,6 +792,8 @@ class ReplicaCore:
         self._serve(sub)
 
     def _serve(self, sub: Subscription) -> None:
+        if sub.credit <= 0:
+            return  # the subscriber has not caught up: it grants credit as it reads
         limit = self.stable
         i = bisect.bisect_left(self.gsns, max(sub.next_gsn, self.trim_point))
         records: list[list[Any]] = []
@@ -824,6 +826,7 @@ class ReplicaCore:
                 epochs.append([max(first, sub.epoch_sent + 1), min(last, target_epoch), list(members)])
             sub.epoch_sent = target_epoch
         sub.progress_sent = max(progress, sub.progress_sent)
+        sub.credit -= wire.SUB_BATCH_COST
         self.outbox.append((sub.route, pack([V, wire.SUB_BATCH, sub.sub_id, records, epochs, sub.progress_sent])))
 
     # ================================================================================

@@ -60,6 +60,11 @@ E_NOT_READY = "NOT_READY"
 
 MAX_U64 = (1 << 64) - 1
 
+#: Every SUB_BATCH costs this many bytes of the subscriber's credit on top of its
+#: records, so a subscriber that stops reading stops receiving even progress-only
+#: batches: nothing queues up without bound, and nothing is dropped on a full queue.
+SUB_BATCH_COST = 1024
+
 _packer = msgpack.Packer(use_bin_type=True)
 pack = _packer.pack
 

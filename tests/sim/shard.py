@@ -201,6 +201,7 @@ class ShardSim:
                 if msg[1] == wire.SUB_BATCH:
                     m = self.merges[name]
                     m.on_batch(SHARD, msg[3], msg[4], msg[5])
+                    self.send(dst, name, pack([V, wire.CREDIT, 1, wire.SUB_BATCH_COST]))
                     while (item := m.pop()) is not None:
                         self.delivered[name].append((item[0], item[2]))
                         # grant the credit back, as the real subscriber does
