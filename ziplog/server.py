@@ -76,6 +76,7 @@ class StorageServer:
             self.core.replay(self.seglog.load())
             self.seglog.start(self.core.snapshot())
         self._disk_buf: list[tuple[Any, ...]] = []
+        self._dropped_below = 0
         self._last_disk_ns = 0
 
     # -- start-up ---------------------------------------------------------------------------
@@ -283,6 +284,12 @@ class StorageServer:
         self.seglog.append(self._disk_buf, core.snapshot())
         self._disk_buf = []
         self._last_disk_ns = now
+        # Trimmed and stable: whole segment files below that point can go (every segment
+        # opens with a snapshot, so recovery never needs an older one).
+        cut = min(core.trim_point, core.stable + 1)
+        if cut > self._dropped_below:
+            self.seglog.drop_below(cut)
+            self._dropped_below = cut
 
     def close(self) -> None:
         if self.seglog is not None:
