@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import zmq
-from kazoo.exceptions import BadVersionError, NodeExistsError
+from kazoo.exceptions import NodeExistsError
 from kazoo.protocol.states import KazooState
 
 from ziplog import discovery, wire

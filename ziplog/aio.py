@@ -21,9 +21,6 @@ blocking client.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
-import random
 from typing import Any, Callable, Coroutine, TypeVar
 
 import zmq
@@ -31,7 +28,7 @@ import zmq.asyncio
 
 from . import discovery, wire
 from .client import RETRY_AFTER_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Client, Record
-from .client_core import InsertWait, ReadWait, Redirect
+from .client_core import ClientIdentity, InsertWait, ReadWait, Redirect
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError,
                      from_reply)
 from .merge import SubscriberMerge
@@ -167,19 +164,14 @@ class _AsyncReplicas:
         self.pending.clear()
 
 
-class AsyncClient:
+class AsyncClient(ClientIdentity):
     """An asyncio ziplog client. Start it with ``await AsyncClient.connect(...)`` or
     ``async with AsyncClient(...)``; any number of tasks of one event loop may use it."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
                  client_id: int | None = None) -> None:
         self.zk_hosts = zk_hosts
-        self.timeout = timeout
-        self._policy = policy or Policy.random()
-        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(8), "big") >> 1
-        self._seq = itertools.count(1)
-        self._req = itertools.count(1)
-        self._rng = random.Random()
+        self._init_identity(timeout, policy, client_id)
         self._zk: Any = None
         self.topology: discovery.Topology | None = None
         self._ctx: zmq.asyncio.Context | None = None

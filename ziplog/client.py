@@ -9,18 +9,15 @@ path; otherwise a backup re-acked after the primary's forward (slow path).
 
 from __future__ import annotations
 
-import itertools
-import os
-import random
 import time
 from typing import Any, Iterator
 
 import zmq
 
 from . import discovery, wire
-from .errors import (ClientClosedError, NoShardAvailableError, NotFoundError, UnknownRecordError, ZiplogError,
+from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
-from .client_core import InsertWait, ReadWait, Redirect
+from .client_core import ClientIdentity, InsertWait, ReadWait, Redirect
 from .merge import SubscriberMerge
 from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
 from .wire import PROTOCOL_VERSION as V
@@ -94,17 +91,12 @@ class _Replicas:
             s.close(0)
 
 
-class Client:
+class Client(ClientIdentity):
     """A ziplog client. Thread-compatible, not thread-safe: use one per thread."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
                  client_id: int | None = None) -> None:
-        self.timeout = timeout
-        self._policy = policy or Policy.random()
-        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(8), "big") >> 1
-        self._seq = itertools.count(1)
-        self._req = itertools.count(1)
-        self._rng = random.Random()
+        self._init_identity(timeout, policy, client_id)
         self._zk = discovery.connect(zk_hosts)
         self.topology = discovery.Topology(self._zk)
         self._ctx = zmq.Context()

@@ -6,10 +6,27 @@ the clients only move frames between these and their sockets.
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
 from typing import Any
 
 from . import wire
 from .errors import ZiplogError, from_reply
+from .types import Policy
+
+
+class ClientIdentity:
+    """What both clients keep per instance. The client id and per-insert sequence numbers
+    make a resent insert recognisable, so a retry never stores a record twice."""
+
+    def _init_identity(self, timeout: float, policy: Policy | None, client_id: int | None) -> None:
+        self.timeout = timeout
+        self._policy = policy or Policy.random()
+        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(8), "big") >> 1
+        self._seq = itertools.count(1)
+        self._req = itertools.count(1)
+        self._rng = random.Random()
 
 
 class Redirect(Exception):

@@ -18,8 +18,6 @@ from typing import Any, Iterator
 
 import subprocess
 
-from kazoo.exceptions import NodeExistsError
-
 from . import discovery, procs, wire
 from .zk_ensemble import ZooKeeperEnsemble
 

@@ -115,6 +115,8 @@ class Speculation:
     by_key: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> guessed gsn
     by_gsn: dict[int, tuple[int, int]] = field(default_factory=dict)  # guessed gsn -> key
     slot_of: dict[int, int] = field(default_factory=dict)  # guessed gsn -> slot
+    #: guessed gsn -> record: a guess acked to a client is state failure recovery must see
+    data: dict[int, bytes] = field(default_factory=dict)
 
     def resync(self, primary_next_slot: int) -> None:
         """Follow the primary's slot pointer, backwards too: a guess the primary did not
@@ -357,6 +359,7 @@ class ReplicaCore:
         sp.by_key[key] = gsn
         sp.by_gsn[gsn] = key
         sp.slot_of[gsn] = k
+        sp.data[gsn] = data
         self.stats["fast_acks"] += 1
         self._ack(route, req_id, gsn, False)
 
@@ -546,10 +549,12 @@ class ReplicaCore:
             if guessed is not None:
                 sp.by_gsn.pop(guessed, None)
                 sp.slot_of.pop(guessed, None)
+                sp.data.pop(guessed, None)
             other = sp.by_gsn.pop(gsn, None)
             if other is not None and other != key:
                 sp.by_key.pop(other, None)  # displaced: the primary will place it
                 sp.slot_of.pop(gsn, None)
+                sp.data.pop(gsn, None)
             if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
                 sp.next_slot = slot + 1
         else:
@@ -567,6 +572,7 @@ class ReplicaCore:
             key = sp.by_gsn.pop(g)
             sp.by_key.pop(key, None)
             sp.slot_of.pop(g, None)
+            sp.data.pop(g, None)
 
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until

@@ -25,7 +25,7 @@ import zmq
 from kazoo.exceptions import NodeExistsError
 
 from . import discovery, wire
-from .gsna import EpochConfig, epoch_base
+from .gsna import EpochConfig
 from .replica import EV_STABLE, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
 from .segments import SegmentLog
 

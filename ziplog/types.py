@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+import random as _random
 import zlib
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -45,7 +45,7 @@ class Policy:
         so equal keys land on the same shard while the shard set is unchanged."""
         return Policy("key")
 
-    def choose(self, live: Sequence[int], key: bytes | None, data: bytes, rng: random.Random) -> int | None:
+    def choose(self, live: Sequence[int], key: bytes | None, data: bytes, rng: _random.Random) -> int | None:
         if not live:
             return None
         if self.kind == "fixed":
