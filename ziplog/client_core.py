@@ -74,6 +74,13 @@ class InsertWait:
         self.latest[replica] = gsn
         return self.done
 
+    def settled(self, replica: int) -> bool:
+        """Nothing more is needed from ``replica`` (for the primary: its decision; for a
+        backup: an ack equal to it)."""
+        if replica == 0:
+            return self.decided is not None
+        return self.decided is not None and self.latest[replica] == self.decided
+
     @property
     def done(self) -> bool:
         d = self.decided
