@@ -2,12 +2,13 @@
 
 Layout (all values msgpack)::
 
-    /ziplog/epoch                     current epoch config {epoch, shards, rates}
+    /ziplog/epoch                     committed block {epoch, last, shards, rates}:
+                                      epochs epoch..last all have this config
     /ziplog/membership                history [[first_epoch, members], ...]
     /ziplog/mms/election              leader election (kazoo Election)
     /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
-    /ziplog/shards/<shard>            {replicas: n}  (persistent: the shard exists)
-    /ziplog/shards/<shard>/<replica>  ephemeral {addr}  (the replica is up)
+    /ziplog/shards/<shard>            {replicas: n[, removed: true]}  (persistent: the shard exists)
+    /ziplog/shards/<shard>/<replica>  ephemeral {addr, pid}  (the replica is up; 0 is the primary)
 
 Every process finds every address here; nothing is configured by hand.
 """

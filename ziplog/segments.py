@@ -1,17 +1,22 @@
 """Append-only segment files holding a replica's decided stream.
 
-Events (msgpack arrays, see ``wire.EV_*``) are appended in batches by a writer
-thread, off the ack path: the server acks before the record reaches disk (as
-the dissertation argues, f+1 replicas in memory survive f failures), and
-batching turns many small writes into one. ``fsync`` policy:
+Events (msgpack arrays, see ``wire.EV_*``) are appended in batches by the
+server's loop thread after the acks went out: the server acks before the
+record reaches disk (as the dissertation argues, f+1 replicas in memory survive
+f failures), and batching turns many small writes into one. A write only
+reaches the OS; fsync, which can take milliseconds, runs on a helper thread.
+``fsync`` policy:
 
 * ``never``    - leave it to the OS (fastest; survives process crashes, not power loss)
-* ``interval`` - fsync at most every ``fsync_interval`` seconds (default)
-* ``always``   - fsync every batch before the loop serves anything else
+* ``interval`` - the helper thread fsyncs at most every ``fsync_interval`` seconds
+  (the default policy; ``ziplog.server`` defaults to 1 s)
+* ``always``   - fsync every batch on the writing thread before it continues
 
 Each segment starts with a snapshot event (membership history, frontier,
-stable, trim point) so older segments can be deleted after a trim without
-losing what recovery needs. A torn write at the tail (crash mid-append) is
+stable, trim point), so recovery never needs an older segment:
+:meth:`SegmentLog.drop_below` deletes whole segments (never the current one)
+whose records all lie below a gsn; the server calls it with
+min(trim point, stable + 1). A torn write at the tail (crash mid-append) is
 detected on load and cut off.
 """
 
