@@ -74,3 +74,56 @@ def test_primary_sigkill_and_restart_never_forks_the_log() -> None:
             else:
                 assert "failure recovery" in st[0]["blocked"]
                 assert all(r.shard == 1 for r in more[-10:])
+
+
+def test_subscribers_follow_a_restarted_serving_replica() -> None:
+    """Both clients' subscriptions resubscribe when the replica they read from moves."""
+    import asyncio
+
+    from ziplog import aio
+    with ziplog.local_cluster(shards=2, replicas=2) as cluster:
+        with cluster.client() as c, cluster.client() as reader:
+            sub = reader.subscribe(RID_GENESIS)
+            rid = c.insert_after(b"first")
+            assert sub.next(timeout=30).rid == rid
+            later: list = []
+            started, restarted = threading.Event(), threading.Event()
+            async_seen: list = []
+            errors: list = []
+
+            async def follow() -> None:
+                async with aio.AsyncClient(cluster.zk_hosts) as ac:
+                    async with ac.subscribe(RID_GENESIS) as asub:
+                        rec = await asyncio.wait_for(asub.next(), 60)
+                        async_seen.append(rec.rid)
+                        started.set()
+                        while not (restarted.is_set() and later and set(later) <= set(async_seen)):
+                            rec = await asyncio.wait_for(asub.next(), 60)
+                            async_seen.append(rec.rid)
+
+            def run() -> None:
+                try:
+                    aio.run(follow())
+                except BaseException as exc:  # surfaced below
+                    errors.append(exc)
+
+            t = threading.Thread(target=run)
+            t.start()
+            assert started.wait(60)
+            # Restart shard 1's primary (the replica subscriptions read from) gracefully, so
+            # it comes back with everything it had and resumes deciding.
+            cluster.restart_replica(1, 0)
+            cluster.wait_ready([0, 1])
+            c.set_policy(Policy.fixed(1))
+            later.extend(c.insert_after(b"later-%d" % i) for i in range(20))
+            restarted.set()
+            seen = []
+            while not set(later) <= set(seen):
+                rec = sub.next(timeout=60)
+                assert rec is not None, "the subscription did not follow the restarted replica"
+                seen.append(rec.rid)
+            assert seen == sorted(seen)
+            t.join(90)
+            assert not errors, errors
+            assert async_seen == sorted(async_seen) and set(later) <= set(async_seen)
+            sub.close()

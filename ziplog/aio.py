@@ -438,6 +438,7 @@ class AsyncSubscription:
         self.from_gsn = 0 if start == RID_RECENT else max(start.gsn, 1)
         self._merge: SubscriberMerge | None = None
         self._socks: dict[int, zmq.asyncio.Socket] = {}
+        self._addrs: dict[int, str] = {}
         self._readers: dict[int, asyncio.Task[None]] = {}
         self._consumed: dict[int, int] = {}
         self._wake = asyncio.Event()
@@ -471,23 +472,35 @@ class AsyncSubscription:
         topo = self._client.topology
         assert topo is not None and self._client._ctx is not None
         for shard in sorted(set(topo.replica_counts) | self._merge.known_shards()):
-            if shard in self._socks or self._closed:
-                continue
+            if self._closed:
+                return
             addrs = topo.replica_addrs(shard)
             if addrs is None:
                 continue
+            resume = None
+            if shard in self._socks:
+                if self._addrs.get(shard) == addrs[0]:
+                    continue
+                # The shard's serving replica moved (restarted): drop the old stream and
+                # subscribe again from just past what that shard already sent.
+                self._readers.pop(shard).cancel()  # its done-callback closes the old socket
+                del self._socks[shard]
+                resume = self._merge.resume_point(shard)
             s = self._client._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addrs[0])
             self._socks[shard] = s
-            self._readers[shard] = _spawn(self._pump(shard, s), s, f"ziplog-subscription-shard{shard}")
+            self._addrs[shard] = addrs[0]
+            self._readers[shard] = _spawn(self._pump(shard, s, resume), s, f"ziplog-subscription-shard{shard}")
 
-    async def _pump(self, shard: int, sock: zmq.asyncio.Socket) -> None:
+    async def _pump(self, shard: int, sock: zmq.asyncio.Socket, resume: int | None = None) -> None:
         merge = self._merge
         assert merge is not None
         try:
             # 0 asks for the start of the log (no TrimmedError); an explicit position must exist.
             start = self.from_gsn if self._explicit else (0 if self.from_gsn == 1 else self.from_gsn)
+            if resume is not None:
+                start = resume
             await sock.send(pack([V, wire.SUBSCRIBE, self._sub_id, start, SUB_CREDIT_BYTES]))
             while True:
                 msg = unpack(await sock.recv())

@@ -31,7 +31,8 @@ SUB_CREDIT_BYTES = 8 << 20
 #: A stable read asks one replica; after this long without an answer it asks all.
 STABLE_READ_WAIT_S = 0.5
 SUB_KEEPALIVE_S = 10.0
-#: Servers drop a subscription silent for this long (ReplicaSettings.subscription_lease_ns).
+#: Resubscribe when not called for this long: a little under the servers' lease on a
+#: silent subscription (ReplicaSettings.subscription_lease_ns, 60 s).
 SUB_LEASE_S = 50.0
 
 
@@ -341,6 +342,8 @@ class Subscription:
         self._poller = zmq.Poller()
         self._consumed: dict[int, int] = {}
         self._last_keepalive = time.monotonic()
+        self._last_call = time.monotonic()
+        self._topology_seen = client.topology._generation
         self._closed = False
         self._connect_known()
 
@@ -386,9 +389,19 @@ class Subscription:
     def next(self, timeout: float | None = None) -> Record | None:
         """The next record, or None if none arrives within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        if now - self._last_call > SUB_LEASE_S:
+            # We were not called for longer than the servers keep a silent subscription:
+            # they may have dropped it. Subscribe again from where each shard left off.
+            self._resubscribe_all()
+        self._last_call = now
         while True:
             if self._closed:
                 raise ClientClosedError("subscription is closed")
+            if self._client.topology._generation != self._topology_seen:
+                # Something moved in ZooKeeper (a replica restarted, a shard joined).
+                self._topology_seen = self._client.topology._generation
+                self._connect_known()
             item = self._merge.pop()
             if item is not None:
                 gsn, shard, data = item
@@ -404,10 +417,6 @@ class Subscription:
             for sock, _ in events:
                 self._drain(sock)
             now = time.monotonic()
-            if now - self._last_keepalive > SUB_LEASE_S:
-                # We were not called for longer than the servers keep a silent subscription:
-                # they may have dropped it. Subscribe again from where each shard left off.
-                self._resubscribe_all()
             if now - self._last_keepalive > SUB_KEEPALIVE_S:
                 self._last_keepalive = now
                 for s in self._socks.values():

@@ -30,7 +30,8 @@ class ClientIdentity:
 
 
 class Redirect(Exception):
-    """The shard takes no inserts in its current epoch: try another shard."""
+    """The shard takes no inserts now (not a member of its epoch, or its primary is
+    blocked awaiting failure recovery): try another shard."""
 
 
 class InsertWait:

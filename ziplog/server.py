@@ -142,6 +142,11 @@ class StorageServer:
     def _on_epoch(self, cfg: EpochConfig) -> None:
         core = self.core
         now = time.monotonic_ns()
+        if core.is_primary and (core.awaiting_backups or core.blocked is not None):
+            # Not deciding yet (or ever): the core keeps the latest broadcast and hands it
+            # back as replay_epoch once every backup has said hello; gaps are filled then.
+            core.on_epoch(cfg, now)
+            return
         if core.is_primary:
             if cfg.epoch <= core.last_epoch:
                 return
@@ -253,7 +258,7 @@ class StorageServer:
                 if self._disk_buf and now - self._last_disk_ns >= DISK_FLUSH_NS:
                     self._flush_disk(now)
                 if self.seglog.error is not None:
-                    raise RuntimeError("segment writer failed") from self.seglog.error
+                    raise RuntimeError("segment fsync failed") from self.seglog.error
             else:
                 core.disk.clear()
 
