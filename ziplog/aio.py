@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from . import discovery, wire
-from .client import RETRY_AFTER_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Client, Record
+from .client import RETRY_AFTER_S, STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Client, Record
 from .client_core import ClientIdentity, InsertWait, ReadWait, Redirect
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError,
                      from_reply)
@@ -352,14 +352,27 @@ class AsyncClient(ClientIdentity):
         self._check_open()
         if rid.gsn <= 0 or rid.shard < 0:
             raise UnknownRecordError(f"{rid!r} names no record")
-        deadline = asyncio.get_running_loop().time() + self.timeout
+        now = asyncio.get_running_loop().time()
+        deadline = now + self.timeout
+        # Stable: every replica holds it, so one answer suffices (and spreads the load); if
+        # that replica is slow or gone, ask them all. Recent: ask every replica; a stable
+        # answer or agreement of all settles it.
+        if rid.gsn <= self._stable.get(rid.shard, 0):
+            req_id = next(self._req)
+            try:
+                wait: ReadWait = await self._roundtrip(
+                    rid.shard, lambda n: ReadWait(req_id, rid.gsn, 1),
+                    pack([V, wire.READ, req_id, rid.gsn]), min(deadline, now + STABLE_READ_WAIT_S),
+                    f"read of {rid!r}", one=True)
+                assert wait.data is not None
+                self._learn_stable(rid.shard, wait.stable)
+                return wait.data
+            except ZiplogTimeoutError:
+                pass
         req_id = next(self._req)
-        # Stable: every replica holds it, so one answer suffices (and spreads the load).
-        # Recent: ask every replica; a stable answer or agreement of all settles it.
-        one = rid.gsn <= self._stable.get(rid.shard, 0)
-        wait: ReadWait = await self._roundtrip(
-            rid.shard, lambda n: ReadWait(req_id, rid.gsn, 1 if one else n),
-            pack([V, wire.READ, req_id, rid.gsn]), deadline, f"read of {rid!r}", one=one)
+        wait = await self._roundtrip(
+            rid.shard, lambda n: ReadWait(req_id, rid.gsn, n),
+            pack([V, wire.READ, req_id, rid.gsn]), deadline, f"read of {rid!r}", one=False)
         assert wait.data is not None
         self._learn_stable(rid.shard, wait.stable)
         return wait.data
