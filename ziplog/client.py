@@ -55,6 +55,7 @@ class _Replicas:
 
     def __init__(self, ctx: zmq.Context, addrs: list[str]) -> None:
         self.addrs = addrs
+        self.generation = -1  # Topology generation these addresses were checked against
         self.socks: list[zmq.Socket] = []
         for a in addrs:
             s = ctx.socket(zmq.DEALER)
@@ -158,6 +159,10 @@ class Client(ClientIdentity):
         self._policy = policy
 
     def _replicas(self, shard: int) -> _Replicas:
+        r = self._shards.get(shard)
+        gen = self.topology._generation  # read first: a change racing with us shows next time
+        if r is not None and r.generation == gen:
+            return r  # nothing changed in ZooKeeper since we last looked
         addrs = self.topology.replica_addrs(shard)
         if addrs is None:
             raise UnknownRecordError(f"shard {shard} is unknown or not all of its replicas are up")
@@ -167,6 +172,7 @@ class Client(ClientIdentity):
                 r.close()
             r = _Replicas(self._ctx, addrs)
             self._shards[shard] = r
+        r.generation = gen
         return r
 
     def live_shards(self) -> list[int]:
