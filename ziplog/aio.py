@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from . import discovery, wire
-from .client import RETRY_AFTER_S, STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Client, Record
-from .client_core import ClientIdentity, InsertWait, ReadWait, Redirect
+from .client import RETRY_AFTER_S, STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Record
+from .client_core import ClientCommon, InsertWait, ReadWait, Redirect
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError,
                      from_reply)
 from .merge import SubscriberMerge
@@ -164,7 +164,7 @@ class _AsyncReplicas:
         self.pending.clear()
 
 
-class AsyncClient(ClientIdentity):
+class AsyncClient(ClientCommon):
     """An asyncio ziplog client. Start it with ``await AsyncClient.connect(...)`` or
     ``async with AsyncClient(...)``; any number of tasks of one event loop may use it."""
 
@@ -177,7 +177,6 @@ class AsyncClient(ClientIdentity):
         self._ctx: zmq.asyncio.Context | None = None
         self._shards: dict[int, _AsyncReplicas] = {}
         self._retired: set[asyncio.Task[None]] = set()  # readers of replaced sockets, still ending
-        self._stable: dict[int, int] = {}
         self._subs: list[AsyncSubscription] = []
         self._closed = False
         self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
@@ -247,9 +246,6 @@ class AsyncClient(ClientIdentity):
             raise ClientClosedError("client is not connected: use `await AsyncClient.connect(...)` or `async with`")
 
     # -- routing (the blocking client's, shared) ------------------------------------------------
-    set_policy = Client.set_policy
-    live_shards = Client.live_shards
-    _learn_stable = Client._learn_stable
 
     def _replicas(self, shard: int) -> _AsyncReplicas:
         assert self.topology is not None and self._ctx is not None

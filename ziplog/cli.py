@@ -119,7 +119,7 @@ def _client(args: argparse.Namespace) -> Any:
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     from .cluster import local_cluster
 
-    stopping = []
+    stopping: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
         # The first Ctrl-C/SIGTERM unwinds into local_cluster's cleanup; later ones must not interrupt it.

@@ -17,7 +17,7 @@ import zmq
 from . import discovery, wire
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
-from .client_core import ClientIdentity, InsertWait, ReadWait, Redirect
+from .client_core import ClientCommon, InsertWait, ReadWait, Redirect
 from .merge import SubscriberMerge
 from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
 from .wire import PROTOCOL_VERSION as V
@@ -69,9 +69,13 @@ class _Replicas:
         self.index = {s: i for i, s in enumerate(self.socks)}
 
     def send_all(self, frame: bytes) -> None:
-        copy = len(frame) < 65536  # zero-copy only pays off for large frames
-        for s in self.socks:
-            s.send(frame, copy=copy)
+        # zero-copy only pays off for large frames
+        if len(frame) < 65536:
+            for s in self.socks:
+                s.send(frame)
+        else:
+            for s in self.socks:
+                s.send(frame, copy=False)
 
     def collect_insert(self, wait: InsertWait, until: float) -> bool:
         """Feed acks into ``wait`` replica by replica: the primary's decision first, then
@@ -106,7 +110,7 @@ class _Replicas:
             s.close(0)
 
 
-class Client(ClientIdentity):
+class Client(ClientCommon):
     """A ziplog client. Thread-compatible, not thread-safe: use one per thread."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
@@ -116,7 +120,6 @@ class Client(ClientIdentity):
         self.topology = discovery.Topology(self._zk)
         self._ctx = zmq.Context()
         self._shards: dict[int, _Replicas] = {}
-        self._stable: dict[int, int] = {}
         self._closed = False
         self._subs: list[Subscription] = []
         self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
@@ -151,13 +154,6 @@ class Client(ClientIdentity):
             raise ClientClosedError("client is closed")
 
     # -- routing --------------------------------------------------------------------------------
-    def set_policy(self, policy: Policy) -> None:
-        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
-        Policy.by_key()."""
-        if not isinstance(policy, Policy):
-            raise TypeError("policy must be a ziplog.Policy")
-        self._policy = policy
-
     def _replicas(self, shard: int) -> _Replicas:
         r = self._shards.get(shard)
         gen = self.topology._generation  # read first: a change racing with us shows next time
@@ -174,9 +170,6 @@ class Client(ClientIdentity):
             self._shards[shard] = r
         r.generation = gen
         return r
-
-    def live_shards(self) -> list[int]:
-        return self.topology.live_shards()
 
     # -- insert ---------------------------------------------------------------------------------
     def insert_after(self, data: bytes, after: RecordId = RID_GENESIS, *, key: bytes | None = None) -> RecordId:
@@ -261,11 +254,6 @@ class Client(ClientIdentity):
         assert wait.data is not None
         self._learn_stable(rid.shard, wait.stable)
         return wait.data
-
-    def _learn_stable(self, shard: int, stable: int) -> None:
-        """Replies carry the replica's stable watermark; reads at or below it need one replica."""
-        if stable > self._stable.get(shard, 0):
-            self._stable[shard] = stable
 
     def _await(self, sock: zmq.Socket, req_id: int, deadline: float) -> list[Any]:
         while True:

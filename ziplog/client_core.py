@@ -16,9 +16,28 @@ from .errors import ZiplogError, from_reply
 from .types import Policy
 
 
-class ClientIdentity:
-    """What both clients keep per instance. The client id and per-insert sequence numbers
-    make a resent insert recognisable, so a retry never stores a record twice."""
+class ClientCommon:
+    """What both clients keep per instance, and the calls that need no I/O. The client id
+    and per-insert sequence numbers make a resent insert recognisable, so a retry never
+    stores a record twice."""
+
+    topology: Any
+
+    def set_policy(self, policy: Policy) -> None:
+        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
+        Policy.by_key()."""
+        if not isinstance(policy, Policy):
+            raise TypeError("policy must be a ziplog.Policy")
+        self._policy = policy
+
+    def live_shards(self) -> list[int]:
+        """Shards in the current membership with every replica up."""
+        return list(self.topology.live_shards())
+
+    def _learn_stable(self, shard: int, stable: int) -> None:
+        """Replies carry the replica's stable watermark; reads at or below it need one replica."""
+        if stable > self._stable.get(shard, 0):
+            self._stable[shard] = stable
 
     def _init_identity(self, timeout: float, policy: Policy | None, client_id: int | None) -> None:
         self.timeout = timeout
@@ -27,6 +46,7 @@ class ClientIdentity:
         self._seq = itertools.count(1)
         self._req = itertools.count(1)
         self._rng = random.Random()
+        self._stable: dict[int, int] = {}
 
 
 class Redirect(Exception):

@@ -695,8 +695,8 @@ class ReplicaCore:
             # Inserts the primary never decided (it refused them, or the client gave up).
             self._pending_pruned_ns = now
             old = now - 10 * self.s.park_timeout_ns
-            for key in [k for k, v in self.pending_routes.items() if v[2] < old]:
-                del self.pending_routes[key]
+            for pkey in [k for k, v in self.pending_routes.items() if v[2] < old]:
+                del self.pending_routes[pkey]
         if self.subs:
             for key, sub in list(self.subs.items()):
                 if now - sub.last_heard_ns > self.s.subscription_lease_ns:

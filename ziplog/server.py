@@ -186,7 +186,7 @@ class StorageServer:
                 # EVENTS before each recv instead of catching zmq.Again: an exception per
                 # drained socket costs more than the request itself.
                 for _ in range(256):
-                    if not router.getsockopt(zmq.EVENTS) & POLLIN:
+                    if not int(router.getsockopt(zmq.EVENTS)) & POLLIN:
                         break
                     route = router.recv()
                     frame = router.recv()
@@ -211,7 +211,7 @@ class StorageServer:
             dealer = self.dealer
             if dealer is not None and dealer in events:
                 for _ in range(256):
-                    if not dealer.getsockopt(zmq.EVENTS) & POLLIN:
+                    if not int(dealer.getsockopt(zmq.EVENTS)) & POLLIN:
                         break
                     frame = dealer.recv()
                     try:
