@@ -1,0 +1,73 @@
+"""Micro-benchmarks of the hot paths (pytest-benchmark).
+
+    .venv/bin/python -m pytest bench/micro.py --benchmark-only
+
+Not part of ``make test``: numbers, not verdicts. Compare runs side by side
+(``--benchmark-save`` / ``--benchmark-compare``), never a lone figure.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from ziplog import wire
+from ziplog.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base
+from ziplog.merge import SubscriberMerge
+from ziplog.replica import ReplicaCore, ReplicaSettings
+
+V = wire.PROTOCOL_VERSION
+DATA = b"x" * 4096
+
+
+@pytest.mark.parametrize("shards", [2, 100])
+def test_slot_walk(benchmark: Any, shards: int) -> None:
+    cfg = EpochConfig(1, tuple(range(shards)), tuple(1000 + 7 * i for i in range(shards)))
+
+    def walk() -> None:
+        cur = SlotCursor(EpochSchedule(cfg), 0)
+        for k in range(200):
+            cur.gsn(k)
+    benchmark(walk)
+
+
+def test_first_slot_after(benchmark: Any) -> None:
+    sched = EpochSchedule(EpochConfig(1, (0, 1, 2, 3), (5000, 3000, 200, 200)))
+    benchmark(sched.first_slot_after, 2, epoch_base(1) + 123_456)
+
+
+def test_decode_insert(benchmark: Any) -> None:
+    frame = wire.pack([V, wire.INSERT, 1, 2, 3, 4, DATA])
+    benchmark(wire.decode_request, frame)
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_replica_insert(benchmark: Any, replica: int) -> None:
+    core = ReplicaCore(ReplicaSettings(0, replica, 2))
+    if replica == 0:
+        core._on_hello(b"b", [V, wire.HELLO, 0, 1, 0, 0])
+    core.on_epoch(EpochConfig(0, (0, 1), (1_000_000, 1_000_000)), 0)
+    seq = itertools.count(1)
+
+    def insert() -> None:
+        n = next(seq)
+        core.on_request(b"c", [V, wire.INSERT, n, 9, n, 0, DATA], 0)
+        core.flush(0)
+        core.outbox.clear()
+        core.disk.clear()
+    benchmark(insert)
+
+
+def test_merge_two_shards(benchmark: Any) -> None:
+    def run() -> None:
+        m = SubscriberMerge(1)
+        b = epoch_base(0)
+        m.on_batch(0, [], [[0, 0, [0, 1]]], 0)
+        for i in range(0, 200, 2):
+            m.on_batch(0, [[b + i, DATA]], [], b + i)
+            m.on_batch(1, [[b + i + 1, DATA]], [], b + i + 1)
+            while m.pop() is not None:
+                pass
+    benchmark(run)
