@@ -105,6 +105,13 @@ class ParkedRequest:
 
 
 @dataclass
+class Guess:
+    key: tuple[int, int]  # (client id, seq)
+    slot: int
+    data: bytes
+
+
+@dataclass
 class Speculation:
     """A backup's guesses for the current epoch: what it acked but the primary has not
     yet decided."""
@@ -113,17 +120,26 @@ class Speculation:
     cursor: SlotCursor | None  # None when this shard is not a member
     next_slot: int = 0
     by_key: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> guessed gsn
-    by_gsn: dict[int, tuple[int, int]] = field(default_factory=dict)  # guessed gsn -> key
-    slot_of: dict[int, int] = field(default_factory=dict)  # guessed gsn -> slot
-    #: guessed gsn -> record: a guess acked to a client is state failure recovery must see
-    data: dict[int, bytes] = field(default_factory=dict)
+    #: guessed gsn -> the guess; its record is kept because a guess acked to a client is
+    #: state failure recovery must see
+    by_gsn: dict[int, Guess] = field(default_factory=dict)
+
+    def add(self, gsn: int, key: tuple[int, int], slot: int, data: bytes) -> None:
+        self.by_key[key] = gsn
+        self.by_gsn[gsn] = Guess(key, slot, data)
+
+    def forget(self, gsn: int) -> None:
+        """Drop the guess at ``gsn`` (confirmed, or displaced by the primary's decision)."""
+        g = self.by_gsn.pop(gsn, None)
+        if g is not None:
+            self.by_key.pop(g.key, None)
 
     def resync(self, primary_next_slot: int) -> None:
         """Follow the primary's slot pointer, backwards too: a guess the primary did not
         take (a record it placed elsewhere, an epoch switch seen at different moments)
         must not leave us one slot off for the rest of the epoch. Never below a slot
         still held by an outstanding guess, so no two guesses share a gsn."""
-        top = max(self.slot_of.values(), default=-1) + 1
+        top = max((g.slot for g in self.by_gsn.values()), default=-1) + 1
         self.next_slot = max(primary_next_slot, top)
 
 
@@ -160,7 +176,7 @@ class ReplicaCore:
         self._fwd_events: list[tuple[Any, ...]] = []
         self._fwd_mark: tuple[int, int] = (0, -1)
         self._stable_sent = 0
-        self._last_stable_push_ns = 0
+        self._last_forward_ns = 0
         # -- backup state ---------------------------------------------------------------
         self.spec: Speculation | None = None
         self.pending_routes: dict[tuple[int, int], tuple[bytes, int, int]] = {}
@@ -356,10 +372,7 @@ class ReplicaCore:
             return  # no room left in this epoch by our reckoning: wait for the decision
         gsn = cur.gsn(k)
         sp.next_slot = k + 1
-        sp.by_key[key] = gsn
-        sp.by_gsn[gsn] = key
-        sp.slot_of[gsn] = k
-        sp.data[gsn] = data
+        sp.add(gsn, key, k, data)
         self.stats["fast_acks"] += 1
         self._ack(route, req_id, gsn, False)
 
@@ -379,7 +392,7 @@ class ReplicaCore:
         if self.is_primary:
             # Every FORWARD carries the stable watermark; a FORWARD of its own is only
             # worth it when no records have gone out for a while.
-            since = now - self._last_stable_push_ns
+            since = now - self._last_forward_ns
             push_stable = self.stable > self._stable_sent and since >= self.s.stable_push_ns
             # A backup that lags with nothing new to send may have lost a FORWARD: a
             # periodic (empty) FORWARD names our state so it can spot the gap and ask.
@@ -395,7 +408,7 @@ class ReplicaCore:
                     self.outbox.append((self.backup_routes[r], frame))
                 self._fwd_events = []
                 self._stable_sent = self.stable
-                self._last_stable_push_ns = now
+                self._last_forward_ns = now
                 self._mark_forward_point()
         elif self._prefix_dirty and now - self._last_prefix_ns >= self.s.prefix_interval_ns:
             self.outbox.append((TO_PRIMARY, pack([V, wire.PREFIX, self.s.replica, self.frontier])))
@@ -545,16 +558,10 @@ class ReplicaCore:
     def _backup_settle(self, gsn: int, slot: int, key: tuple[int, int]) -> None:
         sp = self.spec
         if sp is not None:
-            guessed = sp.by_key.pop(key, None)
+            guessed = sp.by_key.get(key)
             if guessed is not None:
-                sp.by_gsn.pop(guessed, None)
-                sp.slot_of.pop(guessed, None)
-                sp.data.pop(guessed, None)
-            other = sp.by_gsn.pop(gsn, None)
-            if other is not None and other != key:
-                sp.by_key.pop(other, None)  # displaced: the primary will place it
-                sp.slot_of.pop(gsn, None)
-                sp.data.pop(gsn, None)
+                sp.forget(guessed)
+            sp.forget(gsn)  # another record guessed here is displaced: the primary will place it
             if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
                 sp.next_slot = slot + 1
         else:
@@ -569,10 +576,7 @@ class ReplicaCore:
         if sp is None or not sp.by_gsn:
             return
         for g in [g for g in sp.by_gsn if g <= self.frontier]:
-            key = sp.by_gsn.pop(g)
-            sp.by_key.pop(key, None)
-            sp.slot_of.pop(g, None)
-            sp.data.pop(g, None)
+            sp.forget(g)
 
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
@@ -621,6 +625,16 @@ class ReplicaCore:
             cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
             self.spec = Speculation(config, cursor)
         self._unpark(now)
+
+    def missed_before(self, config: EpochConfig) -> tuple[int, int] | None:
+        """Epochs (first, last) this primary never saw and must be told of, through
+        :meth:`on_missed_epochs`, before ``config``; None when there are none to tell (a
+        backup, a duplicate broadcast, or a primary that is not deciding and will only
+        keep ``config`` for later)."""
+        if (not self.is_primary or self.awaiting_backups or self.blocked is not None
+                or config.epoch <= self.last_epoch + 1):
+            return None
+        return self.last_epoch + 1, config.epoch - 1
 
     def on_missed_epochs(self, first: int, last: int, members: Members, now: int) -> None:
         """Epochs this primary never saw broadcast (it was down or slow): it assigned
@@ -709,16 +723,16 @@ class ReplicaCore:
             t = self.epoch_start_ns + self.cursor.schedule.expected_ns(self.shard, self.next_slot) + self.s.noop_timeout_ns
             best = t
         if self.is_primary and self.stable > self._stable_sent:
-            t = self._last_stable_push_ns + self.s.stable_push_ns
+            t = self._last_forward_ns + self.s.stable_push_ns
             best = t if best is None else min(best, t)
         if self.is_primary and self._fwd_events:
-            t = self._last_stable_push_ns + self.s.forward_interval_ns
+            t = self._last_forward_ns + self.s.forward_interval_ns
             best = t if best is None else min(best, t)
         if not self.is_primary and self._prefix_dirty:
             t = self._last_prefix_ns + self.s.prefix_interval_ns
             best = t if best is None else min(best, t)
         if self.is_primary and self.backup_routes and self.stable < self.frontier:
-            t = self._last_stable_push_ns + self.s.lag_probe_ns
+            t = self._last_forward_ns + self.s.lag_probe_ns
             best = t if best is None else min(best, t)
         if not self.is_primary and not self._heard_primary and self._hello_sent_at is not None:
             t = self._hello_sent_at + self.s.hello_retry_ns
@@ -772,10 +786,16 @@ class ReplicaCore:
             self._subs_dirty = True
         self.outbox.append((route, pack([V, wire.TRIM_OK, req_id, self.trim_point])))
 
+    @property
+    def deletable_below(self) -> int:
+        """Records below this gsn may be deleted for good, from memory and from disk:
+        trimmed, and stable, so no backup will need them for a catch-up."""
+        return min(self.trim_point, self.stable + 1)
+
     def _apply_trim_physically(self) -> None:
         """Drop trimmed records from memory, but only stable ones: an unstable record may
         still be needed to catch a backup up."""
-        limit = min(self.trim_point, self.stable + 1)
+        limit = self.deletable_below
         if not self.gsns or self.gsns[0] >= limit:
             return
         i = bisect.bisect_left(self.gsns, limit)

@@ -35,7 +35,6 @@ log = logging.getLogger("ziplog.server")
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
 SNDMORE = int(zmq.SNDMORE)
-RCVMORE = int(zmq.RCVMORE)
 DISK_FLUSH_NS = 5_000_000
 MIN_TICK_NS = 500_000
 
@@ -135,29 +134,18 @@ class StorageServer:
                     self.poller.register(self.dealer, zmq.POLLIN)
                 self.core.connect_primary(time.monotonic_ns())
 
-    @staticmethod
-    def _config_from(d: dict[str, Any]) -> EpochConfig:
-        return EpochConfig(int(d["epoch"]), tuple(d["shards"]), tuple(d["rates"]))
-
     def _on_epoch(self, cfg: EpochConfig) -> None:
         core = self.core
         now = time.monotonic_ns()
-        if core.is_primary and (core.awaiting_backups or core.blocked is not None):
-            # Not deciding yet (or ever): the core keeps the latest broadcast and hands it
-            # back as replay_epoch once every backup has said hello; gaps are filled then.
-            core.on_epoch(cfg, now)
-            return
-        if core.is_primary:
-            if cfg.epoch <= core.last_epoch:
-                return
-            if cfg.epoch > core.last_epoch + 1:
-                # Missed broadcasts (start-up, restart, or a slow moment): the history in
-                # ZooKeeper names the members of the epochs we never saw.
-                self.zk.sync(discovery.MEMBERSHIP_PATH)
-                data, _ = self.zk.get(discovery.MEMBERSHIP_PATH)
-                history = discovery.dec(data) or []
-                for first, last, members in discovery.history_ranges(history, core.last_epoch + 1, cfg.epoch - 1):
-                    core.on_missed_epochs(first, last, members, now)
+        gap = core.missed_before(cfg)
+        if gap is not None:
+            # Missed broadcasts (start-up, restart, or a slow moment): the history in
+            # ZooKeeper names the members of the epochs we never saw.
+            self.zk.sync(discovery.MEMBERSHIP_PATH)
+            data, _ = self.zk.get(discovery.MEMBERSHIP_PATH)
+            history = discovery.dec(data) or []
+            for first, last, members in discovery.history_ranges(history, *gap):
+                core.on_missed_epochs(first, last, members, now)
         core.on_epoch(cfg, now)
 
     # -- loop -------------------------------------------------------------------------------
@@ -289,9 +277,9 @@ class StorageServer:
         self.seglog.append(self._disk_buf, core.snapshot())
         self._disk_buf = []
         self._last_disk_ns = now
-        # Trimmed and stable: whole segment files below that point can go (every segment
-        # opens with a snapshot, so recovery never needs an older one).
-        cut = min(core.trim_point, core.stable + 1)
+        # Whole segment files below that point can go (every segment opens with a
+        # snapshot, so recovery never needs an older one).
+        cut = core.deletable_below
         if cut > self._dropped_below:
             self.seglog.drop_below(cut)
             self._dropped_below = cut

@@ -222,7 +222,8 @@ class ShardSim:
         if core.replay_epoch is not None:
             # What the server shell does: the latest stashed epoch, after the ones missed.
             cfg, core.replay_epoch = core.replay_epoch, None
-            for e in range(core.last_epoch + 1, cfg.epoch):
+            gap = core.missed_before(cfg)
+            for e in range(gap[0], gap[1] + 1) if gap else ():
                 core.on_missed_epochs(e, e, self.configs[e].shards, now)
             core.on_epoch(cfg, now)
         core.flush(now)
