@@ -37,3 +37,26 @@ def test_a_broken_invariant_is_caught() -> None:
     sim.B.records[g].data = b"corrupted"
     with pytest.raises(AssertionError, match="disagree"):
         sim.check()
+
+
+def test_joining_shard_waits_for_its_first_epoch() -> None:
+    """A client may see a shard in ZooKeeper's membership before the epoch admitting it
+    reaches the shard: the insert waits for that epoch instead of being refused."""
+    from ziplog import wire
+    from ziplog.gsna import EpochConfig
+    from ziplog.replica import ReplicaCore, ReplicaSettings
+
+    V = wire.PROTOCOL_VERSION
+    core = ReplicaCore(ReplicaSettings(1, 0, 1))
+    core.on_epoch(EpochConfig(0, (0,), (1000,)), 0)
+    core.on_request(b"c", [V, wire.INSERT, 7, 1, 1, 0, b"early"], 1)
+    assert not core.outbox, "a joining shard must not refuse"
+    core.on_epoch(EpochConfig(1, (0, 1), (1000, 1000)), 2)
+    (route, frame), = core.outbox
+    msg = wire.unpack(frame)
+    assert msg[1] == wire.ACK and msg[2] == 7
+    # once a member, leaving the membership means refusing at once
+    core.outbox.clear()
+    core.on_epoch(EpochConfig(2, (0,), (1000,)), 3)
+    core.on_request(b"c", [V, wire.INSERT, 8, 1, 2, 0, b"late"], 4)
+    assert wire.unpack(core.outbox[-1][1])[3] == wire.E_NOT_MEMBER

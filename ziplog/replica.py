@@ -320,6 +320,12 @@ class ReplicaCore:
             self.parked.append(ParkedRequest(need_epoch, 0, now + self.s.park_timeout_ns, route, msg))
             return False
         if not member:
+            if not any(self.shard in r[2] for r in self.membership):
+                # Never a member yet: we are joining. Clients learn membership from
+                # ZooKeeper, which the MMS writes before it broadcasts, so an insert can
+                # reach us just before the epoch that admits us does: wait for it.
+                self.parked.append(ParkedRequest(have + 1, 0, now + self.s.park_timeout_ns, route, msg))
+                return False
             self.error(route, req_id, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
             return False
         return True
