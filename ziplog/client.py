@@ -332,6 +332,7 @@ class Subscription:
         self._ctx = client._ctx
         self._socks: dict[int, zmq.Socket] = {}
         self._addrs: dict[int, str] = {}
+        self._shard_of: dict[zmq.Socket, int] = {}
         self._sub_id = next(client._req)
         self._poller = zmq.Poller()
         self._consumed: dict[int, int] = {}
@@ -357,6 +358,7 @@ class Subscription:
                 self._poller.unregister(old)
                 old.close(0)
                 del self._socks[shard]
+                del self._shard_of[old]
                 resume = self._merge.resume_point(shard)
             else:
                 resume = None
@@ -370,6 +372,7 @@ class Subscription:
             self._addrs[shard] = addrs[0]
             s.send(pack([V, wire.SUBSCRIBE, self._sub_id, start, SUB_CREDIT_BYTES]))
             self._socks[shard] = s
+            self._shard_of[s] = shard
             self._poller.register(s, zmq.POLLIN)
 
     def __iter__(self) -> Iterator[Record]:
@@ -419,7 +422,7 @@ class Subscription:
                 self._connect_known()
 
     def _drain(self, sock: zmq.Socket) -> None:
-        shard = next(s for s, k in self._socks.items() if k is sock)
+        shard = self._shard_of[sock]
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
@@ -457,6 +460,7 @@ class Subscription:
                 pass
             s.close(linger=200)  # long enough for the UNSUBSCRIBE to leave
         self._socks.clear()
+        self._shard_of.clear()
         if self in self._client._subs:
             self._client._subs.remove(self)
 

@@ -57,18 +57,14 @@ class SubscriberMerge:
             e = known[1] + 1
         if e > last:
             return
+        # Shards send contiguous history, so what is new must extend what we know.
         if self.membership and e != self.membership[-1][1] + 1:
-            if e > self.membership[-1][1] + 1:
-                # A hole in what we know: keep it simple, only extend contiguously from the
-                # earliest range a shard sends (shards always send contiguous history).
-                if first > self.membership[-1][1] + 1:
-                    raise MergeError(f"membership hole before epoch {first}")
-        if self.membership and tuple(self.membership[-1][2]) == members and self.membership[-1][1] == e - 1:
+            raise MergeError(f"membership for epochs {e}..{last} does not extend the known range "
+                             f"(which ends at epoch {self.membership[-1][1]})")
+        if self.membership and tuple(self.membership[-1][2]) == members:
             self.membership[-1][1] = last
-        elif not self.membership or e == self.membership[-1][1] + 1:
-            self.membership.append([e, last, members])
         else:
-            raise MergeError(f"membership update for epochs {e}..{last} does not extend the known range")
+            self.membership.append([e, last, members])
 
     def members(self, epoch: int) -> tuple[int, ...] | None:
         r = self._members_range(epoch)

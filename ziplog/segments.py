@@ -89,9 +89,6 @@ class SegmentLog:
         self._snapshot = snapshot
         self._packer = msgpack.Packer(use_bin_type=True)
         self._sync_wanted = threading.Event()
-        self._sync_done = threading.Condition()
-        self._synced_gen = 0
-        self._write_gen = 0
         self._stopping = False
         self._open_next()
         self._thread = threading.Thread(target=self._run, name="segment-fsync", daemon=True)
@@ -133,7 +130,6 @@ class SegmentLog:
         self._snapshot = snapshot
         self._write(b"".join(parts))
         self._file.flush()
-        self._write_gen += 1
         if self.fsync == "always":
             self.sync()
         elif self.fsync == "interval" and time.monotonic() - self._last_sync >= self.fsync_interval:
@@ -149,15 +145,12 @@ class SegmentLog:
                 self._sync_wanted.clear()
                 if self._stopping:
                     return
-                gen, f = self._write_gen, self._file
+                f = self._file
                 if self.fsync != "never":
                     try:
                         os.fsync(f.fileno())
                     except ValueError:
                         pass  # rotated and closed meanwhile: _open_next synced it
-                with self._sync_done:
-                    self._synced_gen = max(self._synced_gen, gen)
-                    self._sync_done.notify_all()
         except BaseException as exc:  # surfaced by the next append; never silently lost
             self.error = exc
 
