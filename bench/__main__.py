@@ -13,6 +13,7 @@ from pathlib import Path
 #: subcommand -> module exposing ``run(quick, out)``
 EXPERIMENTS: dict[str, str] = {
     "latency": "bench.latency",
+    "failure": "bench.failure",
 }
 
 

@@ -1,6 +1,5 @@
-"""Failure handler: suspects, freezes and recovers failed storage replicas (dissertation 4.2.5).
+"""Failure handler: recovers a shard whose replica failed (dissertation 4.2.5).
 
-Not yet implemented: today a replica failure stops inserts on its shard until the
-replica is restarted (clients redirect inserts to other shards), and subscribers wait
-for that shard.
+``failure_handler.recovery`` is the protocol (sans-I/O); ``failure_handler.server``
+the replicated process around it (``python -m failure_handler.server``).
 """

@@ -21,6 +21,9 @@ class PlannerSettings:
     #: Weight of the newest observation, as a fraction num/den (exact integers).
     smoothing_num: int = 1
     smoothing_den: int = 2
+    #: A removed shard stays a member this many epochs at the lowest rate, so that
+    #: inserts already on their way complete (clients stop choosing it at once).
+    drain_epochs: int = 3
 
 
 @dataclass
@@ -31,6 +34,8 @@ class EpochPlanner:
     history: list[list[Any]] = field(default_factory=list)
     rates: dict[int, int] = field(default_factory=dict)
     removed: set[int] = field(default_factory=set)
+    #: removed shard -> the first epoch it is no longer a member
+    leaving_at: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.settings.max_rate <= MAX_RATE
@@ -49,15 +54,23 @@ class EpochPlanner:
         self.rates[shard] = new
 
     def remove(self, shard: int) -> None:
-        self.removed.add(shard)
+        """Remove ``shard`` for good (it stays readable): it drains for a few epochs at
+        the lowest rate, then leaves."""
+        if shard not in self.removed:
+            self.removed.add(shard)
+            epoch = self.last.epoch + 1 if self.last is not None else 0
+            self.leaving_at[shard] = epoch + self.settings.drain_epochs
 
-    def plan(self, ready: Iterable[int]) -> tuple[EpochConfig, list[list[Any]] | None]:
-        """The next epoch, and the new membership history if membership changed."""
+    def plan(self, ready: Iterable[int], recovering: Iterable[int] = ()) -> tuple[EpochConfig, list[list[Any]] | None]:
+        """The next epoch, and the new membership history if membership changed. Shards
+        under failure recovery leave at once and come back when it ends."""
         st = self.settings
         current = set(self.last.shards) if self.last is not None else set()
-        members = tuple(sorted((current | set(ready)) - self.removed))
-        rates = tuple(min(max(self.rates.get(s, st.default_rate), st.min_rate), st.max_rate) for s in members)
         epoch = self.last.epoch + 1 if self.last is not None else 0
+        gone = {s for s in self.removed if self.leaving_at.get(s, 0) <= epoch or s not in current}
+        members = tuple(sorted((current | set(ready)) - gone - set(recovering)))
+        rates = tuple(1 if s in self.removed else min(max(self.rates.get(s, st.default_rate), st.min_rate), st.max_rate)
+                      for s in members)
         cfg = EpochConfig(epoch, members, rates)
         new_history = None
         if not self.history or tuple(self.history[-1][1]) != members:

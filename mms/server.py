@@ -133,8 +133,10 @@ class MembershipReplica:
             self._drain_rates(planner)
             for s in self.topology.removed:
                 planner.remove(s)
-            ready = [s for s in self.topology.replica_counts if self.topology.shard_complete(s) and s not in self.topology.removed]
-            cfg, history = planner.plan(ready)
+            recovering = self.topology.recovering
+            ready = [s for s in self.topology.replica_counts
+                     if self.topology.shard_complete(s) and s not in self.topology.removed and s not in recovering]
+            cfg, history = planner.plan(ready, recovering)
             changed = history is not None
             if block is None or next_epoch > block[1] or (changed and next_epoch > block[0]):
                 # Commit the next block: it starts at the first epoch nobody broadcast.

@@ -21,14 +21,15 @@ blocking client.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable, Coroutine, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from . import discovery, wire
-from .client import RETRY_AFTER_S, STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Record
-from .client_core import ClientCommon, InsertWait, ReadWait, Redirect
+from .client import STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Record
+from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, InsertWait, ReadWait, Redirect
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError,
                      from_reply)
 from .merge import SubscriberMerge
@@ -295,9 +296,10 @@ class AsyncClient(ClientCommon):
                     # Unanswered: resend with the same client id and sequence number; replicas
                     # answer a duplicate with the gsn they already gave it.
                     self.stats["retries"] += 1
+                    self._avoid(shard, time.monotonic())
                     self._refresh(shard)  # a restarted replica may listen elsewhere now
                     await reps.send(frame, only)  # raises _Stale if it does: resend there
-                    retry_at = now + RETRY_AFTER_S
+                    retry_at = now + (RETRY_TROUBLED_S if getattr(wait, "troubled", False) else RETRY_AFTER_S)
             except _Stale:
                 if loop.time() >= deadline:
                     raise ZiplogTimeoutError(f"{what} not answered in time") from None
@@ -319,8 +321,7 @@ class AsyncClient(ClientCommon):
         deadline = asyncio.get_running_loop().time() + self.timeout
         excluded: set[int] = set()
         while True:
-            live = [s for s in self.topology.live_shards() if s not in excluded]
-            shard = self._policy.choose(live, key, data, self._rng)
+            shard = self._choose_shard(key, data, excluded, time.monotonic())
             if shard is None:
                 raise NoShardAvailableError(f"shard {self._policy.shard} is not live" if self._policy.kind == "fixed"
                                             else "no live shard accepts inserts")
@@ -331,9 +332,10 @@ class AsyncClient(ClientCommon):
                     shard, lambda n: InsertWait(req_id, n), frame, deadline,
                     f"insert on shard {shard}", resend=True)
             except Redirect:
+                # The shard provably holds no copy: the same id on another shard is safe.
                 excluded.add(shard)
+                self._avoid(shard, time.monotonic())
                 self.stats["redirects"] += 1
-                seq = next(self._seq)  # the refusing shard stored nothing; a fresh id is safe
                 continue
             self.stats["fast_path" if wait.fast else "slow_path"] += 1
             self._learn_stable(shard, wait.stable)

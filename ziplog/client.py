@@ -17,17 +17,16 @@ import zmq
 from . import discovery, wire
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
-from .client_core import ClientCommon, InsertWait, ReadWait, Redirect
+from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, InsertWait, ReadWait, Redirect
 from .merge import SubscriberMerge
 from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
 from .wire import PROTOCOL_VERSION as V
 from .wire import pack, unpack
 
-#: Resend an unanswered insert (same client id and sequence number, so never twice
-#: in the log) after this long.
-RETRY_AFTER_S = 1.0
 POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic costs on the hot path
 SUB_CREDIT_BYTES = 8 << 20
+#: How long an insert waits replica by replica before it listens to all replicas at once.
+QUICK_WAIT_S = 0.05
 #: A stable read asks one replica; after this long without an answer it asks all.
 STABLE_READ_WAIT_S = 0.5
 SUB_KEEPALIVE_S = 10.0
@@ -80,15 +79,18 @@ class _Replicas:
     def collect_insert(self, wait: InsertWait, until: float) -> bool:
         """Feed acks into ``wait`` replica by replica: the primary's decision first, then
         each backup until it agrees. One blocking receive per reply, no poll set: the
-        cheapest way to wait on this path."""
+        cheapest way to wait on this path. When that takes long (a replica is down, the
+        shard recovers) it waits on all replicas at once: any of them may settle it."""
+        quick = min(until, time.monotonic() + QUICK_WAIT_S)
         for i, sock in enumerate(self.socks):
             while not wait.settled(i):
-                if not sock.poll(max(0, int((until - time.monotonic()) * 1000)) + 1):
-                    if time.monotonic() >= until:
-                        return False
+                if not sock.poll(max(0, int((quick - time.monotonic()) * 1000)) + 1):
+                    if time.monotonic() >= quick:
+                        return wait.done or self.collect(wait, until)
                     continue
-                wait.feed(i, unpack(sock.recv()))
-        return wait.done
+                if wait.feed(i, unpack(sock.recv())):
+                    return True
+        return wait.done or self.collect(wait, until)
 
     def collect(self, wait: InsertWait | ReadWait, until: float, only: int | None = None) -> bool:
         """Feed replies into ``wait`` until it is settled (True) or ``until`` passes."""
@@ -184,10 +186,7 @@ class Client(ClientCommon):
         deadline = time.monotonic() + self.timeout
         excluded: set[int] = set()
         while True:
-            live = self.topology.live_shards()
-            if excluded:
-                live = [s for s in live if s not in excluded]
-            shard = self._policy.choose(live, key, data, self._rng)
+            shard = self._choose_shard(key, data, excluded, time.monotonic())
             if shard is None:
                 if self._policy.kind == "fixed":
                     raise NoShardAvailableError(f"shard {self._policy.shard} is not live")
@@ -195,9 +194,10 @@ class Client(ClientCommon):
             try:
                 gsn = self._insert_on(shard, seq, after_gsn, data, deadline)
             except Redirect:
+                # The shard provably holds no copy: the same id on another shard is safe.
                 excluded.add(shard)
+                self._avoid(shard, time.monotonic())
                 self.stats["redirects"] += 1
-                seq = next(self._seq)  # the refusing shard stored nothing; a fresh id is safe
                 continue
             assert gsn > after_gsn, ("InsertAfter returned a gsn not above the rid", gsn, after_gsn)
             return RecordId(gsn, shard)
@@ -216,12 +216,16 @@ class Client(ClientCommon):
             # answer a duplicate with the gsn they already gave it. A replica that restarted
             # has a new address: look it up again.
             self.stats["retries"] += 1
+            self._avoid(shard, now)
             try:
-                reps = self._replicas(shard)
+                new = self._replicas(shard)
+                if new is not reps:
+                    wait = InsertWait(wait.req_id, len(new.socks))  # answers of the old sockets are gone
+                    reps = new
             except UnknownRecordError:
                 pass  # a replica is down right now; keep asking the ones we know
             reps.send_all(frame)
-            retry_at = now + RETRY_AFTER_S
+            retry_at = now + (RETRY_TROUBLED_S if wait.troubled else RETRY_AFTER_S)
         self.stats["fast_path" if wait.fast else "slow_path"] += 1
         self._learn_stable(shard, wait.stable)
         assert wait.decided is not None

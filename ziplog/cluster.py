@@ -12,6 +12,7 @@ import contextlib
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,7 +26,8 @@ from .zk_ensemble import ZooKeeperEnsemble
 class LocalCluster:
     def __init__(self, data_dir: Path, shards: int = 2, replicas: int = 2, mms_replicas: int = 3,
                  epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
-                 server_args: list[str] | None = None, mms_args: list[str] | None = None) -> None:
+                 server_args: list[str] | None = None, mms_args: list[str] | None = None,
+                 supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -36,8 +38,17 @@ class LocalCluster:
         self.fsync = fsync
         self.server_args = list(server_args or [])
         self.mms_args = list(mms_args or [])
+        self.fh_args = list(fh_args or [])
+        self.fh_replicas = fh_replicas
+        #: Restart a storage replica that died, as an operator (or systemd) would.
+        self.supervise = supervise
+        self.restarts: list[tuple[float, int, int]] = []  # (time.monotonic(), shard, replica)
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync)
         self.mms: dict[int, subprocess.Popen[bytes]] = {}
+        self.fh: dict[int, subprocess.Popen[bytes]] = {}
         self.servers: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
         self.shard_ids: list[int] = []
         self._zkc: Any = None
@@ -52,6 +63,10 @@ class LocalCluster:
                 "--interval-ms", str(self.epoch_interval_ms), *self.mms_args]
         self.mms[i] = procs.spawn(argv, self.logs / f"mms{i}.log")
 
+    def _spawn_fh(self, i: int) -> None:
+        argv = [sys.executable, "-m", "failure_handler.server", "--zk", self.zk_hosts, "--id", str(i), *self.fh_args]
+        self.fh[i] = procs.spawn(argv, self.logs / f"fh{i}.log")
+
     def _spawn_server(self, shard: int, replica: int) -> None:
         argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
                 "--replica", str(replica), "--replicas", str(self.replicas),
@@ -64,6 +79,8 @@ class LocalCluster:
         self.topology = discovery.Topology(self._zkc)
         for i in range(self.mms_replicas):
             self._spawn_mms(i)
+        for i in range(self.fh_replicas):
+            self._spawn_fh(i)
         existing = sorted(int(c) for c in self._zkc.get_children(discovery.SHARDS))
         if existing:  # restarting on an old data_dir: bring back the same shards
             self.shard_ids = existing
@@ -73,6 +90,18 @@ class LocalCluster:
             for r in range(self.replicas):
                 self._spawn_server(s, r)
         self.wait_ready(self.shard_ids, timeout)
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._supervise, name="ziplog-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Restart storage replicas that died (SIGKILL, crash) on their data directory."""
+        while not self._stopping.wait(0.02):
+            with self._lock:
+                for (shard, replica), p in list(self.servers.items()):
+                    if p.poll() is not None and not self._stopping.is_set():
+                        self._spawn_server(shard, replica)
+                        self.restarts.append((time.monotonic(), shard, replica))
 
     def wait_ready(self, shards: list[int], timeout: float = 60.0) -> None:
         """Until every shard is in the membership with all replicas up and its backups
@@ -117,9 +146,13 @@ class LocalCluster:
         return "\n".join(out)
 
     def stop(self) -> None:
-        procs.stop_many(list(self.servers.values()) + list(self.mms.values()))
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+        procs.stop_many(list(self.servers.values()) + list(self.mms.values()) + list(self.fh.values()))
         self.servers.clear()
         self.mms.clear()
+        self.fh.clear()
         if self._zkc is not None:
             try:
                 self._zkc.stop()
@@ -131,22 +164,42 @@ class LocalCluster:
 
     # -- operator actions ---------------------------------------------------------------------------
     def kill_replica(self, shard: int, replica: int) -> None:
-        """SIGKILL one storage replica."""
+        """SIGKILL one storage replica (the supervisor, if on, starts it again)."""
         procs.kill(self.servers[(shard, replica)])
 
     def restart_replica(self, shard: int, replica: int) -> None:
-        """Start a stopped or killed replica again on its data directory."""
-        p = self.servers.get((shard, replica))
-        if p is not None and p.poll() is None:
-            procs.stop(p)
-        self._spawn_server(shard, replica)
+        """Stop (if running) and start a replica again on its data directory."""
+        with self._lock:
+            p = self.servers.get((shard, replica))
+            if p is not None and p.poll() is None:
+                procs.stop(p)
+            self._spawn_server(shard, replica)
+
+    def kill_mms_leader(self) -> int:
+        """SIGKILL the membership service's leader; returns its id (it is started again)."""
+        return self._kill_leader(discovery.MMS_ELECTION, self.mms, self._spawn_mms)
+
+    def kill_fh_leader(self) -> int:
+        """SIGKILL the failure handler's leader; returns its id (it is started again)."""
+        from failure_handler.server import election_path
+        return self._kill_leader(election_path(0), self.fh, self._spawn_fh)
+
+    def _kill_leader(self, election: str, procs_by_id: dict[int, Any], respawn: Any) -> int:
+        contenders = self._zkc.Election(election).contenders()
+        if not contenders:
+            raise RuntimeError(f"no leader at {election}")
+        leader = int(contenders[0])
+        procs.kill(procs_by_id[leader])
+        respawn(leader)
+        return leader
 
     def add_shard(self, timeout: float = 60.0) -> int:
         """Start a new shard; returns its id once it is in the membership and serving."""
         s = max(self.shard_ids) + 1 if self.shard_ids else 0
         self.shard_ids.append(s)
-        for r in range(self.replicas):
-            self._spawn_server(s, r)
+        with self._lock:
+            for r in range(self.replicas):
+                self._spawn_server(s, r)
         self.wait_ready([s], timeout)
         return s
 

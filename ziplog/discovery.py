@@ -7,7 +7,11 @@ Layout (all values msgpack)::
     /ziplog/membership                history [[first_epoch, members], ...]
     /ziplog/mms/election              leader election (kazoo Election)
     /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
-    /ziplog/shards/<shard>            {replicas: n[, removed: true]}  (persistent: the shard exists)
+    /ziplog/shards/<shard>            {replicas: n[, removed: true][, recovering: gen]}  (persistent)
+    /ziplog/recovery/<shard>          the failure handler's durable record {gen, phase, ...}
+    /ziplog/recovery/<shard>/c<i>     its chunks when it is large
+    /ziplog/fh/election               failure handler leader election
+    /ziplog/fh/replicas/<id>          ephemeral {pull} address of a failure handler replica
     /ziplog/shards/<shard>/<replica>  ephemeral {addr, pid}  (the replica is up; 0 is the primary)
 
 Every process finds every address here; nothing is configured by hand.
@@ -28,6 +32,9 @@ MEMBERSHIP_PATH = f"{ROOT}/membership"
 MMS_ELECTION = f"{ROOT}/mms/election"
 MMS_REPLICAS = f"{ROOT}/mms/replicas"
 SHARDS = f"{ROOT}/shards"
+RECOVERY = f"{ROOT}/recovery"
+FH_ROOT = f"{ROOT}/fh"
+FH_REPLICAS = f"{FH_ROOT}/replicas"
 
 
 def enc(obj: Any) -> bytes:
@@ -85,6 +92,8 @@ class Topology:
         self.replicas: dict[int, dict[int, str]] = {}  # shard -> replica -> addr
         self.replica_counts: dict[int, int] = {}
         self.removed: frozenset[int] = frozenset()
+        self.recovering: frozenset[int] = frozenset()
+        self.fh: dict[str, dict[str, str]] = {}
         self.history: list[list[Any]] = []
         self.mms: dict[str, dict[str, str]] = {}
         self._watched_shards: set[int] = set()
@@ -94,6 +103,8 @@ class Topology:
         zk.ChildrenWatch(SHARDS, self._on_shards)
         zk.DataWatch(MEMBERSHIP_PATH, self._on_membership)
         zk.ChildrenWatch(MMS_REPLICAS, self._on_mms)
+        zk.ensure_path(FH_REPLICAS)
+        zk.ChildrenWatch(FH_REPLICAS, self._on_fh)
 
     def on_change(self, fn: Callable[[], None]) -> None:
         self._listeners.append(fn)
@@ -134,6 +145,10 @@ class Topology:
         self.replica_counts = counts
         if meta.get("removed") and shard not in self.removed:
             self.removed = self.removed | {shard}
+        if meta.get("recovering") is not None:
+            self.recovering = self.recovering | {shard}
+        else:
+            self.recovering = self.recovering - {shard}
         self._changed()
 
     def _on_replicas(self, shard: int, kids: list[str]) -> None:
@@ -155,15 +170,22 @@ class Topology:
         self.history = dec(data) or []
         self._changed()
 
-    def _on_mms(self, children: list[str]) -> None:
+    def _read_children(self, parent: str, children: list[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
         for c in children:
             try:
-                data, _ = self.zk.get(f"{MMS_REPLICAS}/{c}")
+                data, _ = self.zk.get(f"{parent}/{c}")
             except NoNodeError:
                 continue
             out[c] = dec(data) or {}
-        self.mms = out
+        return out
+
+    def _on_mms(self, children: list[str]) -> None:
+        self.mms = self._read_children(MMS_REPLICAS, children)
+        self._changed()
+
+    def _on_fh(self, children: list[str]) -> None:
+        self.fh = self._read_children(FH_REPLICAS, children)
         self._changed()
 
     # -- queries ------------------------------------------------------------------------------
@@ -177,7 +199,8 @@ class Topology:
         if live is None:
             gen = self._generation
             members = self.history[-1][1] if self.history else []
-            live = [s for s in members if self.shard_complete(s)]
+            out = self.removed | self.recovering
+            live = [s for s in members if s not in out and self.shard_complete(s)]
             if gen == self._generation:  # no change raced with us: safe to keep
                 self._live = live
         return live

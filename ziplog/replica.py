@@ -38,6 +38,8 @@ from .wire import pack
 TO_PRIMARY = "primary"
 #: Destination of a rate report to the membership service.
 TO_MMS = "mms"
+#: Destination of a failure suspicion report to the failure handler.
+TO_HANDLER = "handler"
 
 Dest = Union[bytes, str]
 Members = tuple[int, ...]
@@ -70,6 +72,12 @@ class ReplicaSettings:
     subscription_lease_ns: int = 60_000_000_000
     #: Largest SUB_BATCH payload.
     sub_batch_bytes: int = 1 << 20
+    #: Replicas of a shard hear from each other at least this often: an idle primary
+    #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
+    heartbeat_ns: int = 50_000_000
+    #: A peer silent this long is suspected to have failed and recovery is asked for
+    #: (0: never suspect).
+    suspect_timeout_ns: int = 500_000_000
 
     @property
     def is_primary(self) -> bool:
@@ -189,6 +197,25 @@ class ReplicaCore:
         self.parked: list[ParkedRequest] = []
         self.subs: dict[tuple[bytes, int], Subscription] = {}
         self._subs_dirty = False
+        # -- failure recovery (dissertation 4.2.5) ------------------------------------------
+        #: Holds every record it ever acknowledged, so its state may be the basis of a
+        #: recovery. False from (re)start until it has synchronised with its peers:
+        #: a restart loses what the disk had not yet written.
+        self.qualified = False
+        self.recovery_gen = -1  # highest recovery generation the failure handler named
+        #: Promised the failure handler to store nothing new until it says RESUME.
+        self.frozen = False
+        #: Its frozen state is the one the recovery keeps: it answers for that state.
+        self.authority = False
+        self.installed_gen = -1
+        #: peer replica -> when we last heard it (armed once heard in this incarnation)
+        self.peer_heard: dict[int, int] = {}
+        self._suspect_sent_ns: int | None = None
+        #: Keys a primary refused for good (it will never decide them) and keys a
+        #: backup answered NO_GUESS (it will never guess them): a client may have moved
+        #: the record to another shard, so a late duplicate must not place it here too.
+        self.refused: dict[tuple[int, int], int] = {}
+        self.no_guess: dict[tuple[int, int], int] = {}
         self.stats = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
 
     # ================================================================================
@@ -277,9 +304,11 @@ class ReplicaCore:
         elif op == wire.STATUS:
             self.outbox.append((route, pack([V, wire.STATUS_OK, msg[2], self.status()])))
         elif op == wire.HELLO:
-            self._on_hello(route, msg)
+            self._on_hello(route, msg, now)
         elif op == wire.PREFIX:
-            self._on_prefix(msg)
+            self._on_prefix(msg, now)
+        elif op in _RECOVERY_OPS:
+            self._on_recovery_op(route, msg, now)
         else:  # decode_request rejects these; keep the core total anyway
             self.error(route, msg[2] if len(msg) > 2 else None, wire.E_UNKNOWN_OP, f"op {op}")
 
@@ -287,13 +316,21 @@ class ReplicaCore:
         self.stats["errors"] += 1
         self.outbox.append((route, wire.error_frame(req_id, code, message)))
 
-    def _ack(self, route: bytes, req_id: int, gsn: int, decided: bool) -> None:
-        self.outbox.append((route, pack([V, wire.ACK, req_id, gsn, self.s.replica, self.stable, decided])))
+    def _ack(self, route: bytes, req_id: int, gsn: int, decided: bool, final: bool = False) -> None:
+        self.outbox.append((route, pack([V, wire.ACK, req_id, gsn, self.s.replica, self.stable, decided, final])))
+
+    def _refuse(self, route: bytes, req_id: int, key: tuple[int, int], now: int, code: str, message: str) -> None:
+        """A final refusal by the primary: it will never decide this record."""
+        self.refused[key] = now
+        self.error(route, req_id, code, message)
 
     # -- insert -----------------------------------------------------------------------------
     def _on_insert(self, route: bytes, msg: list[Any], now: int) -> None:
         _, _, req_id, client_id, seq, after, data = msg
         key = (client_id, seq)
+        if self.frozen:
+            self._frozen_insert(route, req_id, key, now)
+            return
         decided = self.dedup.get(key)
         if decided is not None:  # a retry, or the primary's decision arrived first
             self._ack(route, req_id, decided, True)
@@ -306,6 +343,26 @@ class ReplicaCore:
             self._primary_insert(route, msg, now)
         else:
             self._backup_insert(route, msg, now)
+
+    def _frozen_insert(self, route: bytes, req_id: int, key: tuple[int, int], now: int) -> None:
+        """An insert reaching a replica frozen for recovery. Only the replica whose state
+        the failure handler has durably acquired knows the record's fate: in that state
+        (decided or guessed) it will be rolled forward at that gsn; otherwise it will not
+        be in this shard's log and the client may place it elsewhere."""
+        held = self.dedup.get(key)
+        if held is None and self.spec is not None:
+            held = self.spec.by_key.get(key)
+        if self.authority:
+            if held is not None:
+                self._ack(route, req_id, held, True, True)
+            else:
+                self.refused[key] = now
+                self.no_guess[key] = now
+                self.error(route, req_id, wire.E_NOT_HELD, f"shard {self.shard} is recovering and will not hold this record")
+            return
+        if not self.is_primary:
+            self.pending_routes[key] = (route, req_id, now)  # answered when we gain authority
+        self.error(route, req_id, wire.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
 
     def _check_epoch(self, route: bytes, msg: list[Any], now: int, config: EpochConfig | None, member: bool) -> bool:
         """Shared admission for inserts: park when the rid or our epoch is ahead; refuse
@@ -326,13 +383,16 @@ class ReplicaCore:
                 # reach us just before the epoch that admits us does: wait for it.
                 self.parked.append(ParkedRequest(have + 1, 0, now + self.s.park_timeout_ns, route, msg))
                 return False
-            self.error(route, req_id, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
+            if self.is_primary:
+                self._refuse(route, req_id, (msg[3], msg[4]), now, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
             return False
         return True
 
     def _primary_insert(self, route: bytes, msg: list[Any], now: int) -> None:
-        if self.blocked is not None:
-            self.error(route, msg[2], wire.E_NOT_READY, self.blocked)
+        key = (msg[3], msg[4])
+        if self.blocked is not None or key in self.refused:
+            self._refuse(route, msg[2], key, now, wire.E_NOT_READY if self.blocked else wire.E_NOT_MEMBER,
+                         self.blocked or "this shard refused this record before")
             return
         cfg, cur = self.cur_config, self.cursor
         if not self._check_epoch(route, msg, now, cfg, cur is not None):
@@ -361,26 +421,33 @@ class ReplicaCore:
         # Remember who asked: when the primary's decision arrives we ack (again) there.
         self.pending_routes[key] = (route, req_id, now)
         sp = self.spec
-        if sp is None or sp.cursor is None or epoch_of(after + 1) > sp.config.epoch:
-            # No guess possible (not a member by our view, or the rid is ahead of us). The
-            # primary decides or refuses; a backup never refuses on its own.
-            return
-        guessed = sp.by_key.get(key)
+        guessed = sp.by_key.get(key) if sp is not None else None
         if guessed is not None:
             self._ack(route, req_id, guessed, False)
+            return
+        if sp is None or sp.cursor is None or epoch_of(after + 1) > sp.config.epoch or key in self.no_guess:
+            # No guess possible (not a member by our view, or the rid is ahead of us). The
+            # primary decides or refuses; a backup never refuses on its own, but says it
+            # holds no copy, so a client the primary refuses knows the shard has none.
+            self._no_guess(route, req_id, key, now)
             return
         cur = sp.cursor
         k = sp.next_slot
         floor_gsn = max(after, self.frontier)
         if k < cur.count and cur.gsn(k) <= floor_gsn:
             k = cur.first_slot_after(floor_gsn)
-        if k >= cur.count:
-            return  # no room left in this epoch by our reckoning: wait for the decision
+        if k >= cur.count:  # no room left in this epoch by our reckoning: wait for the decision
+            self._no_guess(route, req_id, key, now)
+            return
         gsn = cur.gsn(k)
         sp.next_slot = k + 1
         sp.add(gsn, key, k, data)
         self.stats["fast_acks"] += 1
         self._ack(route, req_id, gsn, False)
+
+    def _no_guess(self, route: bytes, req_id: int, key: tuple[int, int], now: int) -> None:
+        self.no_guess[key] = now
+        self.error(route, req_id, wire.E_NO_GUESS, "this backup holds no copy; the primary decides")
 
     # -- primary: forwarding and stability ----------------------------------------------------
     def _forward(self, ev: tuple[Any, ...]) -> None:
@@ -395,7 +462,9 @@ class ReplicaCore:
         """End of an event-loop turn: send the batched forwards / prefix reports and push
         subscriptions. Batching per turn keeps the per-record message count low under load
         without delaying anything when idle."""
-        if self.is_primary:
+        if self.frozen:
+            pass  # a frozen replica stores nothing new, so it has nothing to tell its peers
+        elif self.is_primary:
             # Every FORWARD carries the stable watermark; a FORWARD of its own is only
             # worth it when no records have gone out for a while.
             since = now - self._last_forward_ns
@@ -403,6 +472,8 @@ class ReplicaCore:
             # A backup that lags with nothing new to send may have lost a FORWARD: a
             # periodic (empty) FORWARD names our state so it can spot the gap and ask.
             lagging = since >= self.s.lag_probe_ns and any(self.prefixes.get(r, 0) < self.frontier for r in self.backup_routes)
+            # ... and an idle primary's heartbeat is an empty FORWARD.
+            lagging = lagging or (since >= self.s.heartbeat_ns and bool(self.backup_routes))
             # Records wait up to forward_interval so that under load one FORWARD (and
             # one PREFIX back) carries several: fewer messages per insert, at the price of
             # that much more time until records are stable.
@@ -416,7 +487,8 @@ class ReplicaCore:
                 self._stable_sent = self.stable
                 self._last_forward_ns = now
                 self._mark_forward_point()
-        elif self._prefix_dirty and now - self._last_prefix_ns >= self.s.prefix_interval_ns:
+        elif ((self._prefix_dirty and now - self._last_prefix_ns >= self.s.prefix_interval_ns)
+              or (self._heard_primary and now - self._last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
             self.outbox.append((TO_PRIMARY, pack([V, wire.PREFIX, self.s.replica, self.frontier])))
             self._prefix_dirty = False
             self._last_prefix_ns = now
@@ -436,10 +508,13 @@ class ReplicaCore:
             self._subs_dirty = True
             self._apply_trim_physically()
 
-    def _on_hello(self, route: bytes, msg: list[Any]) -> None:
+    def _on_hello(self, route: bytes, msg: list[Any], now: int) -> None:
         _, _, shard, replica, frontier, guessed_top = msg
         if not self.is_primary or shard != self.shard or not (1 <= replica < self.s.replicas):
             return
+        self.peer_heard[replica] = now
+        if self.frozen:
+            return  # recovery, not a catch-up, will bring the backup in line
         # Guesses above our frontier are normal while we run (inserts in flight); right
         # after our (re)start they may be acknowledged records we no longer have.
         starting = replica in self.awaiting_backups
@@ -459,9 +534,12 @@ class ReplicaCore:
         self.prefixes[replica] = frontier
         if replica in self.awaiting_backups:
             self.awaiting_backups.discard(replica)
-            if not self.awaiting_backups and self._stashed_epoch is not None:
-                # Every backup is known to be behind us: safe to decide again.
-                self.replay_epoch, self._stashed_epoch = self._stashed_epoch, None
+            if not self.awaiting_backups:
+                # Every backup is known to be behind us: we hold everything any replica
+                # acknowledged, and it is safe to decide again.
+                self.qualified = True
+                if self._stashed_epoch is not None:
+                    self.replay_epoch, self._stashed_epoch = self._stashed_epoch, None
         # Catch the backup up: everything decided above its frontier.
         events = list(self._stream_after(frontier, self._backup_epoch_hint(frontier)))
         events.append((wire.EV_FRONTIER, self.frontier, self.last_epoch, self.next_slot))
@@ -473,41 +551,17 @@ class ReplicaCore:
         return epoch_of(frontier) if frontier > 0 else -1
 
     def _stream_after(self, frontier: int, known_epoch: int) -> Iterator[tuple[Any, ...]]:
-        """The decided stream above (frontier, known_epoch), for a catch-up: epoch events
-        and records in order, a range of epochs split wherever records fall so that every
-        record follows the event that opens its epoch."""
-        gsns = self.gsns
-        i = bisect.bisect_right(gsns, frontier)
+        """The decided stream above (frontier, known_epoch), for a catch-up."""
+        i = bisect.bisect_right(self.gsns, frontier)
+        recs = [self.records[g] for g in self.gsns[i:]]
+        return stream_events([(r.gsn, r.client_id, r.seq, r.data) for r in recs], self.membership, known_epoch)
 
-        def record(j: int) -> tuple[Any, ...]:
-            rec = self.records[gsns[j]]
-            return (wire.EV_RECORD, rec.gsn, 0, rec.client_id, rec.seq, rec.data)
-
-        for first, last, members in self.membership:
-            if last <= known_epoch:
-                continue
-            e = max(first, known_epoch + 1)
-            while i < len(gsns) and epoch_of(gsns[i]) < e:  # records of epochs it already knows
-                yield record(i)
-                i += 1
-            while e <= last:
-                if i < len(gsns) and epoch_of(gsns[i]) <= last:
-                    re = epoch_of(gsns[i])
-                    yield (wire.EV_EPOCH, e, re, list(members))
-                    while i < len(gsns) and epoch_of(gsns[i]) == re:
-                        yield record(i)
-                        i += 1
-                    e = re + 1
-                else:
-                    yield (wire.EV_EPOCH, e, last, list(members))
-                    e = last + 1
-        while i < len(gsns):
-            yield record(i)
-            i += 1
-
-    def _on_prefix(self, msg: list[Any]) -> None:
+    def _on_prefix(self, msg: list[Any], now: int) -> None:
         _, _, replica, frontier = msg
         if not self.is_primary or not (1 <= replica < self.s.replicas):
+            return
+        self.peer_heard[replica] = now
+        if self.frozen:
             return
         if frontier > self.prefixes.get(replica, 0):
             self.prefixes[replica] = min(frontier, self.frontier)
@@ -515,8 +569,9 @@ class ReplicaCore:
 
     # -- backup: applying the primary's decisions -------------------------------------------
     def on_forward(self, msg: list[Any], now: int) -> None:
-        if self.is_primary:
-            return
+        if self.is_primary or self.frozen:
+            return  # frozen: we promised to store nothing new
+        self.peer_heard[0] = now
         stable = msg[2]
         body = msg[3]
         try:
@@ -532,6 +587,9 @@ class ReplicaCore:
             return
         self._hello_sent_at = None
         self._heard_primary = True
+        # In step with the primary: we now hold everything it decided, which includes
+        # everything any replica acknowledged before we (re)started.
+        self.qualified = True
         changed = False
         for ev in events:
             kind = ev[0]
@@ -605,7 +663,7 @@ class ReplicaCore:
         if self.is_primary:
             if config.epoch <= self.last_epoch:
                 return
-            if self.awaiting_backups or self.blocked is not None:
+            if self.awaiting_backups or self.blocked is not None or self.frozen:
                 # Until every backup has said where it is, we cannot know that we did not
                 # lose decisions it holds: decide nothing, not even an epoch's start.
                 self._stashed_epoch = config
@@ -626,7 +684,7 @@ class ReplicaCore:
             self._primary_stable_changed()
             self._subs_dirty = True
         else:
-            if self.spec is not None and config.epoch <= self.spec.config.epoch:
+            if self.frozen or (self.spec is not None and config.epoch <= self.spec.config.epoch):
                 return
             cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
             self.spec = Speculation(config, cursor)
@@ -637,7 +695,7 @@ class ReplicaCore:
         :meth:`on_missed_epochs`, before ``config``; None when there are none to tell (a
         backup, a duplicate broadcast, or a primary that is not deciding and will only
         keep ``config`` for later)."""
-        if (not self.is_primary or self.awaiting_backups or self.blocked is not None
+        if (not self.is_primary or self.awaiting_backups or self.blocked is not None or self.frozen
                 or config.epoch <= self.last_epoch + 1):
             return None
         return self.last_epoch + 1, config.epoch - 1
@@ -684,7 +742,7 @@ class ReplicaCore:
     # ================================================================================
     # time
     def tick(self, now: int) -> None:
-        if self.is_primary and self.cursor is not None:
+        if self.is_primary and self.cursor is not None and not self.frozen:
             cur = self.cursor
             sched, elapsed = cur.schedule, now - self.epoch_start_ns
             if sched.slots_due(self.shard, elapsed - self.s.noop_timeout_ns) > self.next_slot:
@@ -704,6 +762,8 @@ class ReplicaCore:
             for p in self.parked:
                 if p.deadline_ns <= now:
                     what = "epoch" if p.msg[1] == wire.INSERT else "position"
+                    if p.msg[1] == wire.INSERT and self.is_primary:
+                        self.refused[(p.msg[3], p.msg[4])] = now
                     self.error(p.route, p.msg[2], wire.E_TIMEOUT, f"timed out waiting for the {what} the request names")
                 else:
                     keep.append(p)
@@ -717,17 +777,48 @@ class ReplicaCore:
             old = now - 10 * self.s.park_timeout_ns
             for pkey in [k for k, v in self.pending_routes.items() if v[2] < old]:
                 del self.pending_routes[pkey]
+        if (self.refused or self.no_guess) and now - self._pending_pruned_ns > 1_000_000_000:
+            old = now - 10 * self.s.park_timeout_ns
+            for d in (self.refused, self.no_guess):
+                for pkey in [k for k, t in d.items() if t < old]:
+                    del d[pkey]
+        if not self.frozen and self.s.suspect_timeout_ns > 0:
+            self._check_peers(now)
         if self.subs:
             for key, sub in list(self.subs.items()):
                 if now - sub.last_heard_ns > self.s.subscription_lease_ns:
                     del self.subs[key]
 
+    def _check_peers(self, now: int) -> None:
+        """Failure suspicion: a peer silent for the timeout (or our own lost state) makes
+        us ask the failure handler for recovery, again every timeout until it acts."""
+        limit = now - self.s.suspect_timeout_ns
+        silent = sorted(r for r, t in self.peer_heard.items() if t < limit)
+        if not silent and self.blocked is None:
+            return
+        if self._suspect_sent_ns is not None and now - self._suspect_sent_ns < self.s.suspect_timeout_ns:
+            return
+        self._suspect_sent_ns = now
+        reason = self.blocked or f"no word from replicas {silent}"
+        self.stats["suspicions"] = self.stats.get("suspicions", 0) + 1
+        self.outbox.append((TO_HANDLER, pack([V, wire.SUSPECT, self.shard, self.s.replica, reason])))
+
     def next_deadline(self, now: int) -> int | None:
         """Earliest time :meth:`tick` has work; None when only events can make progress."""
         best: int | None = None
-        if self.is_primary and self.cursor is not None and self.next_slot < self.cursor.count:
+        if not self.frozen and self.s.suspect_timeout_ns > 0 and self.peer_heard:
+            best = min(self.peer_heard.values()) + self.s.suspect_timeout_ns
+            if self._suspect_sent_ns is not None:
+                best = max(best, self._suspect_sent_ns + self.s.suspect_timeout_ns)
+        if not self.frozen and self.is_primary and self.backup_routes:
+            t = self._last_forward_ns + self.s.heartbeat_ns
+            best = t if best is None else min(best, t)
+        if not self.frozen and not self.is_primary and self._heard_primary:
+            t = self._last_prefix_ns + self.s.heartbeat_ns
+            best = t if best is None else min(best, t)
+        if self.is_primary and self.cursor is not None and self.next_slot < self.cursor.count and not self.frozen:
             t = self.epoch_start_ns + self.cursor.schedule.expected_ns(self.shard, self.next_slot) + self.s.noop_timeout_ns
-            best = t
+            best = t if best is None else min(best, t)
         if self.is_primary and self.stable > self._stable_sent:
             t = self._last_forward_ns + self.s.stable_push_ns
             best = t if best is None else min(best, t)
@@ -746,6 +837,150 @@ class ReplicaCore:
         for p in self.parked:
             best = p.deadline_ns if best is None else min(best, p.deadline_ns)
         return best
+
+    # ================================================================================
+    # failure recovery (dissertation 4.2.5): the failure handler's side is
+    # ``failure_handler.recovery``; these answer its requests.
+    def _on_recovery_op(self, route: bytes, msg: list[Any], now: int) -> None:
+        op, req_id, gen = msg[1], msg[2], msg[3]
+        if gen < self.recovery_gen or (op != wire.PROBE and gen != self.recovery_gen):
+            self.error(route, req_id, wire.E_STALE, f"recovery generation {gen} is not the current one ({self.recovery_gen})")
+            return
+        if op == wire.PROBE:
+            payload = self._on_probe(gen)
+        elif op == wire.ACQUIRED:
+            payload = self._on_acquired(now)
+        elif op == wire.FETCH:
+            payload = self._on_fetch(msg[4], msg[5], msg[6])
+        elif op == wire.INSTALL:
+            payload = self._on_install(msg[4], msg[5], msg[6], msg[7])
+        else:
+            payload = self._on_resume(msg[4], now)
+        if isinstance(payload, str):
+            self.error(route, req_id, wire.E_STALE, payload)
+        else:
+            self.outbox.append((route, pack([V, wire.RECOVERY_OK, req_id, payload])))
+
+    def _on_probe(self, gen: int) -> dict[str, Any]:
+        """Freeze (the promise to store nothing new) and report our state: the decided
+        records above the stable point and, for a backup, the records it guessed and
+        acknowledged. Only a qualified replica's records may be the basis of recovery."""
+        if gen > self.recovery_gen:
+            self.recovery_gen = gen
+            self.frozen = True
+            self.authority = False
+            self.installed_gen = -1
+        state: dict[str, Any] = {
+            "replica": self.s.replica, "gen": gen, "qualified": self.qualified, "frozen": self.frozen,
+            "frontier": self.frontier, "stable": self.stable, "trim": self.trim_point,
+            "last_epoch": self.last_epoch, "installed": self.installed_gen == gen,
+            "resumed": not self.frozen and self.installed_gen == gen,
+        }
+        if self.qualified and self.frozen:
+            i = bisect.bisect_right(self.gsns, self.stable)
+            state["records"] = [[g, r.client_id, r.seq, r.data] for g in self.gsns[i:] for r in (self.records[g],)]
+            guesses = []
+            if self.spec is not None:
+                guesses = [[g, q.key[0], q.key[1], q.data] for g, q in sorted(self.spec.by_gsn.items()) if g > self.frontier]
+            state["guesses"] = guesses
+        return state
+
+    def _on_acquired(self, now: int) -> dict[str, Any] | str:
+        if not self.frozen:
+            return "not frozen"
+        self.authority = True
+        # Clients waiting on a record we could not place yet get their final answer now.
+        pending, self.pending_routes = self.pending_routes, {}
+        for key, (route, req_id, _) in pending.items():
+            self._frozen_insert(route, req_id, key, now)
+        return {"authority": True}
+
+    def _on_fetch(self, lo: int, hi: int, max_bytes: int) -> dict[str, Any] | str:
+        if hi > self.frontier:
+            return f"asked for records up to {hi}, frontier is {self.frontier}"
+        gsns, out, size = self.gsns, [], 0
+        i = bisect.bisect_right(gsns, lo)
+        while i < len(gsns) and gsns[i] <= hi and (size < max_bytes or not out):
+            r = self.records[gsns[i]]
+            out.append([r.gsn, r.client_id, r.seq, r.data])
+            size += len(r.data) + 32
+            i += 1
+        done = i >= len(gsns) or gsns[i] > hi
+        return {"trim": self.trim_point, "deleted_below": self.deletable_below, "records": out, "done": done}
+
+    def _truncate(self, base: int) -> None:
+        """Forget everything decided above ``base`` (recovery replaces it)."""
+        i = bisect.bisect_right(self.gsns, base)
+        for g in self.gsns[i:]:
+            rec = self.records.pop(g)
+            self.dedup.pop((rec.client_id, rec.seq), None)
+        del self.gsns[i:]
+        self.frontier = min(self.frontier, base)
+        keep_epoch = epoch_of(base) if base > 0 else -1
+        kept = []
+        for first, last, members in self.membership:
+            if first > keep_epoch:
+                break
+            kept.append([first, min(last, keep_epoch), members])
+        self.membership = kept
+
+    def _on_install(self, base: int, trim: int, events: list[Any], end: int) -> dict[str, Any] | str:
+        """Roll forward: replace everything above ``base`` with the recovery's stream
+        (records the acquired state held, epochs up to the last one that included the
+        shard) and make every other position up to ``end`` a no-op."""
+        if not self.frozen:
+            return "not frozen"
+        assert base <= end, (base, end)
+        self.spec = None
+        self.cur_config = None
+        self.cursor = None
+        self._fwd_events = []
+        self._truncate(base)
+        self.disk.append((wire.EV_TRUNCATE, base))
+        if trim > self.trim_point:
+            self.trim_point = trim
+            self.disk.append((wire.EV_TRIM, trim))
+        for ev in events:
+            kind = ev[0]
+            if kind == wire.EV_RECORD:
+                _, gsn, slot, client_id, seq, data = ev
+                self._apply_record(gsn, slot, client_id, seq, data)
+            elif kind == wire.EV_EPOCH:
+                _, first, last, members = ev
+                self._apply_epochs(first, last, members)
+        if end > self.frontier:
+            assert epoch_of(end) <= self.last_epoch, ("install ends beyond its epochs", end, self.last_epoch)
+            self.frontier = end
+        self.disk.append((wire.EV_FRONTIER, self.frontier, self.last_epoch, 0))
+        self.installed_gen = self.recovery_gen
+        self._mark_forward_point()
+        return {"frontier": self.frontier, "last_epoch": self.last_epoch}
+
+    def _on_resume(self, stable: int, now: int) -> dict[str, Any] | str:
+        if not self.frozen:
+            return {"resumed": True}  # a repeat
+        if self.installed_gen != self.recovery_gen:
+            return "resume before install"
+        self.frozen = False
+        self.authority = False
+        self.qualified = True  # every replica now holds exactly the recovered state
+        self.peer_heard.clear()
+        self._suspect_sent_ns = None
+        if min(stable, self.frontier) > self.stable:
+            self.stable = min(stable, self.frontier)
+            self._apply_trim_physically()
+        self._subs_dirty = True
+        if self.is_primary:
+            self.blocked = None
+            self.awaiting_backups = set()
+            self.prefixes = {r: self.frontier for r in range(1, self.s.replicas)}
+            self._stable_sent = self.stable
+            self._mark_forward_point()
+            if self._stashed_epoch is not None:
+                self.replay_epoch, self._stashed_epoch = self._stashed_epoch, None
+        else:
+            self.connect_primary(now)
+        return {"resumed": True, "frontier": self.frontier}
 
     # ================================================================================
     # reads
@@ -875,6 +1110,9 @@ class ReplicaCore:
             "subscriptions": len(self.subs),
             "backups_connected": sorted(self.backup_routes),
             "blocked": self.blocked,
+            "qualified": self.qualified,
+            "frozen": self.frozen,
+            "recovery_gen": self.recovery_gen,
             **self.stats,
         }
 
@@ -898,6 +1136,8 @@ class ReplicaCore:
                 self._apply_epochs(first, last, members)
             elif kind == wire.EV_TRIM:
                 self.trim_point = max(self.trim_point, ev[1])
+            elif kind == wire.EV_TRUNCATE:
+                self._truncate(ev[1])
             elif kind == EV_STABLE:
                 self.stable = max(self.stable, ev[1])
             elif kind == EV_SNAPSHOT:
@@ -917,6 +1157,44 @@ class ReplicaCore:
         """What a new segment file opens with (see ``ziplog.segments``)."""
         return (EV_SNAPSHOT, [list(r) for r in self.membership], self.frontier, self.stable, self.trim_point)
 
+
+def stream_events(records: list[tuple[int, int, int, bytes]], membership: list[list[Any]],
+                  known_epoch: int) -> Iterator[tuple[Any, ...]]:
+    """A decided stream for a replica that knows every epoch up to ``known_epoch``:
+    epoch events and ``records`` (sorted by gsn) in order, a range of epochs split
+    wherever records fall so that every record follows the event opening its epoch.
+    Used for catch-ups and by failure recovery to build what it installs."""
+    i = 0
+    n = len(records)
+
+    def record(j: int) -> tuple[Any, ...]:
+        g, c, q, d = records[j]
+        return (wire.EV_RECORD, g, 0, c, q, d)
+
+    for first, last, members in membership:
+        if last <= known_epoch:
+            continue
+        e = max(first, known_epoch + 1)
+        while i < n and epoch_of(records[i][0]) < e:  # records of epochs it already knows
+            yield record(i)
+            i += 1
+        while e <= last:
+            if i < n and epoch_of(records[i][0]) <= last:
+                re = epoch_of(records[i][0])
+                yield (wire.EV_EPOCH, e, re, list(members))
+                while i < n and epoch_of(records[i][0]) == re:
+                    yield record(i)
+                    i += 1
+                e = re + 1
+            else:
+                yield (wire.EV_EPOCH, e, last, list(members))
+                e = last + 1
+    while i < n:
+        yield record(i)
+        i += 1
+
+
+_RECOVERY_OPS = frozenset((wire.PROBE, wire.ACQUIRED, wire.FETCH, wire.INSTALL, wire.RESUME))
 
 #: Persisted only (not on the wire): the stable watermark at a flush.
 EV_STABLE = 4

@@ -7,6 +7,7 @@ Sockets:
   * DEALER -> primary's ROUTER (backups only): HELLO, PREFIX out; FORWARD in
   * SUB -> every MMS replica's PUB: epoch broadcasts
   * PUSH -> every MMS replica's PULL: rate reports (only the leader uses them)
+  * PUSH -> every failure handler replica's PULL: suspicions (only the leader acts)
   * PAIR (inproc): wake-ups from ZooKeeper watch threads
 """
 
@@ -26,7 +27,7 @@ from kazoo.exceptions import NodeExistsError
 
 from . import discovery, wire
 from .gsna import EpochConfig
-from .replica import EV_STABLE, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from .replica import EV_STABLE, TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
 from .segments import SegmentLog
 
 log = logging.getLogger("ziplog.server")
@@ -61,6 +62,7 @@ class StorageServer:
         self.dealer: zmq.Socket | None = None
         self.primary_addr: str | None = None
         self.pushes: dict[str, zmq.Socket] = {}
+        self.fh_pushes: dict[str, zmq.Socket] = {}
         self.pubs: set[str] = set()
         # Watch threads only poke this PAIR; all socket work stays on the loop thread.
         self.wake_rx = self.ctx.socket(zmq.PAIR)
@@ -105,6 +107,13 @@ class StorageServer:
         except zmq.ZMQError:
             pass
 
+    def _push_socket(self, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(addr)
+        return sock
+
     def _refresh_peers(self) -> None:
         topo = self.topology
         for info in topo.mms.values():
@@ -113,11 +122,11 @@ class StorageServer:
                 self.sub.connect(pub)
                 self.pubs.add(pub)
             if pull and pull not in self.pushes:
-                sock = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 1000)
-                sock.connect(pull)
-                self.pushes[pull] = sock
+                self.pushes[pull] = self._push_socket(pull)
+        for info in topo.fh.values():
+            pull = info.get("pull")
+            if pull and pull not in self.fh_pushes:
+                self.fh_pushes[pull] = self._push_socket(pull)
         if not self.settings.is_primary:
             addr = topo.replicas.get(self.settings.shard, {}).get(0)
             if addr and addr != self.primary_addr:
@@ -262,8 +271,8 @@ class StorageServer:
             elif dest == TO_PRIMARY:
                 if self.dealer is not None:
                     self.dealer.send(frame, NOBLOCK)
-            elif dest == TO_MMS:
-                for sock in self.pushes.values():
+            elif dest == TO_MMS or dest == TO_HANDLER:
+                for sock in (self.pushes if dest == TO_MMS else self.fh_pushes).values():
                     try:
                         sock.send(frame, NOBLOCK)
                     except zmq.Again:
@@ -315,12 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-interval-us", type=int, default=0,
                     help="batch forwarded decisions for up to this long (fewer messages, later stability)")
     ap.add_argument("--prefix-interval-us", type=int, default=0)
+    ap.add_argument("--heartbeat-ms", type=float, default=ReplicaSettings.heartbeat_ns / 1e6,
+                    help="an idle replica tells its peers it is alive this often")
+    ap.add_argument("--suspect-timeout-ms", type=float, default=ReplicaSettings.suspect_timeout_ns / 1e6,
+                    help="a peer silent this long is suspected and failure recovery asked for (0: never)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                forward_interval_ns=args.forward_interval_us * 1000,
-                               prefix_interval_ns=args.prefix_interval_us * 1000)
+                               prefix_interval_ns=args.prefix_interval_us * 1000,
+                               heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
     server = StorageServer(args.zk, settings, args.data_dir, fsync=args.fsync, host=args.host, port=args.port,
                            fsync_interval=args.fsync_interval)
 

@@ -23,7 +23,7 @@ UNSUBSCRIBE = 6  # [v, op, sub_id]
 STATUS = 7  # [v, op, req_id]
 
 # -- storage server -> client ----------------------------------------------------------
-ACK = 16  # [v, op, req_id, gsn, replica, stable, decided]
+ACK = 16  # [v, op, req_id, gsn, replica, stable, decided, final]
 READ_OK = 17  # [v, op, req_id, gsn, data, stable_watermark]
 TRIM_OK = 18  # [v, op, req_id, trim_point]
 SUB_BATCH = 19  # [v, op, sub_id, records, epochs, progress]
@@ -35,6 +35,15 @@ HELLO = 32  # [v, op, shard, replica, frontier, guessed_top]  backup -> primary
 FORWARD = 33  # [v, op, stable, [prev_frontier, prev_epoch, events]]  primary -> backup
 PREFIX = 34  # [v, op, replica, frontier]                backup -> primary
 
+# -- failure handler <-> storage server (dissertation 4.2.5) ------------------------------
+SUSPECT = 40  # [v, op, shard, replica, reason]           replica PUSH -> handler PULL
+PROBE = 41  # [v, op, req_id, gen]                        freeze for recovery gen, report state
+ACQUIRED = 42  # [v, op, req_id, gen]                     your state is the recovery's: answer for it
+FETCH = 43  # [v, op, req_id, gen, lo, hi, max_bytes]     decided records lo < gsn <= hi
+INSTALL = 44  # [v, op, req_id, gen, base, trim, events, end]  truncate to base, apply, frontier end
+RESUME = 45  # [v, op, req_id, gen, stable]               recovery done: serve again
+RECOVERY_OK = 46  # [v, op, req_id, payload]              answer to PROBE..RESUME
+
 # -- membership service ------------------------------------------------------------------
 EPOCH = 48  # [v, op, epoch, shards, rates]              MMS PUB -> shards
 RATE = 49  # [v, op, shard, epoch, count, duration_ns]   shard primary -> MMS PULL
@@ -44,6 +53,7 @@ EV_RECORD = 0  # (kind, gsn, slot, client_id, seq, data)
 EV_FRONTIER = 1  # (kind, frontier, epoch, next_slot)
 EV_EPOCH = 2  # (kind, first_epoch, last_epoch, members)  members None = same as before
 EV_TRIM = 3  # (kind, trim_point)
+EV_TRUNCATE = 6  # (kind, base)  on disk only: recovery dropped everything decided above base
 
 # Error codes (strings on the wire so other languages need no table).
 E_MALFORMED = "MALFORMED"
@@ -57,6 +67,15 @@ E_NOT_MEMBER = "NOT_MEMBER"
 E_UNKNOWN_RID = "UNKNOWN_RID"
 E_TIMEOUT = "TIMEOUT"
 E_NOT_READY = "NOT_READY"
+#: The shard is frozen for failure recovery; this replica cannot say yet whether the
+#: record will be in the log. Not final: ask again.
+E_FROZEN = "FROZEN"
+#: Final: the recovered shard will not hold this record. Insert it on another shard.
+E_NOT_HELD = "NOT_HELD"
+#: A backup's answer: it holds no copy of the record and will not guess one; only the
+#: primary's decision can place it.
+E_NO_GUESS = "NO_GUESS"
+E_STALE = "STALE"
 
 MAX_U64 = (1 << 64) - 1
 
@@ -105,6 +124,11 @@ PEER_SCHEMAS: dict[int, tuple[tuple[str, Any], ...]] = {
     HELLO: (_U, _U, _U, _U),
     FORWARD: (_U, ("list", lambda x: type(x) is list)),
     PREFIX: (_U, _U),
+    PROBE: (_U, _U),
+    ACQUIRED: (_U, _U),
+    FETCH: (_U, _U, _U, _U, _U),
+    INSTALL: (_U, _U, _U, _U, ("list", lambda x: type(x) is list), _U),
+    RESUME: (_U, _U, _U),
 }
 
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ziplog import wire
+from ziplog.client_core import InsertWait
 from ziplog.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.merge import SubscriberMerge
-from ziplog.replica import TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.replica import TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
 from ziplog.wire import PROTOCOL_VERSION as V
 from ziplog.wire import pack, unpack
 
@@ -61,8 +62,7 @@ class SimClient:
         self.seq = 0
         self.req = 0
         self.after = 0
-        self.primary_gsn: int | None = None
-        self.backup_acks: list[int] = []
+        self.wait: InsertWait | None = None
         self.frame: bytes | None = None
         self.results: list[tuple[int, int, int, bytes]] = []  # (seq, gsn, after, data)
         self.data = b""
@@ -90,8 +90,7 @@ class SimClient:
             self.after = 0
         self.data = f"c{self.cid}s{self.seq}".encode() * rng.randint(1, 4)
         self.frame = pack([V, wire.INSERT, self.req, self.cid, self.seq, self.after, self.data])
-        self.primary_gsn = None
-        self.backup_acks = []
+        self.wait = InsertWait(self.req, 2)
         self._send(now)
 
     def _send(self, now: int) -> None:
@@ -109,27 +108,23 @@ class SimClient:
         msg = unpack(frame)
         if self.frame is None or msg[2] != self.req:
             return
-        if msg[1] == wire.ERROR:
-            # A parked insert timed out (e.g. waiting for an epoch): resend.
-            assert msg[3] in (wire.E_TIMEOUT,), msg
+        assert self.wait is not None
+        if msg[1] == wire.ERROR and msg[3] == wire.E_TIMEOUT:
+            return  # a parked insert timed out (e.g. waiting for an epoch): the retry resends
+        assert not (msg[1] == wire.ERROR and msg[3] not in (wire.E_NO_GUESS,)), msg
+        if not self.wait.feed(0 if src == "P" else 1, msg):
             return
-        assert msg[1] == wire.ACK, msg
-        gsn = msg[3]
-        if src == "P":
-            assert self.primary_gsn in (None, gsn), ("primary changed its answer", self.primary_gsn, gsn)
-            self.primary_gsn = gsn
-        else:
-            self.backup_acks.append(gsn)
-        if self.primary_gsn is not None and self.backup_acks and self.backup_acks[-1] == self.primary_gsn:
-            fast = self.backup_acks[0] == self.primary_gsn
-            self.sim.outcome.fast += fast
-            self.sim.outcome.slow += not fast
-            assert self.primary_gsn > self.after, ("InsertAfter gsn not above rid", self.primary_gsn, self.after)
-            self.results.append((self.seq, self.primary_gsn, self.after, self.data))
-            self.sim.acked_gsns.append(self.primary_gsn)
-            self.after = self.primary_gsn
-            self.frame = None
-            self.sim.at(now + self.sim.rng.randint(0, 300) * US, self.start_next)
+        gsn = self.wait.decided
+        assert gsn is not None
+        fast = self.wait.fast
+        self.sim.outcome.fast += fast
+        self.sim.outcome.slow += not fast
+        assert gsn > self.after, ("InsertAfter gsn not above rid", gsn, self.after)
+        self.results.append((self.seq, gsn, self.after, self.data))
+        self.sim.acked_gsns.append(gsn)
+        self.after = gsn
+        self.frame = None
+        self.sim.at(now + self.sim.rng.randint(0, 300) * US, self.start_next)
 
 
 class ShardSim:
@@ -231,7 +226,7 @@ class ShardSim:
         for dest, frame in out:
             if dest == TO_PRIMARY:
                 self.send(name, "P", frame)
-            elif dest == TO_MMS:
+            elif dest in (TO_MMS, TO_HANDLER):
                 pass
             elif dest == b"backup":
                 self.send("P", "B", frame)

@@ -1,0 +1,637 @@
+"""Experiment: throughput across a storage replica failure (the dissertation's Figure 4.7).
+
+A local cluster of 3 shards x 2 replicas runs under a paced write load: several writer
+*processes*, each pinned to one shard (``Policy.fixed``) and inserting 4 KiB records at a
+fixed rate, while one subscriber process follows the log from its start. One second into
+the load the primary of shard 0 is SIGKILLed (``cluster.kill_replica(0, 0)``); the
+cluster's supervisor starts it again, as an operator would. We record the time of every
+acknowledgement (and the shard it landed on) and of every delivery, and report:
+
+* records acknowledged per 100 ms (total and per shard) and delivered per 100 ms;
+* the longest write stall (the largest gap between two consecutive acks of one writer,
+  counting the gap from its last ack to the end of the load if it never recovered);
+* the longest subscriber stall (the largest gap between two consecutive deliveries);
+* the supervisor's restart delay after the kill;
+* a sanity check: every acknowledged record delivered exactly once (missing, duplicated).
+
+    python -m bench failure [--quick] [--out DIR]
+
+Writes ``failure.json``, ``failure.md`` and ``failure.png`` to ``results/failure-<timestamp>/``.
+Every wait is bounded: the run finishes whether or not the killed shard ever recovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import os
+import queue
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .machine import machine_info
+from .stats import format_table, summarize
+
+#: Storage servers' failure suspicion timeout (``--suspect-timeout-ms``), in ms.
+SUSPECT_TIMEOUT_MS = 500
+
+COLUMNS = ["suspect_timeout_ms", "longest_write_stall_ms", "longest_sub_stall_ms", "restart_delay_ms",
+           "missing", "duplicated", "acked", "write_errors"]
+
+MAGIC = b"ZLFB"
+_HEADER = struct.Struct("<4sIII")  # magic, run id, writer, sequence number
+
+
+def _params(quick: bool) -> dict:
+    return {
+        "quick": quick,
+        "shards": 3,
+        "replicas": 2,
+        "writers_per_shard": 2,          # each pinned to its shard with Policy.fixed
+        "rate_per_writer": 200,          # inserts/s, paced (a stalled writer does not catch up in a burst)
+        "record_bytes": 4096,
+        "duration_s": 5.0 if quick else 8.0,
+        "kill_at_s": 1.0,
+        "kill_shard": 0,
+        "kill_replica": 0,               # replica 0 is the shard's primary
+        "supervise": True,
+        "suspect_timeout_ms": SUSPECT_TIMEOUT_MS,
+        "bin_ms": 100,
+        "insert_timeout_s": 3.0,         # Client(timeout=...): one insert_after waits at most this long
+        "error_backoff_s": 0.02,         # a writer sleeps this long after a failed insert
+        "drain_s": 5.0 if quick else 10.0,  # after the load: how long the subscriber may catch up
+        "startup_timeout_s": 90.0,       # writer/subscriber processes connecting
+    }
+
+
+def _log(msg: str) -> None:
+    print(f"[failure] {msg}", file=sys.stderr, flush=True)
+
+
+def _import_ziplog():
+    try:
+        import ziplog
+    except Exception as e:  # ImportError, or a half-written package failing at import time
+        raise RuntimeError(f"cannot import ziplog ({type(e).__name__}: {e}); the failure benchmark cannot run") from e
+    missing = [name for name in ("local_cluster", "Client", "Policy", "ZiplogError") if not hasattr(ziplog, name)]
+    if missing:
+        raise RuntimeError(f"ziplog has no {', '.join(missing)}; the failure benchmark cannot run")
+    return ziplog
+
+
+def _server_accepts(flag: str) -> bool | None:
+    """Whether ``python -m ziplog.server`` knows ``flag`` (None: could not tell)."""
+    try:
+        p = subprocess.run([sys.executable, "-m", "ziplog.server", "--help"], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return None
+    return flag in p.stdout
+
+
+def _payload(run_id: int, writer: int, seq: int, size: int) -> bytes:
+    head = _HEADER.pack(MAGIC, run_id, writer, seq)
+    fill = f"writer {writer} record {seq};".encode()
+    n = max(size - len(head), 0)
+    return head + (fill * (n // len(fill) + 1))[:n]
+
+
+def _header(data: bytes) -> tuple[int, int, int] | None:
+    if len(data) < _HEADER.size or not data.startswith(MAGIC):
+        return None
+    _, run_id, writer, seq = _HEADER.unpack_from(data)
+    return run_id, writer, seq
+
+
+# -- child processes (spawn context: these run in fresh interpreters) ---------------------------
+
+def _writer_main(w: int, shard: int, zk_hosts: str, run_id: int, p: dict, start_at: Any, go: Any,
+                 stop: Any, out_q: Any, acked: Any) -> None:
+    """One paced writer pinned to ``shard``. Sends ("ready"|"failed", w, ...) and then
+    ("result", w, {...}) on ``out_q``."""
+    acks: list[tuple[float, int, int, int, float]] = []  # (t_ack, seq, shard, gsn, latency_s)
+    errors: dict[str, int] = {}
+    first_errors: list[str] = []
+    t_stop = None
+    result: dict[str, Any] = {"shard": shard, "acks": acks, "errors": errors, "first_errors": first_errors}
+    try:
+        import ziplog
+        client = ziplog.Client(zk_hosts, timeout=p["insert_timeout_s"], policy=ziplog.Policy.fixed(shard))
+    except BaseException as e:
+        out_q.put(("failed", w, f"{type(e).__name__}: {e}"))
+        return
+    try:
+        out_q.put(("ready", w, None))
+        if not go.wait(p["startup_timeout_s"]):
+            result["error"] = "never told to start"
+            return
+        t0 = start_at.value
+        end_at = t0 + p["duration_s"]
+        interval = 1.0 / p["rate_per_writer"]
+        size = p["record_bytes"]
+        backoff = p["error_backoff_s"]
+        # Spread the writers' sends over one interval so they do not all fire together.
+        next_at = t0 + interval * (w % 7) / 7
+        seq = 0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= end_at:
+                break
+            if next_at > now:
+                time.sleep(min(next_at - now, end_at - now))
+                continue
+            # Behind schedule by more than 100 ms (a stall): drop the missed sends rather
+            # than bursting to catch up, so the timeline shows throughput, not backlog.
+            next_at = max(next_at + interval, now - 0.1)
+            seq += 1
+            data = _payload(run_id, w, seq, size)
+            t_send = time.monotonic()
+            try:
+                rid = client.insert_after(data)
+            except Exception as e:  # ziplog.ZiplogError expected; anything else counted too
+                name = type(e).__name__ if isinstance(e, ziplog.ZiplogError) else f"other:{type(e).__name__}"
+                errors[name] = errors.get(name, 0) + 1
+                if len(first_errors) < 5:
+                    first_errors.append(f"t={time.monotonic() - t0:.3f}s {name}: {e}")
+                time.sleep(backoff)
+                continue
+            t_ack = time.monotonic()
+            acks.append((t_ack, seq, rid.shard, rid.gsn, t_ack - t_send))
+            if 0 <= rid.shard < len(acked):
+                with acked.get_lock():
+                    acked[rid.shard] += 1
+        t_stop = time.monotonic()
+        with contextlib.suppress(Exception):
+            result["client_stats"] = dict(client.stats)
+    except BaseException as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        result["t_stop"] = t_stop if t_stop is not None else time.monotonic()
+        out_q.put(("result", w, result))
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+def _subscriber_main(zk_hosts: str, run_id: int, out_q: Any, ctrl_q: Any, stop: Any) -> None:
+    """Follows the log from its start, recording (t, writer, seq, gsn, shard) per record of
+    this run. After ("drain", acked_keys, deadline) arrives on ``ctrl_q`` it stops once every
+    acked record was seen or at the deadline; ``stop`` ends it at once."""
+    deliveries: list[tuple[float, int, int, int, int]] = []
+    result: dict[str, Any] = {"deliveries": deliveries, "errors": [], "others": 0, "order_violations": 0,
+                              "resubscribes": 0}
+    try:
+        import ziplog
+        client = ziplog.Client(zk_hosts, timeout=10.0)
+        sub = client.subscribe(ziplog.RID_GENESIS)
+    except BaseException as e:
+        out_q.put(("failed", "sub", f"{type(e).__name__}: {e}"))
+        return
+    out_q.put(("ready", "sub", None))
+    pending: set[tuple[int, int]] | None = None
+    drain_deadline = float("inf")
+    last_gsn = 0
+    try:
+        while not stop.is_set():
+            if pending is None:
+                with contextlib.suppress(queue.Empty):
+                    msg = ctrl_q.get_nowait()
+                    if msg[0] == "drain":
+                        keys, drain_deadline = msg[1], msg[2]
+                        pending = {(int(k[0]), int(k[1])) for k in keys} - {(d[1], d[2]) for d in deliveries}
+            if pending is not None and (not pending or time.monotonic() > drain_deadline):
+                break
+            try:
+                rec = sub.next(timeout=0.05)
+            except Exception as e:
+                if len(result["errors"]) < 20:
+                    result["errors"].append(f"{type(e).__name__}: {e}")
+                time.sleep(0.1)
+                # Start over from the log's beginning; records already seen (gsn <= last_gsn) are skipped.
+                with contextlib.suppress(Exception):
+                    sub.close()
+                with contextlib.suppress(Exception):
+                    sub = client.subscribe(ziplog.RID_GENESIS)
+                    result["resubscribes"] += 1
+                continue
+            if rec is None:
+                continue
+            t = time.monotonic()
+            if rec.rid.gsn <= last_gsn:
+                if result["resubscribes"]:
+                    continue  # replay after our own re-subscription
+                result["order_violations"] += 1
+            last_gsn = max(last_gsn, rec.rid.gsn)
+            h = _header(rec.data)
+            if h is None or h[0] != run_id:
+                result["others"] += 1
+                continue
+            deliveries.append((t, h[1], h[2], rec.rid.gsn, rec.rid.shard))
+            if pending is not None:
+                pending.discard((h[1], h[2]))
+    except BaseException as e:
+        result["errors"].append(f"{type(e).__name__}: {e}")
+    finally:
+        result["drained"] = pending is not None and not pending
+        out_q.put(("result", "sub", result))
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+def _bins(times: list[float], t0: float, n: int, width: float) -> list[int]:
+    out = [0] * n
+    for t in times:
+        i = int((t - t0) // width)
+        if 0 <= i < n:
+            out[i] += 1
+    return out
+
+
+def _max_gap(times: list[float], start: float, end: float | None) -> tuple[float, float | None, bool]:
+    """Largest gap between consecutive times, counting the one from ``start`` to the first and,
+    if ``end`` is given, from the last to ``end``. Returns (gap_s, where it began, open_at_end)."""
+    ts = sorted(times)
+    best, at, open_end = 0.0, None, False
+    prev = start
+    for t in ts:
+        if t - prev > best:
+            best, at = t - prev, prev
+        prev = t
+    if end is not None and end - prev > best:
+        best, at, open_end = end - prev, prev, True
+    return best, at, open_end
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 1)
+
+
+def _plot(path: Path, timeline: dict, kill_s: float, restart_s: float | None, p: dict) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"no plot (matplotlib unavailable: {type(e).__name__}: {e})"
+    w = timeline["bin_ms"] / 1000.0
+    xs = [t + w / 2 for t in timeline["t_s"]]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.plot(xs, timeline["acks_total"], color="black", lw=1.8, label="acked, all shards")
+    for s, ys in sorted(timeline["acks_by_shard"].items(), key=lambda kv: int(kv[0])):
+        killed = int(s) == p["kill_shard"]
+        ax.plot(xs, ys, lw=1.2, ls="-" if killed else "--",
+                label=f"acked, shard {s}" + (" (killed replica)" if killed else ""))
+    ax.plot(xs, timeline["deliveries"], color="tab:purple", lw=1.4, ls=":", label="delivered to subscriber")
+    ax.axvline(kill_s, color="red", lw=1.2, label=f"SIGKILL shard {p['kill_shard']} replica {p['kill_replica']}")
+    if restart_s is not None:
+        ax.axvline(restart_s, color="gray", lw=1.0, ls="-.", label="replica restarted")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"records / {timeline['bin_ms']} ms")
+    ax.set_title(f"Throughput across a storage replica failure ({p['shards']} shards x {p['replicas']} replicas, "
+                 f"suspicion timeout {p['suspect_timeout_ms']} ms)", fontsize=9)
+    ax.set_xlim(0, max(xs[-1] + w / 2, kill_s + 1) if xs else kill_s + 1)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right", framealpha=0.85)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# -- the experiment ------------------------------------------------------------------------------
+
+def run(quick: bool, out: Path | None) -> list[dict]:
+    p = _params(quick)
+    ziplog = _import_ziplog()
+    out = Path(out) if out is not None else Path("results") / (
+        "failure-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    n_writers = p["shards"] * p["writers_per_shard"]
+    run_id = int.from_bytes(os.urandom(4), "big")
+
+    flag = "--suspect-timeout-ms"
+    accepted = _server_accepts(flag)
+    p["suspect_timeout_flag_supported"] = accepted
+    server_args = [flag, str(SUSPECT_TIMEOUT_MS)]
+    if accepted is False:
+        # The storage server predates failure suspicion; passing the flag would stop it from starting.
+        _log(f"ziplog.server does not accept {flag} yet: running without it (recorded in the parameters)")
+        server_args = []
+    p["server_args"] = server_args
+
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    ctrl_q = ctx.Queue()
+    stop = ctx.Event()
+    go = ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    acked_live = ctx.Array("q", p["shards"])
+    children: list[Any] = []
+
+    writer_results: dict[int, dict] = {}
+    sub_result: dict | None = None
+    startup_failures: list[tuple[Any, str]] = []
+    kill_t: float | None = None
+    kill_error: str | None = None
+    restarts: list[tuple[float, int, int]] = []
+    fh_alive: list[bool] = []
+    t0 = 0.0
+    t_run = time.monotonic()
+
+    def collect(until: float, want: set) -> None:
+        """Read ("result", who, r) messages until every one in ``want`` arrived or ``until``."""
+        nonlocal sub_result
+        while want and time.monotonic() < until:
+            try:
+                kind, who, payload = out_q.get(timeout=min(0.5, max(until - time.monotonic(), 0.01)))
+            except queue.Empty:
+                continue
+            if kind == "result":
+                if who == "sub":
+                    sub_result = payload
+                else:
+                    writer_results[who] = payload
+                want.discard(who)
+
+    with contextlib.ExitStack() as stack:
+        _log(f"starting ziplog local cluster (shards={p['shards']}, replicas={p['replicas']}, supervise=True, "
+             f"server_args={server_args})")
+        try:
+            cluster = stack.enter_context(ziplog.local_cluster(
+                shards=p["shards"], replicas=p["replicas"], supervise=True, server_args=server_args))
+        except Exception as e:
+            raise RuntimeError(f"the local cluster could not start ({type(e).__name__}: {e})") from e
+
+        def cleanup() -> None:
+            stop.set()
+            deadline = time.monotonic() + 3.0
+            for c in children:
+                c.join(timeout=max(deadline - time.monotonic(), 0.05))
+            for c in children:
+                if c.is_alive():
+                    c.terminate()
+                    c.join(timeout=2.0)
+                if c.is_alive():
+                    c.kill()
+                    c.join(timeout=1.0)
+
+        stack.callback(cleanup)
+
+        # -- start the subscriber, then the writers, and wait until all are connected ------
+        _log(f"starting 1 subscriber and {n_writers} writer processes "
+             f"({p['writers_per_shard']} per shard, {p['rate_per_writer']} inserts/s each, {p['record_bytes']} B)")
+        sp = ctx.Process(target=_subscriber_main, args=(cluster.zk_hosts, run_id, out_q, ctrl_q, stop),
+                         name="failure-subscriber", daemon=True)
+        sp.start()
+        children.append(sp)
+        for w in range(n_writers):
+            wp = ctx.Process(target=_writer_main,
+                             args=(w, w % p["shards"], cluster.zk_hosts, run_id, p, start_at, go, stop, out_q,
+                                   acked_live),
+                             name=f"failure-writer-{w}", daemon=True)
+            wp.start()
+            children.append(wp)
+        ready: set = set()
+        expected = set(range(n_writers)) | {"sub"}
+        deadline = time.monotonic() + p["startup_timeout_s"]
+        while ready | {f[0] for f in startup_failures} != expected and time.monotonic() < deadline:
+            try:
+                kind, who, info = out_q.get(timeout=0.5)
+            except queue.Empty:
+                if all(not c.is_alive() for c in children):
+                    break
+                continue
+            if kind == "ready":
+                ready.add(who)
+            elif kind == "failed":
+                startup_failures.append((who, info))
+        if ready != expected:
+            not_ready = sorted(map(str, expected - ready))
+            detail = "; ".join(f"{who}: {info}" for who, info in startup_failures) or "no answer in time"
+            raise RuntimeError(f"writer/subscriber processes {', '.join(not_ready)} could not connect to the "
+                               f"cluster ({detail}); cluster logs in {cluster.logs}")
+
+        # -- the run ------------------------------------------------------------------------
+        t0 = time.monotonic() + 0.3
+        start_at.value = t0
+        go.set()
+        _log(f"load running for {p['duration_s']:.1f} s; killing shard {p['kill_shard']} replica "
+             f"{p['kill_replica']} at t = {p['kill_at_s']:.1f} s")
+        end = t0 + p["duration_s"]
+        next_report = t0 + 1.0
+        prev_counts = [0] * p["shards"]
+        while True:
+            now = time.monotonic()
+            if kill_t is None and now >= t0 + p["kill_at_s"]:
+                kill_t = time.monotonic()
+                try:
+                    cluster.kill_replica(p["kill_shard"], p["kill_replica"])
+                    _log(f"t = {kill_t - t0:.3f} s: SIGKILL shard {p['kill_shard']} replica {p['kill_replica']}")
+                except Exception as e:  # reported; the run goes on so the timeline still shows something
+                    kill_error = f"{type(e).__name__}: {e}"
+                    _log(f"t = {kill_t - t0:.3f} s: kill_replica failed: {kill_error}")
+            if now >= next_report:
+                counts = list(acked_live[:])
+                rates = [c - pc for c, pc in zip(counts, prev_counts)]
+                prev_counts = counts
+                _log(f"t = {now - t0:.1f} s: acks in the last second by shard {rates}; "
+                     f"restarts so far {len(cluster.restarts)}")
+                next_report += 1.0
+            if now >= end:
+                break
+            wake = min(end, next_report, t0 + p["kill_at_s"] if kill_t is None else end)
+            time.sleep(max(min(wake - time.monotonic(), 0.05), 0.001))
+
+        # -- stop the writers (bounded: an insert waits at most insert_timeout_s) ----------
+        collect(time.monotonic() + p["insert_timeout_s"] + 5.0, set(range(n_writers)))
+        lost = sorted(set(range(n_writers)) - set(writer_results))
+        if lost:
+            _log(f"writers {lost} did not report in time; terminating them (their acks are lost)")
+
+        # -- drain the subscriber ----------------------------------------------------------
+        acked_keys = [(w, a[1]) for w, r in writer_results.items() for a in r["acks"]]
+        drain_deadline = time.monotonic() + p["drain_s"]
+        _log(f"load done: {len(acked_keys)} acks; draining the subscriber for at most {p['drain_s']:.0f} s")
+        ctrl_q.put(("drain", acked_keys, drain_deadline))
+        collect(drain_deadline + 5.0, {"sub"})
+        if sub_result is None:
+            stop.set()
+            collect(time.monotonic() + 5.0, {"sub"})
+        if sub_result is None:
+            _log("the subscriber did not report; delivery checks unavailable")
+        restarts = list(cluster.restarts)
+        fh_alive = [proc.poll() is None for proc in cluster.fh.values()]
+        _log("stopping the cluster")
+    _log(f"done in {time.monotonic() - t_run:.1f} s")
+
+    # -- analysis ---------------------------------------------------------------------------------
+    width = p["bin_ms"] / 1000.0
+    all_acks = [(a[0], a[2]) for r in writer_results.values() for a in r["acks"]]
+    deliveries = sub_result["deliveries"] if sub_result else []
+    last_t = max([t0 + p["duration_s"]] + [d[0] for d in deliveries])
+    n_bins = int((last_t - t0) // width) + 1
+    timeline = {
+        "bin_ms": p["bin_ms"],
+        "t_s": [round(i * width, 3) for i in range(n_bins)],
+        "acks_total": _bins([t for t, _ in all_acks], t0, n_bins, width),
+        "acks_by_shard": {str(s): _bins([t for t, sh in all_acks if sh == s], t0, n_bins, width)
+                          for s in range(p["shards"])},
+        "deliveries": _bins([d[0] for d in deliveries], t0, n_bins, width),
+    }
+
+    writers: list[dict] = []
+    for w in range(n_writers):
+        r = writer_results.get(w)
+        if r is None:
+            writers.append({"writer": w, "shard": w % p["shards"], "reported": False})
+            continue
+        ts = [a[0] for a in r["acks"]]
+        gap, at, open_end = _max_gap(ts, t0, r["t_stop"])
+        lat = summarize([int(a[4] * 1e9) for a in r["acks"]])
+        writers.append({
+            "writer": w, "shard": r["shard"], "reported": True, "acked": len(ts),
+            "errors": r["errors"], "first_errors": r["first_errors"], "error": r.get("error"),
+            "max_gap_ms": _ms(gap), "max_gap_from_s": None if at is None else round(at - t0, 3),
+            "max_gap_open_at_end": open_end, "latency_p50_us": lat["p50_us"], "latency_p99_us": lat["p99_us"],
+            "client_stats": r.get("client_stats"),
+        })
+    stalls = [wr for wr in writers if wr.get("reported")]
+    worst = max(stalls, key=lambda wr: wr["max_gap_ms"] or 0.0, default=None)
+    # The killed shard's writers together: the longest gap in their merged ack stream.
+    ks_writers = [wr["writer"] for wr in stalls if wr["shard"] == p["kill_shard"]]
+    ks_times = [a[0] for w in ks_writers for a in writer_results[w]["acks"]]
+    ks_end = max((writer_results[w]["t_stop"] for w in ks_writers), default=None)
+    ks_gap, ks_at, ks_open = _max_gap(ks_times, t0, ks_end)
+    first_after_kill = min((t for t, sh in all_acks if sh == p["kill_shard"] and kill_t is not None and t > kill_t),
+                           default=None)
+
+    sub_gap = sub_at = None
+    sub_open = False
+    if sub_result is not None:
+        dts = [d[0] for d in deliveries]
+        g, a, sub_open = _max_gap(dts, t0, t0 + p["duration_s"] if not dts or max(dts) < t0 + p["duration_s"] else None)
+        sub_gap, sub_at = g, a
+
+    ours = [r for r in restarts if (r[1], r[2]) == (p["kill_shard"], p["kill_replica"])]
+    restart_t = next((r[0] for r in ours if kill_t is not None and r[0] >= kill_t), None)
+    restart_delay = None if restart_t is None or kill_t is None else restart_t - kill_t
+
+    missing = duplicated = delivered_unacked = rid_mismatch = None
+    if sub_result is not None:
+        acked_rid = {(w, a[1]): (a[3], a[2]) for w, r in writer_results.items() for a in r["acks"]}
+        seen: dict[tuple[int, int], int] = {}
+        rid_mismatch = 0
+        for _, w, seq, gsn, shard in deliveries:
+            seen[(w, seq)] = seen.get((w, seq), 0) + 1
+            rid = acked_rid.get((w, seq))
+            if rid is not None and rid != (gsn, shard):
+                rid_mismatch += 1
+        missing = sum(1 for k in acked_rid if k not in seen)
+        duplicated = sum(seen[k] - 1 for k in acked_rid if seen.get(k, 0) > 1)
+        delivered_unacked = sum(1 for k in seen if k not in acked_rid)
+
+    error_totals: dict[str, int] = {}
+    for wr in stalls:
+        for k, v in wr["errors"].items():
+            error_totals[k] = error_totals.get(k, 0) + v
+
+    row = {
+        "suspect_timeout_ms": SUSPECT_TIMEOUT_MS if p["suspect_timeout_flag_supported"] is not False else None,
+        "longest_write_stall_ms": worst["max_gap_ms"] if worst else None,
+        "longest_write_stall_writer": worst["writer"] if worst else None,
+        "longest_write_stall_shard": worst["shard"] if worst else None,
+        "longest_write_stall_open_at_end": worst["max_gap_open_at_end"] if worst else None,
+        "killed_shard_ack_gap_ms": _ms(ks_gap) if ks_writers else None,
+        "killed_shard_ack_gap_open_at_end": ks_open if ks_writers else None,
+        "killed_shard_first_ack_after_kill_ms": _ms(first_after_kill - kill_t) if first_after_kill and kill_t else None,
+        "longest_sub_stall_ms": _ms(sub_gap),
+        "longest_sub_stall_from_s": None if sub_at is None else round(sub_at - t0, 3),
+        "longest_sub_stall_open_at_end": sub_open if sub_result is not None else None,
+        "restart_delay_ms": _ms(restart_delay),
+        "missing": missing,
+        "duplicated": duplicated,
+        "delivered_unacked": delivered_unacked,
+        "rid_mismatch": rid_mismatch,
+        "order_violations": sub_result["order_violations"] if sub_result else None,
+        "subscriber_drained": sub_result.get("drained") if sub_result else None,
+        "subscriber_errors": sub_result["errors"] if sub_result else None,
+        "acked": len(all_acks),
+        "delivered": len(deliveries),
+        "write_errors": sum(error_totals.values()),
+        "write_errors_by_type": error_totals,
+        "writers_lost": [wr["writer"] for wr in writers if not wr.get("reported")],
+    }
+    machine = machine_info()
+    kill_s = None if kill_t is None else round(kill_t - t0, 4)
+    doc = {
+        "experiment": "failure",
+        "summary": row,
+        "timeline": timeline,
+        "kill": {"t_s": kill_s, "shard": p["kill_shard"], "replica": p["kill_replica"], "error": kill_error},
+        "restarts": [{"t_s": round(t - t0, 4), "shard": s, "replica": r} for t, s, r in restarts],
+        "failure_handler_processes_alive": fh_alive,
+        "writers": writers,
+        "params": p,
+        "machine": machine,
+    }
+
+    table = format_table([row], COLUMNS)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "failure.json").write_text(json.dumps(doc, indent=2) + "\n")
+    restart_s = None if restart_t is None else restart_t - t0
+    plot_note = _plot(out / "failure.png", timeline, kill_s if kill_s is not None else p["kill_at_s"], restart_s, p)
+    if plot_note:
+        _log(plot_note)
+
+    def fmt(v: Any) -> str:
+        return "–" if v is None else str(v)
+
+    md = [
+        "# Throughput across a storage replica failure (Figure 4.7)",
+        "",
+        f"{p['shards']} shards x {p['replicas']} replicas, {n_writers} writer processes "
+        f"({p['writers_per_shard']} per shard, Policy.fixed, each paced to {p['rate_per_writer']} inserts/s of "
+        f"{p['record_bytes']}-byte records), one subscriber from the start of the log. At t = {fmt(kill_s)} s "
+        f"shard {p['kill_shard']} replica {p['kill_replica']} (its primary) is SIGKILLed; the cluster's supervisor "
+        f"restarts it. Load runs {p['duration_s']:.0f} s; bins of {p['bin_ms']} ms. Storage server args: "
+        f"`{' '.join(server_args) or '(none: --suspect-timeout-ms not supported by this ziplog.server)'}`.",
+        "",
+        table,
+        f"Longest write stall: writer {fmt(row['longest_write_stall_writer'])} (shard "
+        f"{fmt(row['longest_write_stall_shard'])})"
+        + (", still stalled when the load ended" if row["longest_write_stall_open_at_end"] else "")
+        + f". Killed shard's writers together: longest ack gap {fmt(row['killed_shard_ack_gap_ms'])} ms"
+        + (" (still stalled at the end)" if row["killed_shard_ack_gap_open_at_end"] else "")
+        + f", first ack after the kill {fmt(row['killed_shard_first_ack_after_kill_ms'])} ms after it. "
+        f"Subscriber: longest stall from t = {fmt(row['longest_sub_stall_from_s'])} s"
+        + (" (still stalled at the end)" if row["longest_sub_stall_open_at_end"] else "")
+        + f"; drained: {fmt(row['subscriber_drained'])}. Acked {row['acked']}, delivered {row['delivered']} "
+        f"(delivered but not acked: {fmt(row['delivered_unacked'])}, record id mismatches: "
+        f"{fmt(row['rid_mismatch'])}, order violations: {fmt(row['order_violations'])}). "
+        f"Write errors by type: {error_totals or 'none'}. Failure handler processes alive at the end: "
+        f"{sum(fh_alive)}/{len(fh_alive)}."
+        + (f" The kill failed: {kill_error}." if kill_error else ""),
+        "",
+        "`missing`: acknowledged records the subscriber had not delivered when its bounded drain "
+        f"({p['drain_s']:.0f} s after the load) ended; `duplicated`: extra deliveries of acknowledged records. "
+        "`restart_delay_ms`: from the SIGKILL until the supervisor started the replica again (not until it serves).",
+        "",
+        "![throughput timeline](failure.png)",
+        "",
+        f"Machine: {machine['cpu_count']} x {machine['cpu_model']}, Python {machine['python']}, "
+        f"pyzmq {machine['pyzmq']} / libzmq {machine['libzmq']}, {machine['platform']}, {machine['date']}",
+        "",
+    ]
+    (out / "failure.md").write_text("\n".join(md))
+    _log(f"wrote {out / 'failure.json'}, {out / 'failure.md'}, {out / 'failure.png'}")
+    return [dict(row, params=p, machine=machine)]

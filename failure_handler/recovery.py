@@ -1,0 +1,361 @@
+"""The failure handler's recovery protocol (dissertation 4.2.5), sans-I/O.
+
+:class:`RecoveryCore` takes events (a replica's suspicion, replies from replicas,
+the membership history, completed durable writes, the passage of time) and leaves
+what must happen in ``actions``: frames to send to a replica (:class:`Send`) and
+recovery records to write durably (:class:`Persist`). The process shell in
+``failure_handler.server`` performs them with ZeroMQ and ZooKeeper; the
+whole-system simulation performs them in memory.
+
+One recovery of one shard, generation ``gen``:
+
+1. **Suspicion and freezing.** A replica that suspects a peer sends SUSPECT. The
+   handler durably claims a new generation and sends PROBE(gen) to every replica of
+   the shard. A probed replica promises to store nothing new (it is *frozen*) and
+   reports its state.
+2. **State acquisition.** The first *qualified* replica to answer (one that holds
+   every record it ever acknowledged, see ``ReplicaCore.qualified``) is the source:
+   its stable point X, its decided records above X and the records it guessed and
+   acknowledged are written durably, together with the shard's *recovering* flag.
+   Only then is the source told ACQUIRED: from then on it answers clients for
+   that state (a record it holds is kept at that gsn, any other will not be in this
+   shard), which lets writers move on before recovery ends.
+3. **Dropping the shard.** The flag makes the membership service leave the shard
+   out of the next epoch; the committed membership history then names the last
+   epoch that included it, e_last, and so the end of recovery, E = end(e_last).
+4. **Roll forward.** For every replica r (restarted ones too, as they come up):
+   base_r = min(r's frontier, X); everything r decided above base_r is replaced by
+   the acquired records (and, below X, records fetched from a replica that has
+   them), the epochs up to e_last, and no-ops up to E.
+5. **Resume.** Once every replica holds exactly that, each is told RESUME; the
+   record is marked done and the flag cleared, and the membership service takes
+   the shard back under its original id.
+
+A leader that takes over continues from the durable record: an acquired state is
+never replaced (the source may already have answered clients for it), while a
+generation that never got that far is abandoned for a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ziplog import wire
+from ziplog.discovery import history_ranges
+from ziplog.gsna import epoch_end, epoch_of
+from ziplog.replica import stream_events
+from ziplog.wire import PROTOCOL_VERSION as V
+from ziplog.wire import pack
+
+PROBING = "probing"
+ACQUIRED = "acquired"
+DONE = "done"
+
+
+@dataclass
+class Send:
+    shard: int
+    replica: int
+    frame: bytes
+
+
+@dataclass
+class Persist:
+    """Write the shard's recovery record durably, and set (``recovering``) or clear its
+    flag in the shard's metadata, in one step. Report completion with
+    :meth:`RecoveryCore.on_persisted`."""
+
+    shard: int
+    record: dict[str, Any]
+    recovering: bool
+
+
+@dataclass
+class HandlerSettings:
+    #: Resend unanswered requests to replicas after this long.
+    retry_ns: int = 20_000_000
+    #: Ignore suspicions of a shard for this long after its recovery ended: reports
+    #: sent before the freeze may still be on their way.
+    quiet_ns: int = 500_000_000
+    #: Largest batch of records fetched in one FETCH.
+    fetch_bytes: int = 4 << 20
+
+
+@dataclass
+class _Replica:
+    info: dict[str, Any] | None = None  # its PROBE_OK state for this generation
+    fetched: list[list[Any]] = field(default_factory=list)  # records (base, X] fetched for it
+    fetch_lo: int = 0
+    fetch_done: bool = False
+    fetch_trim: int = 0
+    installed: bool = False
+    resumed: bool = False
+    pending: tuple[int, int] | None = None  # (req_id, op) of the request in flight
+    sent_at: int = -(1 << 62)
+
+
+@dataclass
+class ShardRecovery:
+    shard: int
+    replicas: int
+    gen: int
+    phase: str
+    acquired: dict[str, Any] | None = None
+    persisting: bool = False
+    e_last: int | None = None  # last epoch that included the shard (None: not yet dropped)
+    end: int = 0  # every position up to here is decided when recovery ends
+    reps: dict[int, _Replica] = field(default_factory=dict)
+    authority_told: bool = False
+    authority_req: int | None = None
+    authority_sent_at: int = -(1 << 62)
+    #: who fetches for whom: req_id -> target replica
+    fetch_for: dict[int, int] = field(default_factory=dict)
+
+
+class RecoveryCore:
+    def __init__(self, settings: HandlerSettings | None = None) -> None:
+        self.s = settings or HandlerSettings()
+        self.actions: list[Send | Persist] = []
+        self.active: dict[int, ShardRecovery] = {}
+        self.last_gen: dict[int, int] = {}  # shard -> highest generation claimed
+        self.ended_at: dict[int, int] = {}  # shard -> when its last recovery ended
+        self.history: list[list[Any]] = []
+        self.replica_counts: dict[int, int] = {}
+        self._req = itertools.count(1)
+        self.completed: list[tuple[int, int]] = []  # (shard, gen) of every recovery it finished
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def load(self, shard: int, replicas: int, record: dict[str, Any] | None, now: int) -> None:
+        """A (new) leader's view of a shard's durable recovery record."""
+        self.replica_counts[shard] = replicas
+        if not record:
+            return
+        gen = int(record["gen"])
+        self.last_gen[shard] = max(self.last_gen.get(shard, -1), gen)
+        phase = record["phase"]
+        if phase == ACQUIRED:
+            # The source may have answered clients for this state: continue with it.
+            rec = ShardRecovery(shard, replicas, gen, ACQUIRED, acquired=record)
+            self.active[shard] = rec
+            self._advance(rec, now)
+        elif phase == PROBING:
+            # Nothing was acquired, nothing was promised to clients: start afresh.
+            self._start(shard, now)
+
+    def on_history(self, history: list[list[Any]], now: int) -> None:
+        self.history = history
+        for rec in list(self.active.values()):
+            self._advance(rec, now)
+
+    def on_suspect(self, shard: int, replica: int, now: int) -> None:
+        if shard in self.active or shard not in self.replica_counts:
+            return
+        if now - self.ended_at.get(shard, -(1 << 62)) < self.s.quiet_ns:
+            return
+        self._start(shard, now)
+
+    def on_persisted(self, shard: int, gen: int, now: int) -> None:
+        rec = self.active.get(shard)
+        if rec is None or rec.gen != gen or not rec.persisting:
+            return
+        rec.persisting = False
+        if rec.phase == DONE:
+            del self.active[shard]
+            self.ended_at[shard] = now
+            self.completed.append((shard, gen))
+            return
+        self._advance(rec, now)
+
+    def on_reply(self, shard: int, replica: int, msg: list[Any], now: int) -> None:
+        rec = self.active.get(shard)
+        if rec is None or type(msg) is not list or len(msg) < 3:
+            return
+        req_id = msg[2]
+        r = rec.reps.setdefault(replica, _Replica())
+        if req_id == rec.authority_req:
+            rec.authority_req = None
+            rec.authority_told = msg[1] == wire.RECOVERY_OK
+            return
+        target = rec.fetch_for.pop(req_id, None)
+        if target is not None:
+            rec.reps[target].pending = None
+            if msg[1] == wire.RECOVERY_OK:
+                self._on_fetched(rec, target, msg[3])
+            self._advance(rec, now)
+            return
+        if r.pending is None or r.pending[0] != req_id:
+            return
+        op = r.pending[1]
+        r.pending = None
+        if msg[1] == wire.ERROR:
+            # STALE: the replica restarted (it forgot the generation) or is ahead of this
+            # step: learn its state again.
+            r.info = None
+            r.installed = r.resumed = False
+            r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
+            self._advance(rec, now)
+            return
+        payload = msg[3]
+        if op == wire.PROBE:
+            r.info = payload
+            if payload.get("resumed"):  # a previous leader got this far
+                r.installed = r.resumed = True
+            else:
+                r.installed = bool(payload.get("installed")) and rec.e_last is not None and payload["frontier"] == rec.end
+            if rec.phase == PROBING and rec.acquired is None and payload.get("qualified") and payload.get("frozen"):
+                self._acquire(rec, replica, payload)
+        elif op == wire.INSTALL:
+            assert payload["frontier"] == rec.end, ("install ended elsewhere", payload, rec.end)
+            r.installed = True
+        elif op == wire.RESUME:
+            r.resumed = True
+        self._advance(rec, now)
+
+    def tick(self, now: int) -> None:
+        for rec in list(self.active.values()):
+            self._advance(rec, now)
+
+    def next_deadline(self) -> int | None:
+        best = None
+        for rec in self.active.values():
+            for r in rec.reps.values():
+                if r.pending is not None:
+                    t = r.sent_at + self.s.retry_ns
+                    best = t if best is None else min(best, t)
+        return best
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def _start(self, shard: int, now: int) -> None:
+        gen = self.last_gen.get(shard, -1) + 1
+        self.last_gen[shard] = gen
+        rec = ShardRecovery(shard, self.replica_counts[shard], gen, PROBING)
+        self.active[shard] = rec
+        # Claim the generation durably first: a later leader must never reuse it.
+        self._persist(rec, {"gen": gen, "phase": PROBING}, recovering=False)
+
+    def _persist(self, rec: ShardRecovery, record: dict[str, Any], recovering: bool) -> None:
+        rec.persisting = True
+        self.actions.append(Persist(rec.shard, record, recovering))
+
+    def _acquire(self, rec: ShardRecovery, replica: int, state: dict[str, Any]) -> None:
+        guesses = state.get("guesses") or []
+        records = state.get("records") or []
+        assert all(g[0] > state["frontier"] for g in guesses), "a guess at or below the frontier"
+        rec.acquired = {
+            "gen": rec.gen, "phase": ACQUIRED, "source": replica, "stable": state["stable"],
+            "frontier": state["frontier"], "records": records, "guesses": guesses,
+        }
+        rec.phase = ACQUIRED
+        # Durable before anyone acts on it; the flag asks the MMS to drop the shard.
+        self._persist(rec, rec.acquired, recovering=True)
+
+    def _on_fetched(self, rec: ShardRecovery, target: int, payload: dict[str, Any]) -> None:
+        r = rec.reps.get(target)
+        if r is None or r.info is None:
+            return
+        got = payload["records"]
+        r.fetched.extend(got)
+        r.fetch_trim = max(r.fetch_trim, payload.get("trim", 0))
+        if got:
+            r.fetch_lo = got[-1][0]
+        r.fetch_done = bool(payload["done"])
+
+    def _last_epoch_with(self, shard: int) -> int | None:
+        """The last epoch that included ``shard``, once the latest membership leaves it
+        out (None while it is still a member)."""
+        h = self.history
+        if not h or shard in h[-1][1]:
+            return None
+        for i in range(len(h) - 1, -1, -1):
+            if shard in h[i][1]:
+                return int(h[i + 1][0]) - 1
+        return -1
+
+    def _send(self, rec: ShardRecovery, replica: int, op: int, fields: list[Any], now: int) -> None:
+        r = rec.reps.setdefault(replica, _Replica())
+        req = next(self._req)
+        r.pending = (req, op)
+        r.sent_at = now
+        self.actions.append(Send(rec.shard, replica, pack([V, op, req, rec.gen, *fields])))
+
+    def _due(self, r: _Replica, now: int) -> bool:
+        return r.pending is None or now - r.sent_at >= self.s.retry_ns
+
+    def _advance(self, rec: ShardRecovery, now: int) -> None:
+        if rec.persisting:
+            return
+        n = rec.replicas
+        for i in range(n):
+            rec.reps.setdefault(i, _Replica())
+        # Every replica's state for this generation (probing also freezes it).
+        for i, r in rec.reps.items():
+            if r.info is None and self._due(r, now):
+                self._send(rec, i, wire.PROBE, [], now)
+        if rec.acquired is None:
+            return
+        acq = rec.acquired
+        if not rec.authority_told and now - rec.authority_sent_at >= self.s.retry_ns:
+            src = rec.reps.get(acq["source"])
+            if src is not None and src.info is not None:
+                req = next(self._req)
+                rec.authority_req = req
+                rec.authority_sent_at = now
+                self.actions.append(Send(rec.shard, acq["source"], pack([V, wire.ACQUIRED, req, rec.gen])))
+        if rec.e_last is None:
+            rec.e_last = self._last_epoch_with(rec.shard)
+            if rec.e_last is None:
+                return  # the MMS has not dropped the shard yet
+            # Usually the end of e_last; a shard that had already left (removed) may have
+            # decided the epochs after it too, as positions that are not its own.
+            top = max([acq["frontier"]] + [g[0] for g in acq["guesses"]])
+            rec.end = max(epoch_end(rec.e_last) if rec.e_last >= 0 else 0, top)
+        x = acq["stable"]
+        for i, r in rec.reps.items():
+            if r.info is None or r.installed or not self._due(r, now):
+                continue
+            base = min(r.info["frontier"], x)
+            if base < x and not r.fetch_done:
+                self._fetch(rec, i, r, base, x, now)
+                continue
+            self._install(rec, i, r, base, now)
+        if not all(r.installed for r in rec.reps.values()):
+            return
+        for i, r in rec.reps.items():
+            if not r.resumed and self._due(r, now):
+                self._send(rec, i, wire.RESUME, [rec.end], now)
+        if all(r.resumed for r in rec.reps.values()):
+            rec.phase = DONE
+            self._persist(rec, {"gen": rec.gen, "phase": DONE}, recovering=False)
+
+    def _fetch(self, rec: ShardRecovery, target: int, r: _Replica, base: int, x: int, now: int) -> None:
+        """Ask a replica that decided up to X for the records target lacks below X."""
+        assert r.info is not None
+        holders = [i for i, o in rec.reps.items() if o.info is not None and o.info["frontier"] >= x and i != target]
+        if not holders:
+            return  # nobody up holds them yet (more than f failures so far): wait
+        src = rec.acquired["source"] if rec.acquired and rec.acquired["source"] in holders else holders[0]
+        lo = max(base, r.fetch_lo)
+        req = next(self._req)
+        rec.fetch_for[req] = target
+        self.actions.append(Send(rec.shard, src, pack([V, wire.FETCH, req, rec.gen, lo, x, self.s.fetch_bytes])))
+        r.sent_at = now  # the target waits on this fetch: its retry timer runs
+        r.pending = (-1, wire.FETCH)
+
+    def _install(self, rec: ShardRecovery, i: int, r: _Replica, base: int, now: int) -> None:
+        assert r.info is not None and rec.acquired is not None and rec.e_last is not None
+        acq = rec.acquired
+        x = acq["stable"]
+        below = [g for g in r.fetched if base < g[0] <= x]
+        above = [g for g in acq["records"] if g[0] > x] + acq["guesses"]
+        records = sorted((int(g[0]), int(g[1]), int(g[2]), bytes(g[3])) for g in below + above)
+        assert all(a[0] < b[0] for a, b in zip(records, records[1:])), "two records at one gsn"
+        keys = [(g[1], g[2]) for g in records]
+        assert len(set(keys)) == len(keys), "a record twice in the recovered state"
+        last_epoch = epoch_of(rec.end) if rec.end > 0 else -1
+        membership = [[f, la, list(m)] for f, la, m in history_ranges(self.history, 0, last_epoch)] if last_epoch >= 0 else []
+        known = epoch_of(base) if base > 0 else -1
+        events = [list(ev) for ev in stream_events(records, membership, known)]
+        trim = max(r.info.get("trim", 0), r.fetch_trim)
+        self._send(rec, i, wire.INSTALL, [base, trim, events, rec.end], now)
