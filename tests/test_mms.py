@@ -101,6 +101,12 @@ def test_planner_uses_reported_rates() -> None:
     assert cfg.epoch == 1 and cfg.rates == (5000, 1000) and hist is None
     p.committed(cfg, hist)
     p.remove(1)
+    # A removed shard drains first: the lowest rate for drain_epochs, then it leaves.
+    for e in range(2, 2 + p.settings.drain_epochs):
+        cfg, hist = p.plan([0, 1])
+        assert cfg.epoch == e and cfg.shards == (0, 1) and cfg.rates[1] == 1 and hist is None
+        p.committed(cfg, hist)
     cfg, hist = p.plan([0, 1])
-    assert cfg.shards == (0,) and hist == [[0, [0, 1]], [2, [0]]]
+    e = 2 + p.settings.drain_epochs
+    assert cfg.shards == (0,) and hist == [[0, [0, 1]], [e, [0]]]
     assert isinstance(cfg, EpochConfig)

@@ -42,6 +42,10 @@ class LocalCluster:
         self.fh_replicas = fh_replicas
         #: Restart a storage replica that died, as an operator (or systemd) would.
         self.supervise = supervise
+        #: How long the supervisor waits before restarting a dead replica (an operator's
+        #: restart policy); longer than the suspicion timeout forces failure recovery.
+        self.restart_delay_s = 0.0
+        self._dead_since: dict[tuple[int, int], float] = {}
         self.restarts: list[tuple[float, int, int]] = []  # (time.monotonic(), shard, replica)
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -98,10 +102,15 @@ class LocalCluster:
         """Restart storage replicas that died (SIGKILL, crash) on their data directory."""
         while not self._stopping.wait(0.02):
             with self._lock:
+                now = time.monotonic()
                 for (shard, replica), p in list(self.servers.items()):
-                    if p.poll() is not None and not self._stopping.is_set():
+                    if p.poll() is None or self._stopping.is_set():
+                        continue
+                    since = self._dead_since.setdefault((shard, replica), now)
+                    if now - since >= self.restart_delay_s:
+                        del self._dead_since[(shard, replica)]
                         self._spawn_server(shard, replica)
-                        self.restarts.append((time.monotonic(), shard, replica))
+                        self.restarts.append((now, shard, replica))
 
     def wait_ready(self, shards: list[int], timeout: float = 60.0) -> None:
         """Until every shard is in the membership with all replicas up and its backups

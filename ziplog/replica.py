@@ -121,8 +121,10 @@ class Guess:
 
 @dataclass
 class Speculation:
-    """A backup's guesses for the current epoch: what it acked but the primary has not
-    yet decided."""
+    """A backup's guesses: what it acked but the primary has not yet decided. Slots
+    are guessed in the current epoch (``config``); guesses of earlier epochs stay until
+    the primary's decisions settle or displace them, because an acknowledged guess is
+    state failure recovery must see."""
 
     config: EpochConfig
     cursor: SlotCursor | None  # None when this shard is not a member
@@ -147,8 +149,13 @@ class Speculation:
         take (a record it placed elsewhere, an epoch switch seen at different moments)
         must not leave us one slot off for the rest of the epoch. Never below a slot
         still held by an outstanding guess, so no two guesses share a gsn."""
-        top = max((g.slot for g in self.by_gsn.values()), default=-1) + 1
+        lo, hi = self.config.base, self.config.end
+        top = max((g.slot for gsn, g in self.by_gsn.items() if lo <= gsn <= hi), default=-1) + 1
         self.next_slot = max(primary_next_slot, top)
+
+    def carried_into(self, config: EpochConfig, cursor: SlotCursor | None) -> "Speculation":
+        """The speculation for a new epoch, keeping every outstanding guess."""
+        return Speculation(config, cursor, 0, self.by_key, self.by_gsn)
 
 
 class ReplicaCore:
@@ -425,10 +432,13 @@ class ReplicaCore:
         if guessed is not None:
             self._ack(route, req_id, guessed, False)
             return
-        if sp is None or sp.cursor is None or epoch_of(after + 1) > sp.config.epoch or key in self.no_guess:
-            # No guess possible (not a member by our view, or the rid is ahead of us). The
-            # primary decides or refuses; a backup never refuses on its own, but says it
-            # holds no copy, so a client the primary refuses knows the shard has none.
+        if (sp is None or sp.cursor is None or not self.qualified or epoch_of(after + 1) > sp.config.epoch
+                or key in self.no_guess):
+            # No guess possible (not a member by our view, the rid is ahead of us, or we
+            # have not synchronised with the primary since we started: a guess acked then
+            # would look, to a restarted primary, like a record it lost). The primary
+            # decides or refuses; a backup never refuses on its own, but says it holds no
+            # copy, so a client the primary refuses knows the shard has none.
             self._no_guess(route, req_id, key, now)
             return
         cur = sp.cursor
@@ -687,7 +697,7 @@ class ReplicaCore:
             if self.frozen or (self.spec is not None and config.epoch <= self.spec.config.epoch):
                 return
             cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
-            self.spec = Speculation(config, cursor)
+            self.spec = self.spec.carried_into(config, cursor) if self.spec is not None else Speculation(config, cursor)
         self._unpark(now)
 
     def missed_before(self, config: EpochConfig) -> tuple[int, int] | None:
@@ -846,6 +856,7 @@ class ReplicaCore:
         if gen < self.recovery_gen or (op != wire.PROBE and gen != self.recovery_gen):
             self.error(route, req_id, wire.E_STALE, f"recovery generation {gen} is not the current one ({self.recovery_gen})")
             return
+        payload: dict[str, Any] | str
         if op == wire.PROBE:
             payload = self._on_probe(gen)
         elif op == wire.ACQUIRED:
@@ -898,7 +909,8 @@ class ReplicaCore:
     def _on_fetch(self, lo: int, hi: int, max_bytes: int) -> dict[str, Any] | str:
         if hi > self.frontier:
             return f"asked for records up to {hi}, frontier is {self.frontier}"
-        gsns, out, size = self.gsns, [], 0
+        gsns, size = self.gsns, 0
+        out: list[list[Any]] = []
         i = bisect.bisect_right(gsns, lo)
         while i < len(gsns) and gsns[i] <= hi and (size < max_bytes or not out):
             r = self.records[gsns[i]]

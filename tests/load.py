@@ -1,0 +1,141 @@
+"""Background load for fault tests: writers with InsertAfter chains and two
+subscribers, against a running cluster, and the checks every fault test ends with."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import ziplog
+from ziplog import discovery
+from ziplog.types import RecordId
+
+
+class Load:
+    """``writers`` clients inserting (each after its own previous record) and two
+    subscribers reading the whole log, each on its own thread and client."""
+
+    def __init__(self, cluster: ziplog.LocalCluster, writers: int = 2, pace_s: float = 0.002) -> None:
+        self.cluster = cluster
+        self.cond = threading.Condition()
+        self.stop_writing = threading.Event()
+        self.stop_reading = threading.Event()
+        self.acked: list[tuple[RecordId, bytes]] = []
+        self.chains: dict[int, list[RecordId]] = {i: [] for i in range(writers)}
+        self.errors: list[str] = []
+        self.delivered: list[list[tuple[RecordId, bytes]]] = [[], []]
+        self.stats: list[dict[str, int]] = []
+        self.pace_s = pace_s
+        self.tag = os.urandom(4).hex()  # this load's records, among earlier ones in the log
+        self.threads = [threading.Thread(target=self._subscriber, args=(i,), daemon=True) for i in range(2)]
+        self.threads += [threading.Thread(target=self._writer, args=(i,), daemon=True) for i in range(writers)]
+        self._subscribed = threading.Barrier(3)
+        for t in self.threads[:2]:
+            t.start()
+        self._subscribed.wait(60)  # subscribers are on before the first record is written
+        for t in self.threads[2:]:
+            t.start()
+
+    def _writer(self, i: int) -> None:
+        with self.cluster.client(timeout=30) as client:
+            prev = ziplog.RID_GENESIS
+            n = 0
+            while not self.stop_writing.is_set():
+                data = f"{self.tag}-w{i}-{n}".encode()
+                try:
+                    rid = client.insert_after(data, prev)
+                except ziplog.ZiplogError as e:
+                    with self.cond:
+                        self.errors.append(f"writer {i}: {e!r}")
+                    continue
+                n += 1
+                prev = rid
+                with self.cond:
+                    self.acked.append((rid, data))
+                    self.chains[i].append(rid)
+                    self.cond.notify_all()
+                self.stop_writing.wait(self.pace_s)  # pacing, so two cores keep up
+            with self.cond:
+                self.stats.append(dict(client.stats))
+
+    def _subscriber(self, i: int) -> None:
+        with self.cluster.client(timeout=30) as client:
+            sub = client.subscribe()
+            self._subscribed.wait(60)
+            while not self.stop_reading.is_set():
+                rec = sub.next(timeout=0.2)
+                if rec is None:
+                    continue
+                with self.cond:
+                    self.delivered[i].append((rec.rid, rec.data))
+                    self.cond.notify_all()
+            sub.close()
+
+    # -- waiting on events ------------------------------------------------------------------------
+    def wait_acked(self, more: int, timeout: float = 60.0) -> None:
+        """Until ``more`` further inserts are acknowledged."""
+        with self.cond:
+            target = len(self.acked) + more
+            ok = self.cond.wait_for(lambda: len(self.acked) >= target, timeout)
+        assert ok, f"writes stalled: {len(self.acked)} acked, wanted {target}; errors {self.errors[-3:]}"
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """Stop writing, wait until both subscribers delivered every acknowledged record,
+        then check the log: every acknowledged record exactly once, at its rid, in one
+        order both subscribers share, gsns increasing, each writer's chain in order."""
+        self.stop_writing.set()
+        for t in self.threads[2:]:
+            t.join(timeout)
+        with self.cond:
+            want = {rid for rid, _ in self.acked}
+            ok = self.cond.wait_for(lambda: all(want <= {r for r, _ in d} for d in self.delivered), timeout)
+            delivered = [list(d) for d in self.delivered]
+        self.stop_reading.set()
+        for t in self.threads[:2]:
+            t.join(timeout)
+        missing = [len(want - {r for r, _ in d}) for d in delivered]
+        assert ok, f"acknowledged records not delivered: {missing} missing of {len(want)}"
+        top = max(rid.gsn for rid in want)
+        seqs = [[(r, data) for r, data in d if r.gsn <= top] for d in delivered]
+        assert seqs[0] == seqs[1], "the two subscribers disagree"
+        gsns = [r.gsn for r, _ in seqs[0]]
+        assert all(a < b for a, b in zip(gsns, gsns[1:])), "gsns not strictly increasing"
+        datas = [d for _, d in seqs[0] if d.startswith(self.tag.encode())]
+        assert len(datas) == len(set(datas)), "a record delivered twice"
+        by_rid = dict(seqs[0])
+        for rid, data in self.acked:
+            assert by_rid.get(rid) == data, f"acknowledged record moved or lost: {rid}"
+        for chain in self.chains.values():
+            assert all(a.gsn < b.gsn for a, b in zip(chain, chain[1:])), "InsertAfter order broken"
+
+    @property
+    def redirects(self) -> int:
+        return sum(s.get("redirects", 0) for s in self.stats)
+
+
+def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] | None:
+    from failure_handler.server import read_record
+    return read_record(cluster._zkc, shard)[0]
+
+
+def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen: int = 0,
+                  timeout: float = 60.0) -> dict[str, Any]:
+    """Until the shard's durable recovery record reaches ``phase`` (a ZooKeeper watch)."""
+    zk = cluster._zkc
+    path = f"{discovery.RECOVERY}/{shard}"
+    done = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def watch(data: bytes | None, stat: Any) -> bool:
+        rec = discovery.dec(data) or {}
+        if rec.get("phase") == phase and int(rec.get("gen", -1)) >= min_gen:
+            seen.update(rec)
+            done.set()
+            return False  # stop watching
+        return True
+
+    zk.ensure_path(discovery.RECOVERY)
+    zk.DataWatch(path, watch)
+    assert done.wait(timeout), f"shard {shard}: recovery did not reach {phase} (record {recovery_record(cluster, shard)})"
+    return seen

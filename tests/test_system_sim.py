@@ -1,0 +1,347 @@
+"""The whole system under crashes (``tests/sim/system.py``): storage replicas, the failure
+handler leader and the MMS leader are SIGKILLed and come back, shards are added and
+removed, while clients insert and two subscribers follow the log, over a lossy,
+reordering, duplicating simulated network. After every seed the log is checked: no
+acknowledged record lost, moved or duplicated, replicas identical, subscribers agree with
+the log, InsertAfter order, one owner per gsn, and the run settles.
+
+A seed that fails only because of a known protocol bug (``KNOWN_BUGS``: found by this
+simulation, not fixed yet) is counted and reported as a warning; set
+``ZIPLOG_SIM_STRICT=1`` to make such seeds fail. The ``test_known_bug_*`` tests at the end
+are minimal reproductions of those bugs on the cores alone (expected to fail until fixed).
+
+More seeds: ``python -m tests.sim --system --seeds 10000``; one seed with its trace:
+``python -m tests.sim --system --seed S --trace``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+
+from failure_handler.recovery import ACQUIRED, Persist, RecoveryCore, Send
+from tests.sim.system import KNOWN_BUGS, KnownBug, NetParams, Outcome, SystemSim, run
+from ziplog import wire
+from ziplog.client_core import InsertWait, Redirect
+from ziplog.gsna import EpochConfig
+from ziplog.replica import TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.wire import PROTOCOL_VERSION as V
+from ziplog.wire import unpack
+
+SEEDS = range(400)
+CHUNK = 50
+STRICT = os.environ.get("ZIPLOG_SIM_STRICT") == "1"
+
+#: seed -> its Outcome, or the known bug it hit (shared by the tests of this module)
+_results: dict[int, Outcome | str] = {}
+
+
+def _seed(seed: int) -> Outcome | str:
+    if seed not in _results:
+        try:
+            _results[seed] = run(seed)  # raises AssertionError naming the seed and the replay command
+        except KnownBug as exc:
+            if STRICT:
+                raise
+            warnings.warn(f"{exc}", stacklevel=2)
+            _results[seed] = exc.bug
+    return _results[seed]
+
+
+@pytest.mark.parametrize("chunk", range(0, len(SEEDS), CHUNK))
+def test_system_survives_crashes(chunk: int) -> None:
+    total: dict[str, int] = {}
+    for seed in SEEDS[chunk:chunk + CHUNK]:
+        out = _seed(seed)
+        if isinstance(out, str):
+            continue
+        assert out.acked > 0 and out.delivered == out.records >= out.acked, (seed, out.counts())
+        for k, v in out.counts().items():
+            total[k] = total.get(k, 0) + v
+    # Every chunk must have exercised the failures, or "nothing broke" means little.
+    for what in ("crashes_primary", "crashes_backup", "recoveries", "redirects", "fast", "slow", "resubscribes"):
+        assert total.get(what, 0) > 0, (what, total)
+
+
+def test_every_fault_kind_was_exercised() -> None:
+    total: dict[str, int] = {}
+    known = 0
+    for seed in SEEDS:
+        out = _seed(seed)
+        if isinstance(out, str):
+            known += 1
+            continue
+        for k, v in out.counts().items():
+            total[k] = total.get(k, 0) + v
+    assert known <= len(SEEDS) // 50, f"{known} seeds hit known bugs: more than these bugs used to cause"
+    for what in ("crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
+                 "suspicions", "blocked", "redirects", "final_acks", "retries", "shards_added", "shards_removed",
+                 "resubscribes", "fast", "slow"):
+        assert total.get(what, 0) > 0, (what, total)
+    # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
+    assert total["recoveries"] >= total["crashes_primary"] // 2, total
+
+
+def test_calm_network_without_faults_takes_the_fast_path() -> None:
+    calm = NetParams(min_delay=20_000, max_delay=40_000, reorder=0.0, duplicate=0.0, client_loss=0.0, peer_loss=0.0,
+                     epoch_loss=0.0, control_loss=0.0)
+    out = SystemSim(11, faults=0, net=calm, add_shard=False, remove_shard=False, clients=3, inserts=20).run()
+    assert out.crashes_primary == out.crashes_backup == out.recoveries == out.redirects == out.suspicions == 0, out.counts()
+    assert out.acked == 60 and out.delivered == 60
+    assert out.fast / out.acked > 0.7, out.counts()
+
+
+def test_replay_is_deterministic_and_tracing_changes_nothing() -> None:
+    for seed in (5, 17):
+        a, b, c = run(seed), run(seed), run(seed, trace=True)
+        assert a.counts() == b.counts() == c.counts()
+        assert a.sim_ms == c.sim_ms
+        assert c.trace and not a.trace
+
+
+def _finished(seed: int) -> SystemSim:
+    sim = SystemSim(seed)
+    sim.run()
+    return sim
+
+
+def test_the_checker_catches_a_replica_disagreeing() -> None:
+    sim = _finished(3)
+    core = next(r.core for r in sim.reps.values() if r.idx == 1 and r.core is not None and r.core.gsns)
+    assert core is not None
+    core.records[core.gsns[0]].data = b"corrupted"
+    with pytest.raises(AssertionError, match="disagree"):
+        sim.check()
+
+
+def test_the_checker_catches_a_lost_acknowledged_record() -> None:
+    sim = _finished(4)
+    c = next(c for c in sim.clients if c.acked)
+    seq, gsn, shard, after, data = c.acked[0]
+    for i in range(2):
+        core = sim.reps[(shard, i)].core
+        assert core is not None
+        del core.records[gsn]
+        core.gsns.remove(gsn)
+    with pytest.raises(AssertionError, match="lost or moved|delivered"):
+        sim.check()
+
+
+def test_the_checker_catches_a_subscriber_out_of_step() -> None:
+    sim = _finished(6)
+    sub = sim.subs[1]
+    sub.delivered[0], sub.delivered[1] = sub.delivered[1], sub.delivered[0]
+    with pytest.raises(AssertionError, match="subscriber 1"):
+        sim.check()
+
+
+def test_a_failure_names_the_seed_and_the_replay_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: SystemSim) -> None:
+        raise AssertionError("injected")
+
+    monkeypatch.setattr(SystemSim, "check", broken)
+    with pytest.raises(AssertionError, match=r"seed 8: injected.*\n.*python -m tests.sim --system --seed 8 --trace"):
+        run(8)
+
+
+# ==============================================================================================
+# Minimal reproductions of the known bugs on the cores alone. Each asserts the correct
+# behaviour, so it fails (xfail) while the bug is there and passes (XPASS) once it is fixed,
+# or once the cores no longer get into the situation it sets up; then remove the bug from
+# KNOWN_BUGS in tests/sim/system.py.
+
+class _Shard:
+    """Shard 0's two replica cores wired by hand (no network, no clock), as in
+    tests/test_recovery_core.py."""
+
+    def __init__(self) -> None:
+        self.P = self.new(0)
+        self.B = self.new(1)
+        self.disk: dict[int, list[Any]] = {0: [], 1: []}
+        self.client: list[tuple[int, list[Any]]] = []
+        self.handler = RecoveryCore()
+        self.handler.load(0, 2, None, 0)
+        self.persisted: list[Persist] = []
+        self.now = 0
+
+    @staticmethod
+    def new(replica: int) -> ReplicaCore:
+        return ReplicaCore(ReplicaSettings(0, replica, 2, noop_timeout_ns=10**9, suspect_timeout_ns=0))
+
+    def cores(self) -> dict[int, ReplicaCore | None]:
+        return {0: self.P, 1: self.B}
+
+    def pump(self, lose: tuple[str, ...] = ()) -> None:
+        """Deliver frames until quiet. ``lose``: "forward" (primary -> backup), "hello"
+        (backup -> primary) frames are dropped."""
+        for _ in range(100):
+            moved = False
+            for i, core in self.cores().items():
+                if core is None:
+                    continue
+                core.flush(self.now)
+                out, core.outbox = core.outbox, []
+                self.disk[i].extend(core.disk)
+                core.disk.clear()
+                for dest, frame in out:
+                    moved = True
+                    msg = unpack(frame)
+                    if dest == TO_PRIMARY:
+                        if "hello" not in lose and self.P is not None:
+                            self.P.on_request(b"backup", wire.decode_request(frame), self.now)
+                    elif dest == b"backup":
+                        if "forward" not in lose and self.B is not None:
+                            self.B.on_forward(msg, self.now)
+                    elif dest == b"client":
+                        self.client.append((i, msg))
+                    elif dest == b"fh":
+                        self.handler.on_reply(0, i, msg, self.now)
+            acts, self.handler.actions = self.handler.actions, []
+            for a in acts:
+                moved = True
+                if isinstance(a, Persist):
+                    self.persisted.append(a)
+                    self.handler.on_persisted(a.shard, a.record["gen"], self.now)
+                elif isinstance(a, Send):
+                    core = self.cores().get(a.replica)
+                    if core is not None:  # a replica that is down never hears it
+                        core.on_request(b"fh", wire.decode_request(a.frame), self.now)
+            if not moved:
+                return
+
+    def epoch(self, e: int, members: tuple[int, ...], to: tuple[int, ...] = (0, 1)) -> None:
+        cfg = EpochConfig(e, members, tuple(1000 for _ in members))
+        for i in to:
+            core = self.cores()[i]
+            if core is not None:
+                core.on_epoch(cfg, self.now)
+
+    def insert(self, seq: int, data: bytes, to: tuple[int, ...] = (0, 1)) -> None:
+        msg = [V, wire.INSERT, seq, 7, seq, 0, data]
+        for i in to:
+            core = self.cores()[i]
+            if core is not None:
+                core.on_request(b"client", msg, self.now)
+
+
+@pytest.mark.xfail(reason="known bug B1: " + KNOWN_BUGS["B1"], strict=False)
+def test_known_bug_B1_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
+    h = _Shard()
+    h.B.connect_primary(0)
+    h.pump()
+    h.epoch(0, (0,))
+    h.pump()
+    h.insert(1, b"acked")
+    h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
+    w = InsertWait(1, 2)
+    if not (any(w.feed(i, m) for i, m in h.client) and w.fast):
+        return  # the client did not complete on the fast path: nothing acknowledged is at stake
+    h.epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
+    h.B.on_request(b"fh", [V, wire.PROBE, 1, 0], h.now)
+    state = unpack(h.B.outbox[-1][1])[3]
+    assert [w.decided, 7, 1, b"acked"] in state["guesses"], "the only copy of an acknowledged record is gone"
+
+
+@pytest.mark.xfail(reason="known bug B2: " + KNOWN_BUGS["B2"], strict=False)
+def test_known_bug_B2_new_shard_recovers_when_its_first_hello_is_lost() -> None:
+    h = _Shard()
+    h.handler.on_history([[0, [0]]], 0)
+    h.B.connect_primary(0)
+    h.pump(lose=("hello",))  # the backup's first HELLO is lost
+    h.epoch(0, (0,))  # the starting primary keeps it for later
+    h.insert(1, b"early")  # the primary parks it; the backup guesses and acks
+    h.pump()
+    h.now = 20_000_000
+    h.B.tick(h.now)  # HELLO again, now with a guess above the primary's frontier
+    h.pump()
+    if h.P.blocked is None:
+        return  # the shard started: nothing to recover
+    h.handler.on_suspect(0, 0, h.now)
+    h.pump()
+    assert any(p.record["phase"] == ACQUIRED for p in h.persisted), "recovery can never acquire a state"
+
+
+@pytest.mark.xfail(reason="known bug B4: " + KNOWN_BUGS["B4"], strict=False)
+def test_known_bug_B4_frozen_backup_hello_makes_a_doomed_record_stable() -> None:
+    h = _Shard()
+    h.handler.on_history([[0, [0]]], 0)
+    h.B.connect_primary(0)
+    h.pump()
+    h.epoch(0, (0,))
+    h.pump()
+    h.insert(1, b"one")
+    h.pump()
+    h.insert(2, b"doomed", to=(0,))  # the backup never hears of it ...
+    h.pump(lose=("forward",))  # ... and the primary crashes before forwarding it
+    doomed = h.P.gsns[-1]
+    disk = list(h.disk[0])
+    h.P = None  # type: ignore[assignment]
+    h.handler.on_suspect(0, 1, h.now)  # the backup suspects; the handler probes it alone
+    h.pump()
+    assert h.B.frozen and h.B.authority, "the backup is the recovery's source"
+    # The primary restarts from its disk (holding the doomed record) and meets its frozen backup.
+    h.P = _Shard.new(0)
+    h.P.replay(disk)
+    h.B.connect_primary(h.now)
+    h.pump()
+    # The MMS drops the recovering shard; the handler installs the recovered state on the backup.
+    h.epoch(1, (), to=(0,))
+    h.handler.on_history([[0, [0]], [1, []]], h.now)
+    h.pump()
+    h.now += 20_000_000
+    h.B.tick(h.now)  # the frozen, installed backup says HELLO again
+    h.pump()
+    h.epoch(2, (), to=(0,))
+    h.pump()
+    # The recovery will put a no-op at `doomed`: the primary must not call it stable.
+    assert h.P.stable < doomed, (h.P.stable, doomed)
+
+
+@pytest.mark.xfail(reason="known bug B5: " + KNOWN_BUGS["B5"], strict=False)
+def test_known_bug_B5_refused_insert_whose_backup_copy_was_lost_settles() -> None:
+    h = _Shard()
+    h.handler.on_history([[0, [0]]], 0)
+    h.B.connect_primary(0)
+    h.pump()
+    h.epoch(0, (0,))
+    h.pump()
+    h.insert(1, b"one")
+    h.pump()
+    # The primary restarts with an empty disk: the backup is ahead, so it blocks.
+    h.P = _Shard.new(0)
+    h.B.connect_primary(h.now)
+    h.pump()
+    assert h.P.blocked is not None, "a primary that lost everything blocks"
+    w = InsertWait(2, 2)
+    h.client.clear()
+    h.insert(2, b"two", to=(0,))  # the copy to the backup is lost
+    h.pump()
+    for i, m in h.client:
+        assert not w.feed(i, m)
+    assert w.refused, "the blocked primary refused the record"
+    # Failure recovery reconciles the replicas; the shard comes back.
+    h.handler.on_suspect(0, 0, h.now)
+    h.pump()
+    h.handler.on_history([[0, [0]], [1, []]], h.now)
+    h.pump()
+    assert h.handler.completed and not h.P.frozen and not h.B.frozen
+    h.handler.on_history([[0, [0]], [1, []], [2, [0]]], h.now)
+    h.epoch(1, ())
+    h.epoch(2, (0,))
+    h.pump()
+    # The client resends the same frame (a quarter second later): it must settle somehow,
+    # placed on this shard or redirected elsewhere.
+    for _ in range(3):
+        h.client.clear()
+        h.insert(2, b"two")
+        h.pump()
+        for i, m in h.client:
+            try:
+                if w.feed(i, m):
+                    return  # placed on this shard
+            except Redirect:
+                return  # the shard provably holds no copy: the client moves it
+    raise AssertionError(f"the insert neither completes nor redirects: {w.latest}, refused={w.refused}")
