@@ -1,8 +1,10 @@
 """Failure handler replica process: the thin shell around :class:`RecoveryCore`.
 
-    python -m failure_handler.server --zk HOSTS --id N
+    python -m failure_handler.server --zk HOSTS --id N [--group G --groups K]
 
-Several replicas run; a kazoo Election picks the leader, which alone acts. Sockets:
+Several replicas run per group; a kazoo Election per group picks the leader, which
+alone acts, for the shards it owns (shard % K == G; one group owns all by default).
+Sockets:
 
   * PULL (bound, address in ``/ziplog/fh/replicas/<id>``): SUSPECT reports, pushed by
     storage replicas to every handler replica
@@ -36,13 +38,12 @@ from .recovery import HandlerSettings, Persist, RecoveryCore, Send
 
 log = logging.getLogger("failure_handler")
 
-ELECTION = f"{discovery.FH_ROOT}/election"
 #: ZooKeeper's default limit on a node is 1 MiB: larger records are split.
 CHUNK_BYTES = 512 * 1024
 
 
 def election_path(group: int = 0) -> str:
-    return ELECTION
+    return f"{discovery.FH_ROOT}/election" if group == 0 else f"{discovery.FH_ROOT}/election-{group}"
 
 
 # -- the durable record ------------------------------------------------------------------------
@@ -107,8 +108,10 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
 
 class FailureHandlerReplica:
     def __init__(self, zk_hosts: str, replica_id: int, host: str = "127.0.0.1",
-                 settings: HandlerSettings | None = None) -> None:
+                 settings: HandlerSettings | None = None, group: int = 0, groups: int = 1) -> None:
+        assert 0 <= group < groups
         self.id = replica_id
+        self.group, self.groups = group, groups
         self.settings = settings or HandlerSettings()
         self.zk = discovery.connect(zk_hosts)
         self.ctx = zmq.Context()
@@ -128,7 +131,7 @@ class FailureHandlerReplica:
     def start(self) -> None:
         self.zk.ensure_path(discovery.FH_REPLICAS)
         self.zk.ensure_path(discovery.RECOVERY)
-        node = f"{discovery.FH_REPLICAS}/{self.id}"
+        node = f"{discovery.FH_REPLICAS}/{self.group}-{self.id}"
         try:
             self.zk.delete(node)
         except NoNodeError:
@@ -138,7 +141,7 @@ class FailureHandlerReplica:
         log.info("failure handler replica %d up: %s", self.id, self.addr)
 
     def run(self) -> None:
-        election = self.zk.Election(ELECTION, identifier=str(self.id))
+        election = self.zk.Election(election_path(self.group), identifier=str(self.id))
         while self.running:
             try:
                 election.run(self._lead)
@@ -207,6 +210,8 @@ class _Leader:
     def _sync_topology(self, now: int) -> None:
         topo, core = self.o.topology, self.core
         for shard, n in topo.replica_counts.items():
+            if shard % self.o.groups != self.o.group:
+                continue  # another group's shard: its SUSPECTs are ignored here
             if shard not in core.replica_counts and n > 0:
                 record, version = read_record(self.o.zk, shard)
                 self.versions[shard] = version
@@ -273,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--id", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--retry-ms", type=float, default=HandlerSettings.retry_ns / 1e6)
+    ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
+    ap.add_argument("--groups", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    replica = FailureHandlerReplica(args.zk, args.id, args.host, HandlerSettings(retry_ns=int(args.retry_ms * 1e6)))
+    replica = FailureHandlerReplica(args.zk, args.id, args.host, HandlerSettings(retry_ns=int(args.retry_ms * 1e6)),
+                                    group=args.group, groups=args.groups)
 
     def stop(signum: int, frame: Any) -> None:
         replica.running = False

@@ -148,7 +148,8 @@ def test_a_failure_names_the_seed_and_the_replay_command(monkeypatch: pytest.Mon
 
 
 # ==============================================================================================
-# Minimal reproductions of the known bugs on the cores alone. Each asserts the correct
+# Minimal reproductions on the cores alone of bugs the system simulation found: regression
+# tests for the fixed ones, and, for the known bugs, tests of the correct behaviour. Each asserts the correct
 # behaviour, so it fails (xfail) while the bug is there and passes (XPASS) once it is fixed,
 # or once the cores no longer get into the situation it sets up; then remove the bug from
 # KNOWN_BUGS in tests/sim/system.py.
@@ -227,8 +228,10 @@ class _Shard:
                 core.on_request(b"client", msg, self.now)
 
 
-@pytest.mark.xfail(reason="known bug B1: " + KNOWN_BUGS["B1"], strict=False)
-def test_known_bug_B1_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
+def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
+    """Formerly bug B1 (found by the system simulation): a backup replaced its guesses at each
+    EPOCH broadcast, so a record acknowledged on the fast path whose primary then failed
+    before forwarding it was lost by failure recovery."""
     h = _Shard()
     h.B.connect_primary(0)
     h.pump()
@@ -237,16 +240,17 @@ def test_known_bug_B1_backup_keeps_an_acknowledged_guess_across_an_epoch() -> No
     h.insert(1, b"acked")
     h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
     w = InsertWait(1, 2)
-    if not (any(w.feed(i, m) for i, m in h.client) and w.fast):
-        return  # the client did not complete on the fast path: nothing acknowledged is at stake
+    assert any(w.feed(i, m) for i, m in h.client) and w.fast, "the client completed on the fast path"
     h.epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
     h.B.on_request(b"fh", [V, wire.PROBE, 1, 0], h.now)
     state = unpack(h.B.outbox[-1][1])[3]
     assert [w.decided, 7, 1, b"acked"] in state["guesses"], "the only copy of an acknowledged record is gone"
 
 
-@pytest.mark.xfail(reason="known bug B2: " + KNOWN_BUGS["B2"], strict=False)
-def test_known_bug_B2_new_shard_recovers_when_its_first_hello_is_lost() -> None:
+def test_new_shard_starts_when_its_first_hello_is_lost() -> None:
+    """Formerly bug B2 (found by the system simulation): when a new shard's backup guessed
+    before its first HELLO reached the primary, the primary blocked for good and recovery
+    could not acquire a state (neither replica qualified)."""
     h = _Shard()
     h.handler.on_history([[0, [0]]], 0)
     h.B.connect_primary(0)

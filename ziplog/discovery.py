@@ -10,8 +10,8 @@ Layout (all values msgpack)::
     /ziplog/shards/<shard>            {replicas: n[, removed: true][, recovering: gen]}  (persistent)
     /ziplog/recovery/<shard>          the failure handler's durable record {gen, phase, ...}
     /ziplog/recovery/<shard>/c<i>     its chunks when it is large
-    /ziplog/fh/election               failure handler leader election
-    /ziplog/fh/replicas/<id>          ephemeral {pull} address of a failure handler replica
+    /ziplog/fh/election[-<group>]     failure handler leader election (per group)
+    /ziplog/fh/replicas/<group>-<id>  ephemeral {pull} address of a failure handler replica
     /ziplog/shards/<shard>/<replica>  ephemeral {addr, pid}  (the replica is up; 0 is the primary)
 
 Every process finds every address here; nothing is configured by hand.

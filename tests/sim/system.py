@@ -112,7 +112,7 @@ class Outcome:
     epochs: int = 0
     sim_ms: float = 0.0
     events: int = 0
-    guesses_dropped: int = 0  # B1 precondition: unconfirmed backup guesses forgotten at an epoch switch
+    guesses_dropped: int = 0  # unconfirmed backup guesses forgotten at an epoch switch (bug B1, fixed: 0)
     frozen_hellos: int = 0  # B4 precondition: a primary not frozen took a frozen backup's HELLO
     trace: list[str] = field(default_factory=list)
 
@@ -126,16 +126,11 @@ class Outcome:
 
 
 #: Protocol bugs found by this simulation and not fixed yet. A seed that fails only because
-#: of one of them raises :class:`KnownBug` (the test suite counts such seeds apart).
+#: of one of them raises :class:`KnownBug` (the test suite counts such seeds apart). Fixed
+#: since, their reproductions now regression tests in tests/test_system_sim.py: B1 (a backup
+#: forgot unconfirmed acknowledged guesses at each epoch switch) and B2 (a new shard's primary
+#: blocked for good when the backup guessed before its first HELLO arrived).
 KNOWN_BUGS = {
-    "B1": "a backup replaces its Speculation on every EPOCH broadcast (ReplicaCore.on_epoch), forgetting the "
-          "guesses of the previous epoch that no FORWARD has confirmed yet; when the client completed on the fast "
-          "path and the primary then fails before the backup holds the decision, failure recovery (which acquires "
-          "only the current spec.by_gsn) loses an acknowledged record",
-    "B2": "liveness: in a new shard both replicas start unqualified; if the backup acks a guess before its first "
-          "HELLO reaches the primary (that HELLO lost or slow), the starting primary sees guessed_top above its "
-          "frontier and blocks for good (ReplicaCore._on_hello), and failure recovery never acquires a state "
-          "because neither replica is qualified (RecoveryCore.on_reply): the shard and every subscriber stall",
     "B3": "RecoveryCore._install builds the epochs it installs (up to the epoch of the recovery's end, which the "
           "acquired frontier may push past the last epoch that included the shard) from its own copy of the "
           "membership history; when that copy lags ZooKeeper (a watch not yet seen, e.g. while the handler's "
@@ -487,12 +482,9 @@ class SystemSim:
         self.configs: dict[int, EpochConfig] = {}
         # -- what the checker and the known-bug classifier watch --------------------------------
         self.acked_gsns: list[int] = []
-        #: (client, seq) -> (shard, gsn, when) of guesses a backup forgot at an epoch switch (B1)
+        #: (client, seq) -> (shard, gsn, when) of guesses a backup forgot at an epoch switch
+        #: before the primary's decision arrived (what bug B1 did; for the trace and the counts)
         self.dropped_guesses: dict[tuple[int, int], tuple[int, int, int]] = {}
-        #: shards some replica of which was ever qualified; shard -> when its primary blocked
-        #: before any was (B2)
-        self.ever_qualified: set[int] = set()
-        self.fresh_blocked: dict[int, int] = {}
         #: INSTALLs whose epochs contradict ZooKeeper's history (B3)
         self.bad_installs: list[tuple[Any, ...]] = []
         #: HELLOs from frozen backups that reached a primary not frozen (B4)
@@ -666,14 +658,10 @@ class SystemSim:
             if r.disk_at is None:
                 r.disk_at = max(now, r.last_disk + DISK_FLUSH_NS)
                 self.at(r.disk_at, self.rep_disk, r.shard, r.idx, r.inc)
-        if core.qualified and r.shard not in self.ever_qualified:
-            self.ever_qualified.add(r.shard)
         if core.blocked is not None and not r.blocked_seen:
             r.blocked_seen = True
             self.outcome.blocked += 1
             self.tr(f"rep {r.shard}.{r.idx}: BLOCKED: {core.blocked}")
-            if r.shard not in self.ever_qualified:
-                self.fresh_blocked[r.shard] = now
         d = core.next_deadline(now)
         if d is not None:
             t = max(d, r.last_tick + MIN_TICK_NS, now)
@@ -758,13 +746,13 @@ class SystemSim:
         held = [(g, q.key) for g, q in spec.by_gsn.items() if g > core.frontier] if spec is not None and r.idx > 0 else None
         self.shell_epoch(r, cfg)
         if held:
-            # Known bug B1: the new Speculation forgets guesses the primary has not confirmed.
+            # What bug B1 did: the new Speculation forgot guesses the primary had not confirmed.
             kept = core.spec.by_gsn if core.spec is not None else {}
             for g, key in held:
                 if g not in kept and key not in core.dedup:
                     self.dropped_guesses[key] = (shard, g, now)
                     self.outcome.guesses_dropped += 1
-                    self.tr(f"rep {shard}.{idx}: epoch {cfg.epoch} drops its guess {key} at gsn {g} (known bug B1)")
+                    self.tr(f"rep {shard}.{idx}: epoch {cfg.epoch} drops its guess {key} at gsn {g} (what bug B1 did)")
         self.pump(r)
 
     def shell_epoch(self, r: Rep, cfg: EpochConfig) -> None:
@@ -1205,11 +1193,6 @@ class SystemSim:
                         raise KnownBug("B5", f"client {c.cid} seq {op.seq} stuck on shard {op.shard}: its primary refused "
                                              f"the record for good, a backup keeps answering a guess ({w.latest}); "
                                              f"not settled: {self.settled()}")
-                stuck = sorted(s for s in self.fresh_blocked if s not in self.ever_qualified)
-                if stuck:
-                    raise KnownBug("B2", f"shard {stuck[0]} never started: its primary blocked at "
-                                         f"{self.fresh_blocked[stuck[0]] / MS:.3f} ms before any replica was qualified; "
-                                         f"not settled: {self.settled()}")
                 raise AssertionError(f"did not settle within {limit // MS} ms of simulated time: {self.settled()}")
             self.now = t
             fn(t, *args)
@@ -1265,13 +1248,10 @@ class SystemSim:
             for seq, gsn, shard, after, data in c.acked:
                 got = log.get(gsn)
                 dropped = self.dropped_guesses.get((c.cid, seq))
-                if got != (shard, c.cid, seq, data) and dropped is not None and dropped[:2] == (shard, gsn):
-                    s, g, t = dropped
-                    raise KnownBug("B1", f"acknowledged record {c.cid}/{seq} (gsn {gsn} shard {shard}) lost: backup "
-                                         f"{s}.1 dropped its guess at gsn {g} when a new epoch arrived at {t / MS:.3f} ms")
                 assert got == (shard, c.cid, seq, data), (f"acknowledged record {c.cid}/{seq} (gsn {gsn} shard {shard}) "
                                                            f"lost or moved: the log holds {got and got[:3]} there"
-                                                           f"{'' if (c.cid, seq) not in keys else f', the record sits at gsn {keys[(c.cid, seq)]}'}")
+                                                           f"{'' if (c.cid, seq) not in keys else f', the record sits at gsn {keys[(c.cid, seq)]}'}"
+                                                           f"{'' if dropped is None else f'; backup {dropped[0]}.1 forgot its guess of it at gsn {dropped[1]} when an epoch arrived at {dropped[2] / MS:.3f} ms'}")
                 assert gsn > after, ("InsertAfter order broken", c.cid, seq, gsn, after)
                 acked += 1
         want = [(g, log[g][0], log[g][3]) for g in sorted(log)]
