@@ -246,6 +246,7 @@ class RecoveryCore:
         rec.acquired = {
             "gen": rec.gen, "phase": ACQUIRED, "source": replica, "stable": state["stable"],
             "frontier": state["frontier"], "records": records, "guesses": guesses,
+            "membership": state.get("membership") or [],
         }
         rec.phase = ACQUIRED
         # Durable before anyone acts on it; the flag asks the MMS to drop the shard.
@@ -329,6 +330,23 @@ class RecoveryCore:
             rec.phase = DONE
             self._persist(rec, {"gen": rec.gen, "phase": DONE}, recovering=False)
 
+    def _membership(self, rec: ShardRecovery) -> list[list[Any]]:
+        """Members of every epoch up to ``epoch_of(end)``: from the history up to e_last
+        (our copy holds every entry up to the one that dropped the shard), and beyond it
+        (a shard that had left decided later epochs too) from the source, which applied
+        them from the committed history; our copy may lag ZooKeeper's."""
+        assert rec.e_last is not None and rec.acquired is not None
+        last_epoch = epoch_of(rec.end) if rec.end > 0 else -1
+        out: list[list[Any]] = ([[f, la, list(m)] for f, la, m in history_ranges(self.history, 0, min(rec.e_last, last_epoch))]
+                                if rec.e_last >= 0 else [])
+        for first, last, members in rec.acquired.get("membership", []):
+            f, la = max(int(first), rec.e_last + 1), min(int(last), last_epoch)
+            if f <= la:
+                out.append([f, la, list(members)])
+        covered = int(out[-1][1]) if out else -1
+        assert covered >= last_epoch, ("no membership known up to the end of recovery", covered, last_epoch)
+        return out
+
     def _fetch(self, rec: ShardRecovery, target: int, r: _Replica, base: int, x: int, now: int) -> None:
         """Ask a replica that decided up to X for the records target lacks below X."""
         assert r.info is not None
@@ -353,8 +371,7 @@ class RecoveryCore:
         assert all(a[0] < b[0] for a, b in zip(records, records[1:])), "two records at one gsn"
         keys = [(g[1], g[2]) for g in records]
         assert len(set(keys)) == len(keys), "a record twice in the recovered state"
-        last_epoch = epoch_of(rec.end) if rec.end > 0 else -1
-        membership = [[f, la, list(m)] for f, la, m in history_ranges(self.history, 0, last_epoch)] if last_epoch >= 0 else []
+        membership = self._membership(rec)
         known = epoch_of(base) if base > 0 else -1
         events = [list(ev) for ev in stream_events(records, membership, known)]
         trim = max(r.info.get("trim", 0), r.fetch_trim)

@@ -222,6 +222,8 @@ class ReplicaCore:
         #: backup answered NO_GUESS (it will never guess them): a client may have moved
         #: the record to another shard, so a late duplicate must not place it here too.
         self.refused: dict[tuple[int, int], int] = {}
+        self._member_wait: dict[tuple[int, int], int] = {}  # key -> epoch it waited in (not a member)
+        self._now = 0  # time of the latest event (for bookkeeping stamps)
         self.no_guess: dict[tuple[int, int], int] = {}
         self.stats = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
 
@@ -291,6 +293,7 @@ class ReplicaCore:
     # ================================================================================
     # client requests
     def on_request(self, route: bytes, msg: list[Any], now: int) -> None:
+        self._now = now
         op = msg[1]
         if op == wire.INSERT:
             self._on_insert(route, msg, now)
@@ -391,7 +394,15 @@ class ReplicaCore:
                 self.parked.append(ParkedRequest(have + 1, 0, now + self.s.park_timeout_ns, route, msg))
                 return False
             if self.is_primary:
-                self._refuse(route, req_id, (msg[3], msg[4]), now, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
+                key = (msg[3], msg[4])
+                waited = self._member_wait.pop(key, None)
+                if waited is None or waited >= have:
+                    # It left, but clients see a rejoin in ZooKeeper before its epoch reaches
+                    # us (after a recovery, say): wait for one more epoch before refusing.
+                    self._member_wait[key] = have
+                    self.parked.append(ParkedRequest(have + 1, 0, now + self.s.park_timeout_ns, route, msg))
+                    return False
+                self._refuse(route, req_id, key, now, wire.E_NOT_MEMBER, f"shard {self.shard} takes no inserts in epoch {have}")
             return False
         return True
 
@@ -581,6 +592,7 @@ class ReplicaCore:
     def on_forward(self, msg: list[Any], now: int) -> None:
         if self.is_primary or self.frozen:
             return  # frozen: we promised to store nothing new
+        self._now = now
         self.peer_heard[0] = now
         stable = msg[2]
         body = msg[3]
@@ -635,6 +647,9 @@ class ReplicaCore:
             guessed = sp.by_key.get(key)
             if guessed is not None:
                 sp.forget(guessed)
+            other = sp.by_gsn.get(gsn)
+            if other is not None and other.key != key:
+                self._displaced(other.key)
             sp.forget(gsn)  # another record guessed here is displaced: the primary will place it
             if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
                 sp.next_slot = slot + 1
@@ -650,14 +665,22 @@ class ReplicaCore:
         if sp is None or not sp.by_gsn:
             return
         for g in [g for g in sp.by_gsn if g <= self.frontier]:
+            self._displaced(sp.by_gsn[g].key)
             sp.forget(g)
 
+    def _displaced(self, key: tuple[int, int]) -> None:
+        """The primary filled our guess's slot otherwise: never guess this record again. A
+        resend then learns NO_GUESS; if the primary refused the record for good, that tells
+        the client the shard has no copy (guessing anew at every resend never would)."""
+        if key not in self.dedup:
+            self.no_guess[key] = self._now
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
         the primary answers (it may not be up yet, or the hello may be lost)."""
         self._heard_primary = False
         self._hello_sent_at = now
-        self.outbox.append((TO_PRIMARY, self.hello_frame()))
+        if not self.frozen:  # frozen: our state is the recovery's business, not a primary's
+            self.outbox.append((TO_PRIMARY, self.hello_frame()))
 
     def hello_frame(self) -> bytes:
         sp = self.spec
@@ -779,7 +802,7 @@ class ReplicaCore:
                     keep.append(p)
             self.parked = keep
         if (not self.is_primary and not self._heard_primary and self._hello_sent_at is not None
-                and now - self._hello_sent_at > self.s.hello_retry_ns):
+                and not self.frozen and now - self._hello_sent_at > self.s.hello_retry_ns):
             self.connect_primary(now)
         if self.pending_routes and now - self._pending_pruned_ns > 1_000_000_000:
             # Inserts the primary never decided (it refused them, or the client gave up).
@@ -789,6 +812,8 @@ class ReplicaCore:
                 del self.pending_routes[pkey]
         if (self.refused or self.no_guess) and now - self._pending_pruned_ns > 1_000_000_000:
             old = now - 10 * self.s.park_timeout_ns
+            if len(self._member_wait) > 10_000:  # requests that timed out while waiting
+                self._member_wait.clear()
             for d in (self.refused, self.no_guess):
                 for pkey in [k for k, t in d.items() if t < old]:
                     del d[pkey]
@@ -841,7 +866,7 @@ class ReplicaCore:
         if self.is_primary and self.backup_routes and self.stable < self.frontier:
             t = self._last_forward_ns + self.s.lag_probe_ns
             best = t if best is None else min(best, t)
-        if not self.is_primary and not self._heard_primary and self._hello_sent_at is not None:
+        if not self.is_primary and not self._heard_primary and self._hello_sent_at is not None and not self.frozen:
             t = self._hello_sent_at + self.s.hello_retry_ns
             best = t if best is None else min(best, t)
         for p in self.parked:
@@ -886,6 +911,7 @@ class ReplicaCore:
             "frontier": self.frontier, "stable": self.stable, "trim": self.trim_point,
             "last_epoch": self.last_epoch, "installed": self.installed_gen == gen,
             "resumed": not self.frozen and self.installed_gen == gen,
+            "membership": [[f, la, list(m)] for f, la, m in self.membership],
         }
         if self.qualified and self.frozen:
             i = bisect.bisect_right(self.gsns, self.stable)
