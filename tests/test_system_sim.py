@@ -352,3 +352,11 @@ def test_known_bug_B5_refused_insert_whose_backup_copy_was_lost_settles() -> Non
             except Redirect:
                 return  # the shard provably holds no copy: the client moves it
     raise AssertionError(f"the insert neither completes nor redirects: {w.latest}, refused={w.refused}")
+
+
+@pytest.mark.parametrize("seed", [6625])
+def test_regression_seeds(seed: int) -> None:
+    """Seeds that once broke an invariant. 6625: a restarted primary parked an INSERT
+    before the handler froze it and decided it after recovery, while the source had told
+    the client the shard would not hold it (the record landed on two shards)."""
+    run(seed)

@@ -906,6 +906,11 @@ class ReplicaCore:
             self.frozen = True
             self.authority = False
             self.installed_gen = -1
+            # Inserts parked for an epoch would be decided after the recovery, though the
+            # source may tell their clients the shard does not hold them: drop them now.
+            for p in [p for p in self.parked if p.msg[1] == wire.INSERT]:
+                self.error(p.route, p.msg[2], wire.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
+            self.parked = [p for p in self.parked if p.msg[1] != wire.INSERT]
         state: dict[str, Any] = {
             "replica": self.s.replica, "gen": gen, "qualified": self.qualified, "frozen": self.frozen,
             "frontier": self.frontier, "stable": self.stable, "trim": self.trim_point,
