@@ -38,7 +38,7 @@ from .recovery import HandlerSettings, Persist, RecoveryCore, Send
 
 log = logging.getLogger("failure_handler")
 
-#: ZooKeeper's default limit on a node is 1 MiB: larger records are split.
+#: ZooKeeper's default limit on a request is 1 MiB: larger records are split.
 CHUNK_BYTES = 512 * 1024
 
 
@@ -58,18 +58,40 @@ def read_record(zk: KazooClient, shard: int) -> tuple[dict[str, Any] | None, int
     if not head:
         return None, stat.version
     if "chunks" in head:
-        blob = b"".join(zk.get(f"{path}/c{i}")[0] for i in range(head["chunks"]))
+        blob = b"".join(zk.get(f"{path}/{name}")[0] for name in head["chunks"])
         return discovery.dec(blob), stat.version
     return head, stat.version
 
 
 def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering: bool, version: int) -> int:
-    """Write the record and set or clear the shard's recovering flag in one transaction;
-    returns the record node's new version. Raises BadVersionError if another leader
-    wrote since ``version``."""
+    """Write the record and set or clear the shard's recovering flag atomically; returns
+    the record node's new version. Raises BadVersionError if another leader wrote since
+    ``version``.
+
+    ZooKeeper limits a whole request (a transaction included) to about 1 MiB, so a large
+    record goes first into chunk nodes no reader looks at yet; one transaction then
+    points the record node at them and sets the flag; chunks of earlier versions go last."""
     path = f"{discovery.RECOVERY}/{shard}"
     meta_path = f"{discovery.SHARDS}/{shard}"
     blob = discovery.enc(record)
+    if version < 0:
+        try:
+            zk.create(path, b"")
+        except NodeExistsError:
+            raise BadVersionError(f"recovery record of shard {shard} created under us") from None
+        version = 0
+    names: list[str] = []
+    head = blob
+    if len(blob) > CHUNK_BYTES:
+        tag = f"v{version + 1}"  # unique: only the writer of version+1 can commit it
+        for i in range(0, len(blob), CHUNK_BYTES):
+            name = f"{tag}-{i // CHUNK_BYTES}"
+            try:
+                zk.create(f"{path}/{name}", blob[i:i + CHUNK_BYTES])
+            except NodeExistsError:  # left by a writer that failed before committing
+                zk.set(f"{path}/{name}", blob[i:i + CHUNK_BYTES])
+            names.append(name)
+        head = discovery.enc({"gen": record["gen"], "phase": record["phase"], "chunks": names})
     for _attempt in range(10):
         meta_data, meta_stat = zk.get(meta_path)
         meta = discovery.dec(meta_data) or {}
@@ -77,30 +99,16 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
             meta["recovering"] = record["gen"]
         else:
             meta.pop("recovering", None)
-        try:
-            old_chunks = zk.get_children(path)
-        except NoNodeError:
-            old_chunks = []
         txn = zk.transaction()
-        for c in old_chunks:
-            txn.delete(f"{path}/{c}")
-        if len(blob) > CHUNK_BYTES:
-            parts = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)]
-            head = discovery.enc({"gen": record["gen"], "phase": record["phase"], "chunks": len(parts)})
-        else:
-            parts, head = [], blob
-        if version < 0:
-            txn.create(path, head)
-        else:
-            txn.set_data(path, head, version=version)
-        for i, p in enumerate(parts):
-            txn.create(f"{path}/c{i}", p)
+        txn.set_data(path, head, version=version)
         txn.set_data(meta_path, discovery.enc(meta), version=meta_stat.version)
         results = txn.commit()
-        errors = [r for r in results if isinstance(r, Exception)]
-        if not errors:
-            return version + 1 if version >= 0 else 0
-        if isinstance(results[len(old_chunks)], (BadVersionError, NodeExistsError)):
+        if not any(isinstance(r, Exception) for r in results):
+            for child in zk.get_children(path):
+                if child not in names:
+                    zk.delete(f"{path}/{child}")
+            return results[0].version
+        if isinstance(results[0], BadVersionError):
             raise BadVersionError(f"recovery record of shard {shard} changed under us")
         # The shard's metadata changed (a concurrent remove): read it again.
     raise RuntimeError(f"could not write the recovery record of shard {shard}")

@@ -9,7 +9,7 @@ Layout (all values msgpack)::
     /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
     /ziplog/shards/<shard>            {replicas: n[, removed: true][, recovering: gen]}  (persistent)
     /ziplog/recovery/<shard>          the failure handler's durable record {gen, phase, ...}
-    /ziplog/recovery/<shard>/c<i>     its chunks when it is large
+    /ziplog/recovery/<shard>/<chunk>  its chunks when it is large (named in the record)
     /ziplog/fh/election[-<group>]     failure handler leader election (per group)
     /ziplog/fh/replicas/<group>-<id>  ephemeral {pull} address of a failure handler replica
     /ziplog/shards/<shard>/<replica>  ephemeral {addr, pid}  (the replica is up; 0 is the primary)
