@@ -100,7 +100,7 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         """Restart storage replicas that died (SIGKILL, crash) on their data directory."""
-        while not self._stopping.wait(0.02):
+        while not self._stopping.wait(0.05):  # rarely: this thread shares the GIL with clients in this process
             with self._lock:
                 now = time.monotonic()
                 for (shard, replica), p in list(self.servers.items()):
