@@ -5,10 +5,10 @@ reordering, duplicating simulated network. After every seed the log is checked: 
 acknowledged record lost, moved or duplicated, replicas identical, subscribers agree with
 the log, InsertAfter order, one owner per gsn, and the run settles.
 
-A seed that fails only because of a known protocol bug (``KNOWN_BUGS``: found by this
-simulation, not fixed yet) is counted and reported as a warning; set
-``ZIPLOG_SIM_STRICT=1`` to make such seeds fail. The ``test_known_bug_*`` tests at the end
-are minimal reproductions of those bugs on the cores alone (expected to fail until fixed).
+A seed that breaks an invariant the way a formerly known protocol bug did (``KNOWN_BUGS``:
+found by this simulation, fixed since) fails naming that bug (``ZIPLOG_SIM_STRICT=0`` only
+warns). The ``test_known_bug_*`` tests at the end reproduce those bugs on the cores alone
+and now pass: they are regression tests.
 
 More seeds: ``python -m tests.sim --system --seeds 10000``; one seed with its trace:
 ``python -m tests.sim --system --seed S --trace``.

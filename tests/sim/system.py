@@ -31,10 +31,11 @@ whole again (f = 1). Afterwards the faults stop, everything settles, and
 
 ``run(seed)`` returns an :class:`Outcome`; any broken invariant raises ``AssertionError``
 naming the seed and the command that replays it with a trace. A failure whose cause the
-simulation recognises as one of the protocol bugs in :data:`KNOWN_BUGS` (found here, not
-fixed yet) raises :class:`KnownBug` instead, an ``AssertionError`` too, so that such seeds
-can be counted apart; the classifiers are narrow (the bug's precondition was observed in
-that run, and the failure is the one it causes), so anything else still fails plainly.
+simulation recognises as one of the protocol bugs in :data:`KNOWN_BUGS` (found here and
+fixed since) raises :class:`KnownBug`, an ``AssertionError`` too, naming the bug: the
+classifiers are narrow (the bug's precondition was observed in that run, and the failure
+is the one it causes), so anything else fails plainly. Both fail the run unless
+``--lenient`` is given.
 """
 
 from __future__ import annotations
@@ -125,11 +126,13 @@ class Outcome:
         return {k: getattr(self, k) for k in self.COUNTS}
 
 
-#: Protocol bugs found by this simulation and not fixed yet. A seed that fails only because
-#: of one of them raises :class:`KnownBug` (the test suite counts such seeds apart). Fixed
-#: since, their reproductions now regression tests in tests/test_system_sim.py: B1 (a backup
-#: forgot unconfirmed acknowledged guesses at each epoch switch) and B2 (a new shard's primary
-#: blocked for good when the backup guessed before its first HELLO arrived).
+#: Protocol bugs this simulation found, all fixed; a seed that breaks an invariant the way one
+#: of them did raises :class:`KnownBug` naming it. Their reproductions are regression tests in
+#: tests/test_system_sim.py, as are B1 (a backup forgot unconfirmed acknowledged guesses at
+#: each epoch switch) and B2 (a new shard's primary blocked for good when the backup guessed
+#: before its first HELLO arrived). Fixes: B3 installs later epochs' members from the source's
+#: membership; B4 frozen replicas send no HELLO; B5 a displaced guess is never guessed again
+#: and a shard that left waits one epoch before refusing.
 KNOWN_BUGS = {
     "B3": "RecoveryCore._install builds the epochs it installs (up to the epoch of the recovery's end, which the "
           "acquired frontier may push past the last epoch that included the shard) from its own copy of the "
