@@ -38,7 +38,8 @@ def test_replica_sigkill_is_recovered(cluster: ziplog.LocalCluster, replica: int
     load.wait_acked(300)
     load.finish()
     assert any(s == 0 and r == replica for _, s, r in cluster.restarts)
-    st = cluster.client().status()[0]
+    with cluster.client() as c:
+        st = c.status()[0]
     assert all(r["recovery_gen"] >= gen and not r["frozen"] for r in st), st
 
 
