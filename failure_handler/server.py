@@ -21,18 +21,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
 import zmq
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoNodeError, NodeExistsError
-from kazoo.protocol.states import KazooState
 
 from ziplog import discovery, wire
+from ziplog.elected import ElectedReplica, serve
 
 from .recovery import HandlerSettings, Persist, RecoveryCore, Send
 
@@ -114,27 +112,19 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
     raise RuntimeError(f"could not write the recovery record of shard {shard}")
 
 
-class FailureHandlerReplica:
+class FailureHandlerReplica(ElectedReplica):
+    kind = "failure_handler"
+
     def __init__(self, zk_hosts: str, replica_id: int, host: str = "127.0.0.1",
                  settings: HandlerSettings | None = None, group: int = 0, groups: int = 1) -> None:
         assert 0 <= group < groups
-        self.id = replica_id
+        super().__init__(zk_hosts, replica_id, election_path(group))
         self.group, self.groups = group, groups
         self.settings = settings or HandlerSettings()
-        self.zk = discovery.connect(zk_hosts)
-        self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         port = self.pull.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
-        self.running = True
-        self.is_leader = False
-        self.lost = threading.Event()
-        self.zk.add_listener(self._on_zk_state)
-
-    def _on_zk_state(self, state: str) -> None:
-        if state != KazooState.CONNECTED:
-            self.lost.set()
 
     def start(self) -> None:
         self.zk.ensure_path(discovery.FH_REPLICAS)
@@ -148,36 +138,12 @@ class FailureHandlerReplica:
         self.topology = discovery.Topology(self.zk)
         log.info("failure handler replica %d up: %s", self.id, self.addr)
 
-    def run(self) -> None:
-        election = self.zk.Election(election_path(self.group), identifier=str(self.id))
-        while self.running:
-            try:
-                election.run(self._lead)
-            except Exception:
-                log.exception("election round failed")
-                time.sleep(0.1)
-
     # -- leader ---------------------------------------------------------------------------------
-    def _lead(self) -> None:
-        self.lost.clear()
-        self.is_leader = True
-        log.info("failure handler replica %d is leader", self.id)
+    def lead(self) -> None:
         try:
             _Leader(self).loop()
         except BadVersionError as e:
             log.warning("stepping down: %s", e)
-        finally:
-            self.is_leader = False
-            log.info("failure handler replica %d stops leading", self.id)
-
-    def close(self) -> None:
-        self.running = False
-        try:
-            self.zk.stop()
-            self.zk.close()
-        except Exception:
-            pass
-        self.ctx.destroy(linger=0)
 
 
 class _Leader:
@@ -292,21 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     replica = FailureHandlerReplica(args.zk, args.id, args.host, HandlerSettings(retry_ns=int(args.retry_ms * 1e6)),
                                     group=args.group, groups=args.groups)
-
-    def stop(signum: int, frame: Any) -> None:
-        replica.running = False
-        replica.lost.set()
-        if not replica.is_leader:
-            raise SystemExit(0)  # a follower may be blocked inside the election
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    replica.start()
-    try:
-        replica.run()
-    finally:
-        replica.close()
-    return 0
+    return serve(replica)
 
 
 if __name__ == "__main__":

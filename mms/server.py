@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
-from typing import Any
 
 import zmq
 from kazoo.exceptions import NodeExistsError
-from kazoo.protocol.states import KazooState
 
 from ziplog import discovery, wire
+from ziplog.elected import ElectedReplica, serve
 from ziplog.gsna import EpochConfig
 
 from .planner import EpochPlanner, PlannerSettings
@@ -34,16 +31,16 @@ from .planner import EpochPlanner, PlannerSettings
 log = logging.getLogger("mms")
 
 
-class MembershipReplica:
+class MembershipReplica(ElectedReplica):
+    kind = "mms"
+
     def __init__(self, zk_hosts: str, replica_id: int, interval_ms: float = 10.0, host: str = "127.0.0.1",
                  settings: PlannerSettings | None = None, epochs_per_commit: int = 10) -> None:
         assert epochs_per_commit >= 1
-        self.id = replica_id
+        super().__init__(zk_hosts, replica_id, discovery.MMS_ELECTION)
         self.epochs_per_commit = epochs_per_commit
         self.interval_ns = int(interval_ms * 1_000_000)
         self.settings = settings or PlannerSettings()
-        self.zk = discovery.connect(zk_hosts)
-        self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
@@ -52,14 +49,6 @@ class MembershipReplica:
         self.pull.setsockopt(zmq.LINGER, 0)
         pull_port = self.pull.bind_to_random_port(f"tcp://{host}")
         self.addrs = {"pub": f"tcp://{host}:{pub_port}", "pull": f"tcp://{host}:{pull_port}"}
-        self.running = True
-        self.is_leader = False
-        self.lost = threading.Event()
-        self.zk.add_listener(self._on_zk_state)
-
-    def _on_zk_state(self, state: str) -> None:
-        if state != KazooState.CONNECTED:
-            self.lost.set()  # stop leading until we are sure again
 
     def start(self) -> None:
         for path in (discovery.EPOCH_PATH, discovery.MEMBERSHIP_PATH):
@@ -77,27 +66,8 @@ class MembershipReplica:
         self.topology = discovery.Topology(self.zk)
         log.info("mms replica %d up: %s", self.id, self.addrs)
 
-    def run(self) -> None:
-        election = self.zk.Election(discovery.MMS_ELECTION, identifier=str(self.id))
-        while self.running:
-            try:
-                election.run(self._lead)
-            except Exception:
-                log.exception("election round failed")
-                time.sleep(0.1)
-
     # -- leader ---------------------------------------------------------------------------
-    def _lead(self) -> None:
-        self.lost.clear()
-        self.is_leader = True
-        log.info("mms replica %d is leader", self.id)
-        try:
-            self._lead_loop()
-        finally:
-            self.is_leader = False
-            log.info("mms replica %d stops leading", self.id)
-
-    def _lead_loop(self) -> None:
+    def lead(self) -> None:
         """Commit epochs to ZooKeeper in blocks of ``epochs_per_commit`` (one transaction,
         same members and rates), broadcast them one per interval.
 
@@ -192,15 +162,6 @@ class MembershipReplica:
             elif left < 1_000_000:
                 time.sleep(left / 1e9)
 
-    def close(self) -> None:
-        self.running = False
-        try:
-            self.zk.stop()
-            self.zk.close()
-        except Exception:
-            pass
-        self.ctx.destroy(linger=0)
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mms.server", description="ziplog membership service replica")
@@ -217,21 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     replica = MembershipReplica(args.zk, args.id, args.interval_ms, args.host,
                                 PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                                 epochs_per_commit=args.epochs_per_commit)
-
-    def stop(signum: int, frame: Any) -> None:
-        replica.running = False
-        replica.lost.set()
-        if not replica.is_leader:
-            raise SystemExit(0)  # a follower may be blocked inside the election
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    replica.start()
-    try:
-        replica.run()
-    finally:
-        replica.close()
-    return 0
+    return serve(replica)
 
 
 if __name__ == "__main__":
