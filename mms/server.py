@@ -103,10 +103,8 @@ class MembershipReplica(ElectedReplica):
             self._drain_rates(planner)
             for s in self.topology.removed:
                 planner.remove(s)
-            recovering = self.topology.recovering
-            ready = [s for s in self.topology.replica_counts
-                     if self.topology.shard_complete(s) and s not in self.topology.removed and s not in recovering]
-            cfg, history = planner.plan(ready, recovering)
+            ready = [s for s in self.topology.replica_counts if self.topology.shard_complete(s) and s not in self.topology.removed]
+            cfg, history = planner.plan(ready, self.topology.recovering)  # the planner leaves recovering shards out
             changed = history is not None
             if block is None or next_epoch > block[1] or (changed and next_epoch > block[0]):
                 # Commit the next block: it starts at the first epoch nobody broadcast.

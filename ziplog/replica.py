@@ -223,7 +223,6 @@ class ReplicaCore:
         #: the record to another shard, so a late duplicate must not place it here too.
         self.refused: dict[tuple[int, int], int] = {}
         self._member_wait: dict[tuple[int, int], int] = {}  # key -> epoch it waited in (not a member)
-        self._now = 0  # time of the latest event (for bookkeeping stamps)
         self.no_guess: dict[tuple[int, int], int] = {}
         self.stats = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
 
@@ -293,7 +292,6 @@ class ReplicaCore:
     # ================================================================================
     # client requests
     def on_request(self, route: bytes, msg: list[Any], now: int) -> None:
-        self._now = now
         op = msg[1]
         if op == wire.INSERT:
             self._on_insert(route, msg, now)
@@ -592,7 +590,6 @@ class ReplicaCore:
     def on_forward(self, msg: list[Any], now: int) -> None:
         if self.is_primary or self.frozen:
             return  # frozen: we promised to store nothing new
-        self._now = now
         self.peer_heard[0] = now
         stable = msg[2]
         body = msg[3]
@@ -619,14 +616,14 @@ class ReplicaCore:
                 _, gsn, slot, client_id, seq, data = ev
                 if self._apply_record(gsn, slot, client_id, seq, data):
                     changed = True
-                    self._backup_settle(gsn, slot, (client_id, seq))
+                    self._backup_settle(gsn, slot, (client_id, seq), now)
             elif kind == wire.EV_FRONTIER:
                 _, frontier, epoch, next_slot = ev
                 if self._apply_frontier(frontier):
                     changed = True
                 sp = self.spec
                 if sp is not None and sp.config.epoch == epoch:
-                    self._drop_displaced_guesses()
+                    self._drop_displaced_guesses(now)
                     sp.resync(next_slot)
             elif kind == wire.EV_EPOCH:
                 _, first, last, members = ev
@@ -634,14 +631,14 @@ class ReplicaCore:
                     changed = True
         self._prefix_dirty = True  # answer every FORWARD: a lost PREFIX must not stall stability
         if changed:
-            self._drop_displaced_guesses()
+            self._drop_displaced_guesses(now)
         new_stable = min(stable, self.frontier)
         if new_stable > self.stable:
             self.stable = new_stable
             self._subs_dirty = True
             self._apply_trim_physically()
 
-    def _backup_settle(self, gsn: int, slot: int, key: tuple[int, int]) -> None:
+    def _backup_settle(self, gsn: int, slot: int, key: tuple[int, int], now: int) -> None:
         sp = self.spec
         if sp is not None:
             guessed = sp.by_key.get(key)
@@ -649,7 +646,7 @@ class ReplicaCore:
                 sp.forget(guessed)
             other = sp.by_gsn.get(gsn)
             if other is not None and other.key != key:
-                self._displaced(other.key)
+                self._displaced(other.key, now)
             sp.forget(gsn)  # another record guessed here is displaced: the primary will place it
             if sp.config.epoch == epoch_of(gsn) and slot + 1 > sp.next_slot:
                 sp.next_slot = slot + 1
@@ -660,20 +657,20 @@ class ReplicaCore:
             self.stats["reacks"] += 1
             self._ack(pending[0], pending[1], gsn, True)
 
-    def _drop_displaced_guesses(self) -> None:
+    def _drop_displaced_guesses(self, now: int) -> None:
         sp = self.spec
         if sp is None or not sp.by_gsn:
             return
         for g in [g for g in sp.by_gsn if g <= self.frontier]:
-            self._displaced(sp.by_gsn[g].key)
+            self._displaced(sp.by_gsn[g].key, now)
             sp.forget(g)
 
-    def _displaced(self, key: tuple[int, int]) -> None:
+    def _displaced(self, key: tuple[int, int], now: int) -> None:
         """The primary filled our guess's slot otherwise: never guess this record again. A
         resend then learns NO_GUESS; if the primary refused the record for good, that tells
         the client the shard has no copy (guessing anew at every resend never would)."""
         if key not in self.dedup:
-            self.no_guess[key] = self._now
+            self.no_guess[key] = now
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
         the primary answers (it may not be up yet, or the hello may be lost)."""
