@@ -9,15 +9,18 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: $(STAMP)
 
-# System packages (ZooKeeper from Debian, a JRE for it), then a venv with the
-# package and its extras. Re-runs only when pyproject.toml changes.
-$(STAMP): pyproject.toml
-	@if [ ! -f /usr/share/java/zookeeper.jar ] || ! command -v java >/dev/null; then \
-		echo "installing ZooKeeper (Debian package)"; \
-		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq zookeeper default-jre-headless >/dev/null; \
+# System packages from Debian (ZooKeeper and a JRE for it; nats-server and
+# redis-server, the benchmark's real rivals), then a venv with the package and its
+# extras. Re-runs only when pyproject.toml or this file changes.
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -f /usr/share/java/zookeeper.jar ] || ! command -v java >/dev/null \
+	    || ! command -v nats-server >/dev/null || ! command -v redis-server >/dev/null; then \
+		echo "installing ZooKeeper, nats-server, redis-server (Debian packages)"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+			zookeeper default-jre-headless nats-server redis-server >/dev/null; \
 	fi
 	@test -d $(VENV) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast]'
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast,bench]'
 	@touch $(STAMP)
 
 run: setup
@@ -26,8 +29,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# every experiment, full length (about an hour); `python -m bench latency --quick` for two minutes
 bench: setup
-	$(PY) -m bench latency
+	$(PY) -m bench all
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

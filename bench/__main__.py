@@ -1,40 +1,66 @@
-"""``python -m bench <experiment> [--quick] [--out DIR]``.
+"""``python -m bench <experiment> [--quick] [--out DIR]``; ``python -m bench all`` runs
+every experiment, each into its own folder under ``--out``.
 
-Each experiment is a module with ``run(quick: bool, out: Path | None) -> list[dict]``;
-add new ones to :data:`EXPERIMENTS`."""
+Each experiment is a module of :mod:`bench.experiments` with
+``run(quick: bool, out: Path | None) -> list[dict]``; add new ones to :data:`EXPERIMENTS`."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import inspect
 import sys
+import time
 from pathlib import Path
 
-#: subcommand -> module exposing ``run(quick, out)``
-EXPERIMENTS: dict[str, str] = {
-    "latency": "bench.latency",
-    "failure": "bench.failure",
+#: subcommand -> (module, what it measures)
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "latency": ("bench.experiments.latency", "append latency: ziplog, floor and rivals; open-loop sweep (Fig. 4.4, 4.5)"),
+    "throughput": ("bench.experiments.throughput", "pipelined throughput per shard, as shards are added; rivals"),
+    "mms": ("bench.experiments.mms", "shards the membership service sustains at 10 ms epochs"),
+    "sequential": ("bench.experiments.sequential", "insert-to-delivery latency at a subscriber (Fig. 4.6), rate step"),
+    "read": ("bench.experiments.read", "ReadRecord latency, stable and recent records"),
+    "failure": ("bench.experiments.failure", "throughput across a replica failure (Fig. 4.7)"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description="ziplog benchmarks")
     sub = ap.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
-    for name, modname in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=f"run {modname}")
-        p.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    for name, (_, what) in [*EXPERIMENTS.items(), ("all", (None, "every experiment above, one folder each"))]:
+        p = sub.add_parser(name, help=what, description=what)
+        p.add_argument("--quick", action="store_true", help="a short run (about two minutes for latency)")
         p.add_argument("--out", type=Path, default=None,
                        help=f"output directory (default results/{name}-<timestamp>/)")
+        if name == "latency":
+            p.add_argument("--systems", default=None,
+                           help="comma-separated subset of ziplog,floor,nopaxos,scalog,zookeeper,nats,redis")
     args = ap.parse_args(argv)
-    mod = importlib.import_module(EXPERIMENTS[args.experiment])
-    try:
-        mod.run(quick=args.quick, out=args.out)
-    except RuntimeError as e:
-        print(f"bench {args.experiment}: {e}", file=sys.stderr)
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    base = args.out
+    if args.experiment == "all" and base is None:
+        base = Path("results") / f"all-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    failed = []
+    for name in names:
+        mod = importlib.import_module(EXPERIMENTS[name][0])
+        out = base / name if args.experiment == "all" else args.out
+        kw = {}
+        if getattr(args, "systems", None) and "systems" in inspect.signature(mod.run).parameters:
+            kw["systems"] = args.systems.split(",")
+        t0 = time.monotonic()
+        try:
+            mod.run(quick=args.quick, out=out, **kw)
+        except RuntimeError as e:
+            print(f"bench {name}: {e}", file=sys.stderr)
+            failed.append(name)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        print(f"bench {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if failed:
+        print(f"bench: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     return 0
 
 

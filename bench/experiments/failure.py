@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .machine import machine_info
-from .stats import format_table, summarize
+from ..machine import machine_info
+from ..stats import format_table, summarize
 
 #: Storage servers' failure suspicion timeout (``--suspect-timeout-ms``), in ms.
 SUSPECT_TIMEOUT_MS = 500

@@ -1,0 +1,184 @@
+"""Experiment ``throughput``: appends per second with pipelined asyncio clients
+(dissertation 4.4.2, Scalog 3.5).
+
+1. **ziplog, shards added one by one** (1, 2, ... up to ``max_shards``, with
+   ``cluster.add_shard()`` on one running cluster): every shard gets its own pool of
+   clients, each keeping ``depth`` inserts of 4 KiB in flight; per-shard and total
+   throughput, latency at that load, and where the CPU went (servers, clients,
+   ZooKeeper, MMS; in cores) and how much was written to disk, to say what saturates.
+2. **Every system, one shard**, the same pipelined load, one system at a time (each
+   gets the whole machine).
+
+    python -m bench throughput [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import systems as sysreg
+from ..cpu import CpuMeter, disk_written_bytes
+from ..loadgen import ClientPool, LoadResult
+from ..report import Results, progress
+from ..stats import summarize
+from ..systems.base import Unavailable
+
+COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "total_rate", "p50_us", "p99_us",
+           "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
+RIVALS = ["floor", "nopaxos", "scalog", "zookeeper", "nats", "redis"]
+
+
+def params_for(quick: bool) -> dict[str, Any]:
+    return {
+        "quick": quick,
+        "record_bytes": 4096,
+        "replicas": 2,
+        "shard_counts": [1, 2] if quick else [1, 2, 3, 4, 6],
+        "clients_per_shard": 4,
+        "depth": 8,                      # appends in flight per client
+        "workers_per_shard": 2,          # load generator processes per shard
+        "seconds": 2.0 if quick else 5.0,
+        "warmup_s": 0.5 if quick else 1.0,
+        "rivals": RIVALS,
+    }
+
+
+def _saturates(cpu: dict[str, float], clients_cores: float, server_cores: float) -> str:
+    """A plain verdict: which resource ran out."""
+    n = cpu.get("machine_cores", 2.0) or 2.0
+    if cpu.get("machine", 0.0) >= 0.9 * n:
+        if clients_cores >= server_cores:
+            return f"CPU ({cpu['machine']:.1f}/{n:.0f} cores busy; clients use more than servers)"
+        return f"CPU ({cpu['machine']:.1f}/{n:.0f} cores busy; servers use most)"
+    return f"not CPU ({cpu.get('machine', 0):.1f}/{n:.0f} cores): latency-bound clients or the system"
+
+
+def _measure(pools: list[ClientPool], p: dict[str, Any]) -> tuple[list[LoadResult], dict[str, float], float]:
+    meter = CpuMeter()
+    start_wall = time.time() + 0.3
+    for pool in pools:
+        pool.begin("saturate", p["depth"], p["seconds"], p["warmup_s"], p["record_bytes"], 0.0, start_wall)
+    time.sleep(max(0.0, start_wall - time.time() + p["warmup_s"]))  # CPU counted over the measured window
+    meter.start()
+    d0 = disk_written_bytes()
+    time.sleep(p["seconds"])
+    cpu = meter.stop()
+    disk = (disk_written_bytes() - d0) / p["seconds"] / 1e6
+    return [pool.finish() for pool in pools], cpu, disk
+
+
+def _row(name: str, shards: int, results: list[LoadResult], cpu: dict[str, float], disk: float,
+         p: dict[str, Any], server_roles: tuple[str, ...]) -> dict[str, Any]:
+    total = sum(r.rate for r in results)
+    samples: list[int] = []
+    for r in results:
+        samples.extend(r.samples_ns)
+    s = summarize(samples)
+    servers = sum(v for k, v in cpu.items() if k in server_roles)
+    clients = cpu.get("load generator", 0.0)
+    return {"system": name, "shards": shards, "clients_per_shard": p["clients_per_shard"], "depth": p["depth"],
+            "per_shard_rate": round(total / shards, 1), "total_rate": round(total, 1),
+            "per_shard_rates": [round(r.rate, 1) for r in results], **s,
+            "errors": sum(r.errors for r in results), "cpu_cores": cpu, "cpu_servers": round(servers, 2),
+            "cpu_clients": round(clients, 2), "cpu_machine": cpu.get("machine"), "disk_mb_s": round(disk, 1),
+            "saturates": _saturates(cpu, clients, servers)}
+
+
+def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    system = sysreg.make("ziplog", shards=1, replicas=p["replicas"])
+    try:
+        system.start()
+    except Unavailable as e:
+        res.not_started("ziplog", str(e))
+        system.stop()
+        return rows
+    pools: list[ClientPool] = []
+    try:
+        cluster: Any = system.cluster  # type: ignore[attr-defined]
+        for target in progress("throughput", p["shard_counts"], lambda n: f"ziplog with {n} shard(s)"):
+            while len(cluster.shard_ids) < target:
+                cluster.add_shard()
+            while len(pools) < target:
+                shard = cluster.shard_ids[len(pools)]
+                pools.append(ClientPool(system.client_spec(shard), p["clients_per_shard"], f"ziplog-s{shard}",
+                                        max_workers=p["workers_per_shard"], seed=shard + 1))
+            results, cpu, disk = _measure(pools, p)
+            row = _row("ziplog", target, results, cpu, disk, p,
+                       ("storage servers", "membership service", "failure handlers", "ZooKeeper"))
+            row["storage_server_cores"] = cpu.get("storage servers", 0.0)
+            rows.append(row)
+            res.log(f"  {target} shard(s): {row['total_rate']:.0f}/s total, {row['per_shard_rate']:.0f}/s per shard; "
+                    f"cpu {cpu}; {row['saturates']}")
+    finally:
+        for pool in pools:
+            pool.close()
+        system.stop()
+    return rows
+
+
+def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for key in progress("throughput", p["rivals"], lambda k: f"rival {k}"):
+        system = sysreg.make(key)
+        try:
+            with contextlib.ExitStack() as stack:
+                try:
+                    stack.enter_context(system)
+                    pool = stack.enter_context(ClientPool(system.client_spec(0), p["clients_per_shard"], system.name,
+                                                          max_workers=p["workers_per_shard"]))
+                except Unavailable as e:
+                    res.not_started(system.name, str(e))
+                    continue
+                results, cpu, disk = _measure([pool], p)
+                server_roles = tuple(k for k in cpu if k not in ("load generator", "harness", "total", "machine",
+                                                                  "machine_cores", "other"))
+                row = _row(system.name, 1, results, cpu, disk, p, server_roles)
+                row.update(system.describe())
+                rows.append(row)
+                res.log(f"  {system.name}: {row['total_rate']:.0f}/s, p50 {row['p50_us'] or 0:.0f} us; {row['saturates']}")
+        except Exception as e:  # one rival's failure must not end the run
+            res.not_started(system.name, f"{type(e).__name__}: {e}")
+    return rows
+
+
+def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
+    z = [r for r in rows if r["system"] == "ziplog"]
+    if not z:
+        return
+    fig, path = res.figure()
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([r["shards"] for r in z], [r["total_rate"] for r in z], marker="o", label="ziplog total")
+    ax.plot([r["shards"] for r in z], [r["per_shard_rate"] for r in z], marker="s", label="ziplog per shard")
+    for r in rows:
+        if r["system"] != "ziplog":
+            ax.axhline(r["total_rate"], linestyle=":", linewidth=1)
+            ax.annotate(r["system"], (z[-1]["shards"], r["total_rate"]), fontsize=7, ha="right", va="bottom")
+    ax.set_xlabel("shards (ziplog); dotted: other systems, one shard")
+    ax.set_ylabel("appends/s (4 KiB)")
+    ax.set_title("Throughput with pipelined clients on this machine")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    res.save_figure(fig, path, "throughput as shards are added")
+
+
+def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
+    p = params_for(quick)
+    res = Results("throughput", out, p)
+    rows = _ziplog_scaling(p, res) + _rivals(p, res)
+    _plot(res, rows)
+    z1 = next((r for r in rows if r["system"] == "ziplog" and r["shards"] == 1), None)
+    if z1 is not None:
+        res.note(f"ziplog, one shard: {z1['per_shard_rate']:.0f} inserts/s of 4 KiB "
+                 f"(the dissertation's SSD-bound figure: 16.8K/s); {z1['saturates']}; "
+                 f"storage servers used {z1.get('storage_server_cores', 0):.2f} cores, "
+                 f"clients {z1['cpu_clients']:.2f}, disk {z1['disk_mb_s']:.0f} MB/s.")
+    res.write(rows, COLUMNS, "Throughput: pipelined clients, ziplog as shards are added, and every system on one shard",
+              intro=(f"{p['clients_per_shard']} asyncio clients per shard over {p['workers_per_shard']} processes, "
+                     f"each keeping {p['depth']} appends of {p['record_bytes']} bytes in flight, "
+                     f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up. cpu_* columns are cores "
+                     "(CPU seconds per second) over the measured window; cpu_machine counts every process."))
+    return rows

@@ -1,0 +1,29 @@
+"""The systems the benchmarks compare: ziplog, the raw ZeroMQ floor, NOPaxos-style and
+Scalog-style baselines on ziplog's own stack, and real peers (ZooKeeper, NATS JetStream,
+Redis Streams). ``make(name)`` builds one by its key in :data:`SYSTEMS`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import Appender, AsyncAppender, ClientSpec, System, Unavailable
+
+#: key -> "module:Class"; the key is what ``--systems`` takes
+SYSTEMS: dict[str, str] = {
+    "ziplog": "bench.systems.ziplog_system:ZiplogSystem",
+    "floor": "bench.systems.floor:FloorSystem",
+    "nopaxos": "bench.systems.nopaxos:NOPaxosSystem",
+    "scalog": "bench.systems.scalog:ScalogSystem",
+    "zookeeper": "bench.systems.zookeeper:ZooKeeperSystem",
+    "nats": "bench.systems.nats_jetstream:NatsJetStreamSystem",
+    "redis": "bench.systems.redis_streams:RedisStreamsSystem",
+}
+
+
+def make(key: str, **kw: Any) -> System:
+    modname, _, cls = SYSTEMS[key].partition(":")
+    return getattr(importlib.import_module(modname), cls)(**kw)  # type: ignore[no-any-return]
+
+
+__all__ = ["SYSTEMS", "make", "System", "Unavailable", "ClientSpec", "Appender", "AsyncAppender"]
