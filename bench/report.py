@@ -57,8 +57,9 @@ def histogram(samples_ns: Iterable[int], bins_per_decade: int = 20) -> dict[str,
         return {"edges_us": [], "counts": []}
     lo, hi = max(a.min(), 1.0), max(a.max(), 2.0)
     n = max(1, int(np.ceil(np.log10(hi / lo) * bins_per_decade)))
-    edges = np.logspace(np.log10(lo), np.log10(hi) + 1e-9, n + 1)
-    counts, _ = np.histogram(np.clip(a, lo, None), bins=edges)
+    edges = np.logspace(np.log10(lo), np.log10(hi), n + 1)
+    edges[0], edges[-1] = lo, hi  # exact ends: floating-point logspace can leave the extremes outside
+    counts, _ = np.histogram(np.clip(a, lo, hi), bins=edges)
     return {"edges_us": [round(float(e), 3) for e in edges], "counts": [int(c) for c in counts]}
 
 
