@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     if args.port:

@@ -47,7 +47,7 @@ def test_decode_insert(benchmark: Any) -> None:
 def test_replica_insert(benchmark: Any, replica: int) -> None:
     core = ReplicaCore(ReplicaSettings(0, replica, 2))
     if replica == 0:
-        core._on_hello(b"b", [V, wire.HELLO, 0, 1, 0, 0])
+        core._on_hello(b"b", [V, wire.HELLO, 0, 1, 0, 0], 0)
     core.on_epoch(EpochConfig(0, (0, 1), (1_000_000, 1_000_000)), 0)
     seq = itertools.count(1)
 
