@@ -66,12 +66,18 @@ class RedisAppender:
 class AsyncRedisAppender:
     """XADDs through ``redis.asyncio``. Concurrent calls each take a connection from
     the client's pool (redis-py does not pipeline independent commands on one
-    connection), which is what a Python user issuing concurrent XADDs gets."""
+    connection), which is what a Python user issuing concurrent XADDs gets. The pool
+    blocks when all of its ``MAX_CONNECTIONS`` are busy: a burst waits for a
+    connection (and the wait counts in its latency) instead of failing."""
+
+    MAX_CONNECTIONS = 64
 
     def __init__(self, host: str, port: int, stream: str) -> None:
         import redis.asyncio
 
-        self._client = redis.asyncio.Redis(host=host, port=port)
+        pool = redis.asyncio.BlockingConnectionPool(host=host, port=port, max_connections=self.MAX_CONNECTIONS,
+                                                    timeout=None)
+        self._client = redis.asyncio.Redis(connection_pool=pool)
         self._stream = stream
 
     async def append(self, data: bytes) -> tuple[int, int]:
