@@ -379,7 +379,10 @@ class ReplicaCore:
         need_epoch = epoch_of(after + 1)
         have = config.epoch if config is not None else -1
         if need_epoch > have:
-            if need_epoch > max(have, self.last_epoch) + self.s.max_epochs_ahead:
+            # "Far beyond" needs a current epoch to measure from: a replica that has seen
+            # none yet (a shard just added, a replica just started) parks instead.
+            known = config is not None or bool(self.membership)
+            if known and need_epoch > max(have, self.last_epoch) + self.s.max_epochs_ahead:
                 self.error(route, req_id, wire.E_UNKNOWN_RID, f"rid gsn {after} lies in epoch {need_epoch}, far beyond the current epoch {have}")
                 return False
             self.parked.append(ParkedRequest(need_epoch, 0, now + self.s.park_timeout_ns, route, msg))
@@ -1028,7 +1031,7 @@ class ReplicaCore:
         req_id, gsn = msg[2], msg[3]
         self.stats["reads"] += 1
         if gsn > self.frontier:
-            if epoch_of(gsn) > self.last_epoch + self.s.max_epochs_ahead:
+            if self.membership and epoch_of(gsn) > self.last_epoch + self.s.max_epochs_ahead:
                 self.error(route, req_id, wire.E_UNKNOWN_RID, f"gsn {gsn} lies far beyond this shard's log")
                 return
             self.parked.append(ParkedRequest(0, gsn, now + self.s.park_timeout_ns, route, msg))

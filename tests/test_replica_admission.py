@@ -1,0 +1,57 @@
+"""Admission of inserts and reads by a replica that has seen no epoch yet (a shard just
+added, a replica just started): an InsertAfter naming a rid from the running log must
+wait for the replica's first epoch, not be refused as "far beyond" an epoch it does not
+know. Found under load by test_failures' add-a-shard test: a writer's next insert after
+its last rid reached the new shard before the new shard's first EPOCH did."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ziplog import wire
+from ziplog.gsna import EpochConfig, epoch_base
+from ziplog.replica import ReplicaCore, ReplicaSettings
+
+V = wire.PROTOCOL_VERSION
+DATA = b"x" * 64
+RUNNING_EPOCH = 2557  # the log has run for ~25 s: far more epochs than max_epochs_ahead
+
+
+def _replies(core: ReplicaCore) -> list[list[Any]]:
+    out = [wire.unpack(frame) for _, frame in core.outbox if isinstance(frame, (bytes, bytearray))]
+    core.outbox.clear()
+    return out
+
+
+def _fresh_primary() -> ReplicaCore:
+    core = ReplicaCore(ReplicaSettings(5, 0, 2))
+    core._on_hello(b"backup", [V, wire.HELLO, 5, 1, 0, 0], 0)  # the backup is not ahead
+    _replies(core)
+    return core
+
+
+def test_insert_after_a_running_log_rid_waits_for_the_first_epoch() -> None:
+    core = _fresh_primary()
+    after = epoch_base(RUNNING_EPOCH) + 1000  # a rid another shard got a moment ago
+    core.on_request(b"client", [V, wire.INSERT, 7, 99, 1, after, DATA], 10)
+    assert not [m for m in _replies(core) if m[1] == wire.ERROR], "refused before knowing any epoch"
+    core.on_epoch(EpochConfig(RUNNING_EPOCH, (4, 5), (1000, 1000)), 20)
+    core.flush(20)
+    acks = [m for m in _replies(core) if m[1] == wire.ACK and m[2] == 7]
+    assert acks and acks[0][3] > after and acks[0][6], acks
+
+
+def test_a_replica_that_knows_the_epoch_still_refuses_far_beyond() -> None:
+    core = _fresh_primary()
+    core.on_epoch(EpochConfig(3, (5,), (1000,)), 0)
+    _replies(core)
+    far = epoch_base(3 + core.s.max_epochs_ahead + 1)
+    core.on_request(b"client", [V, wire.INSERT, 8, 99, 2, far, DATA], 10)
+    errors = [m for m in _replies(core) if m[1] == wire.ERROR]
+    assert errors and errors[0][3] == wire.E_UNKNOWN_RID
+
+
+def test_read_of_a_running_log_gsn_waits_for_the_first_epoch() -> None:
+    core = _fresh_primary()
+    core.on_request(b"client", [V, wire.READ, 9, epoch_base(RUNNING_EPOCH) + 5], 10)
+    assert not [m for m in _replies(core) if m[1] == wire.ERROR]
