@@ -1,0 +1,315 @@
+"""Many simulated shards, in one process, as the membership service sees them.
+
+    python -m bench.shard_swarm --zk HOSTS --first 0 --count 4000 --status FILE
+
+The membership service (``mms.server``) knows a shard only through ZooKeeper and two
+sockets, so that is all this process reproduces, for every shard in
+``first .. first+count-1``:
+
+* **registration**, as ``ziplog.server.StorageServer.start`` does it: the persistent
+  ``/ziplog/shards/<s>`` = ``{"replicas": R}`` and one ephemeral
+  ``/ziplog/shards/<s>/<r>`` = ``{"addr", "pid"}`` per replica, here all owned by this
+  process's session (bulk transactions, so thousands of shards register in seconds; the
+  shards disappear when this process does, like real servers);
+* **the primary's side of the epoch protocol**: one SUB connected to every MMS replica's
+  PUB, and one PUSH per MMS replica's PULL (a PUSH connected to several PULLs would
+  round-robin). When EPOCH ``e+1`` arrives, every owned shard that was a member of ``e``
+  closes it and reports RATE ``[v, RATE, shard, e, count, duration_ns]`` to every MMS
+  replica, as ``ReplicaCore._close_epoch`` does. A full PUSH queue drops the frame, as in
+  ``StorageServer._send`` (the followers never read theirs, so theirs fill up).
+
+What it does not reproduce: one TCP connection per storage replica. Here one SUB and
+one PUSH per MMS replica carry every shard's traffic, so the PUB's fan-out to N x (f+1)
+subscribers is not exercised (the experiment reports the bandwidth it would need).
+
+Counters go to ``--status`` (JSON, replaced atomically every 0.5 s and at exit) with a
+``time.monotonic()`` stamp, so a harness can take differences over a window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+from kazoo.client import KazooClient
+
+from ziplog import discovery, wire
+
+#: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
+#: request limit, and few enough round trips that 8 000 shards register in seconds.
+SHARDS_PER_TXN = 250
+#: Each storage server queues up to 1000 frames per PUSH (``StorageServer._push_socket``),
+#: so N servers can keep far more RATEs waiting for a slow leader than one socket with
+#: that bound. Ours holds this many epochs of every owned shard's reports instead, so a
+#: leader that reads slowly faces a backlog, as it would, rather than early drops.
+PUSH_QUEUE_EPOCHS = 10
+STATUS_EVERY_S = 0.5
+
+
+@dataclass
+class SwarmCounters:
+    """Cumulative counts since start; the harness differences two snapshots."""
+
+    registered: bool = False
+    register_s: float = 0.0
+    #: MMS replicas this process is connected to
+    mms_connected: int = 0
+    #: EPOCH frames received (an epoch may be broadcast more than once)
+    epoch_frames: int = 0
+    #: distinct new epochs taken
+    epochs: int = 0
+    last_epoch: int = -1
+    #: epochs that arrived together with a later one in the same read: closed without
+    #: a RATE (a real primary, behind by several epochs, closes the missed ones at once)
+    epochs_skipped: int = 0
+    #: epochs that did not list every owned shard
+    epochs_missing_shards: int = 0
+    #: RATE frames queued / dropped on a full PUSH queue, over every MMS replica
+    rate_sent: int = 0
+    rate_dropped: int = 0
+    #: RATE frames queued per MMS replica's PULL address: only the leader reads its
+    #: PULL, so the followers' queues fill up and their counts stop growing
+    sent_per_mms: dict[str, int] = field(default_factory=dict)
+    t: float = 0.0
+
+
+def rate_frame_head(shard: int) -> bytes:
+    """The bytes of a RATE frame before its ``epoch`` field: a 6-element msgpack array
+    header, the version, the op and the shard id. Head + ``rate_frame_tail`` is exactly
+    ``wire.pack([PROTOCOL_VERSION, RATE, shard, epoch, count, duration_ns])`` (checked
+    at start-up); building it by concatenation keeps thousands of frames per epoch cheap."""
+    return b"\x96" + wire.pack(wire.PROTOCOL_VERSION) + wire.pack(wire.RATE) + wire.pack(shard)
+
+
+def rate_frame_tail(epoch: int, count: int, duration_ns: int) -> bytes:
+    return wire.pack(epoch) + wire.pack(count) + wire.pack(duration_ns)
+
+
+def register_shards(zk: KazooClient, shards: range, replicas: int, addr: str) -> None:
+    """Create every shard's node and its replicas' ephemeral nodes, as storage servers
+    do, in pipelined transactions."""
+    zk.ensure_path(discovery.SHARDS)
+    meta = discovery.enc({"replicas": replicas})
+    replica_info = discovery.enc({"addr": addr, "pid": os.getpid()})
+    pending = []
+    for lo in range(shards.start, shards.stop, SHARDS_PER_TXN):
+        txn = zk.transaction()
+        for s in range(lo, min(lo + SHARDS_PER_TXN, shards.stop)):
+            txn.create(f"{discovery.SHARDS}/{s}", meta)
+            for r in range(replicas):
+                txn.create(f"{discovery.SHARDS}/{s}/{r}", replica_info, ephemeral=True)
+        pending.append(txn.commit_async())
+    for result in pending:
+        outcome = result.get(timeout=60)
+        failed = [r for r in outcome if isinstance(r, Exception)]
+        if failed:
+            raise RuntimeError(f"registration transaction failed: {failed[0]!r}")
+
+
+class ShardSwarm:
+    def __init__(self, zk_hosts: str, shards: range, replicas: int, records_per_s: int, send_rates: bool,
+                 status_path: Path) -> None:
+        self.shards = shards
+        self.replicas = replicas
+        self.records_per_s = records_per_s
+        self.send_rates = send_rates
+        self.status_path = status_path
+        self.counters = SwarmCounters()
+        self.running = True
+        self.ctx = zmq.Context()
+        # A real storage server's ROUTER address: nothing talks to it here, but the
+        # registration carries a reachable endpoint like a real one.
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.addr = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.pushes: dict[str, zmq.Socket] = {}
+        self.pubs: set[str] = set()
+        self._mms_lock = threading.Lock()
+        self._mms_seen: list[dict[str, str]] = []
+        self.heads = [rate_frame_head(s) for s in shards]
+        probe = self.heads[0] + rate_frame_tail(7, 20, 10_000_000)
+        assert probe == wire.pack([wire.PROTOCOL_VERSION, wire.RATE, shards.start, 7, 20, 10_000_000])
+        self.zk = discovery.connect(zk_hosts)
+        # the epoch being served: (epoch, when it arrived, indexes into heads of the
+        # owned shards that are members)
+        self.cur_epoch = -1
+        self.cur_start_ns = 0
+        self.cur_members: list[int] = []
+        self._last_shard_list: list[int] | None = None
+        self._cached_members: list[int] = []
+
+    # -- ZooKeeper ------------------------------------------------------------------------------
+    def register(self) -> None:
+        t0 = time.monotonic()
+        register_shards(self.zk, self.shards, self.replicas, self.addr)
+        self.counters.register_s = round(time.monotonic() - t0, 3)
+        self.counters.registered = True
+        self.zk.ensure_path(discovery.MMS_REPLICAS)
+        self.zk.ChildrenWatch(discovery.MMS_REPLICAS, self._on_mms)
+        self.write_status()
+
+    def _on_mms(self, children: list[str]) -> None:
+        """kazoo thread: note the MMS replicas' addresses; sockets stay on the main thread."""
+        found = []
+        for c in children:
+            try:
+                data, _ = self.zk.get(f"{discovery.MMS_REPLICAS}/{c}")
+            except Exception:
+                continue
+            found.append(discovery.dec(data) or {})
+        with self._mms_lock:
+            self._mms_seen = found
+
+    def _connect_mms(self) -> None:
+        with self._mms_lock:
+            seen = list(self._mms_seen)
+        for info in seen:
+            pub, pull = info.get("pub"), info.get("pull")
+            if pub and pub not in self.pubs:
+                self.sub.connect(pub)
+                self.pubs.add(pub)
+            if pull and pull not in self.pushes:
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, max(1000, PUSH_QUEUE_EPOCHS * len(self.shards)))
+                sock.connect(pull)
+                self.pushes[pull] = sock
+                self.counters.sent_per_mms[pull] = 0
+        self.counters.mms_connected = len(self.pushes)
+
+    # -- epochs ----------------------------------------------------------------------------------
+    def _owned_members(self, shard_list: list[int]) -> list[int]:
+        """Indexes (into ``heads``) of the owned shards in an epoch's shard list; cached
+        while the list stays the same, which it does between membership changes."""
+        if shard_list != self._last_shard_list:
+            lo, hi = self.shards.start, self.shards.stop
+            self._cached_members = [s - lo for s in shard_list if lo <= s < hi]
+            self._last_shard_list = shard_list
+        return self._cached_members
+
+    def _take_epochs(self, now_ns: int) -> None:
+        latest: list[Any] | None = None
+        c = self.counters
+        while True:
+            try:
+                frame = self.sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            c.epoch_frames += 1
+            try:
+                msg = wire.unpack(frame)
+            except Exception:
+                continue
+            if type(msg) is not list or len(msg) < 5 or msg[1] != wire.EPOCH:
+                continue
+            epoch = msg[2]
+            if epoch <= self.cur_epoch or (latest is not None and epoch <= latest[2]):
+                continue  # an epoch we already have (it may be broadcast twice)
+            if latest is not None:
+                c.epochs_skipped += 1
+            latest = msg
+            c.epochs += 1
+        if latest is None:
+            return
+        if self.cur_epoch >= 0 and self.send_rates and self.cur_members:
+            self._send_rates(self.cur_epoch, now_ns - self.cur_start_ns)
+        members = self._owned_members(latest[3])
+        if len(members) != len(self.shards):
+            c.epochs_missing_shards += 1
+        self.cur_epoch, self.cur_start_ns, self.cur_members = latest[2], now_ns, members
+        c.last_epoch = self.cur_epoch
+
+    def _send_rates(self, epoch: int, duration_ns: int) -> None:
+        duration_ns = max(duration_ns, 1)
+        count = self.records_per_s * duration_ns // 1_000_000_000
+        tail = rate_frame_tail(epoch, count, duration_ns)
+        heads = self.heads
+        members = self.cur_members
+        c = self.counters
+        # Start at a different shard each epoch, so that when a queue is full the
+        # reports dropped are not always the same shards'.
+        k = epoch % len(members)
+        order = members[k:] + members[:k]
+        for addr, sock in self.pushes.items():
+            sent = 0
+            for i in order:
+                try:
+                    sock.send(heads[i] + tail, zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # queue full (a follower does not read): the rest would drop too
+                sent += 1
+            c.rate_sent += sent
+            c.rate_dropped += len(members) - sent
+            c.sent_per_mms[addr] += sent
+
+    # -- loop ---------------------------------------------------------------------------------------
+    def write_status(self) -> None:
+        self.counters.t = time.monotonic()
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self.counters)))
+        os.replace(tmp, self.status_path)
+
+    def serve(self) -> None:
+        next_status = time.monotonic() + STATUS_EVERY_S
+        while self.running:
+            self._connect_mms()
+            if self.sub.poll(50):
+                self._take_epochs(time.monotonic_ns())
+            if time.monotonic() >= next_status:
+                self.write_status()
+                next_status = time.monotonic() + STATUS_EVERY_S
+
+    def close(self) -> None:
+        try:
+            self.write_status()
+        except OSError:
+            pass
+        try:
+            self.zk.stop()
+            self.zk.close()
+        except Exception:
+            pass
+        self.ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.shard_swarm", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--zk", required=True, help="ZooKeeper hosts (a chroot suffix is allowed)")
+    ap.add_argument("--first", type=int, default=0, help="first shard id")
+    ap.add_argument("--count", type=int, required=True, help="number of shards")
+    ap.add_argument("--replicas", type=int, default=2, help="replicas registered per shard (f+1)")
+    ap.add_argument("--records-per-s", type=int, default=2000,
+                    help="load each shard reports in RATE (default: the planner's default rate)")
+    ap.add_argument("--no-rates", action="store_true", help="never send RATE (to isolate its cost)")
+    ap.add_argument("--status", type=Path, required=True, help="JSON counters file")
+    args = ap.parse_args(argv)
+    swarm = ShardSwarm(args.zk, range(args.first, args.first + args.count), args.replicas, args.records_per_s,
+                       not args.no_rates, args.status)
+
+    def stop(signum: int, frame: Any) -> None:
+        swarm.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        swarm.register()
+        swarm.serve()
+    finally:
+        swarm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

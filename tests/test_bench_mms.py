@@ -1,0 +1,101 @@
+"""The MMS benchmark's simulated shards are shards to the real membership service:
+registered as storage servers register, they become members of its epochs, and their
+RATE reports reach its planner (the rates it broadcasts move to what they report)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import zmq
+
+from bench.experiments import mms as experiment
+from bench.shard_swarm import rate_frame_head, rate_frame_tail
+from ziplog import discovery, procs, wire
+from ziplog.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath
+
+try:
+    find_zookeeper_classpath()
+    find_java()
+except ZooKeeperNotInstalled as e:  # pragma: no cover - depends on the machine
+    pytest.skip(str(e), allow_module_level=True)
+
+SHARDS = 40
+#: far from the planner's default rate (2000/s), so a broadcast rate near it can only
+#: come from the swarm's reports
+REPORTED_RATE = 6000
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
+    ens = ZooKeeperEnsemble(tmp_path_factory.mktemp("zk"), size=3, force_sync=False)
+    ens.start()
+    try:
+        yield ens
+    finally:
+        ens.stop()
+
+
+def test_rate_frame_is_the_wire_frame() -> None:
+    for shard, epoch, count, dur in [(0, 0, 0, 1), (127, 128, 20, 10_000_000), (70_000, 2**40, 2**20, 2**33)]:
+        frame = rate_frame_head(shard) + rate_frame_tail(epoch, count, dur)
+        assert frame == wire.pack([wire.PROTOCOL_VERSION, wire.RATE, shard, epoch, count, dur])
+
+
+def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: ZooKeeperEnsemble,
+                                                                     tmp_path: Path) -> None:
+    zk = discovery.connect(ensemble.hosts)
+    zk.ensure_path("/swarm-test")
+    hosts = ensemble.hosts + "/swarm-test"
+    children = []
+    ctx = zmq.Context()
+    try:
+        status = tmp_path / "swarm.json"
+        children.append(procs.spawn([sys.executable, "-m", "bench.shard_swarm", "--zk", hosts, "--first", "100",
+                                     "--count", str(SHARDS), "--records-per-s", str(REPORTED_RATE),
+                                     "--status", str(status)], tmp_path / "swarm.log"))
+        children.append(procs.spawn([sys.executable, "-m", "mms.server", "--zk", hosts, "--id", "0",
+                                     "--interval-ms", "10"], tmp_path / "mms0.log"))
+        path = "/swarm-test" + discovery.MMS_REPLICAS
+        deadline = time.monotonic() + 20
+        while not (zk.exists(path) and zk.get_children(path)):
+            assert time.monotonic() < deadline, "MMS did not register"
+            time.sleep(0.05)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(discovery.dec(zk.get(f"{path}/{zk.get_children(path)[0]}")[0])["pub"])
+        members: list[int] = []
+        rates: list[int] = []
+        deadline = time.monotonic() + 20
+        while not (members == list(range(100, 100 + SHARDS)) and rates and min(rates) > 0.9 * REPORTED_RATE):
+            assert time.monotonic() < deadline, f"last epoch: members {members}, rates {rates}"
+            if sub.poll(100):
+                msg = wire.unpack(sub.recv())
+                assert msg[1] == wire.EPOCH
+                members, rates = msg[3], msg[4]
+        assert all(p.poll() is None for p in children)
+    finally:
+        ctx.destroy(linger=0)
+        procs.stop_many(children)
+        zk.stop()
+        zk.close()
+
+
+def test_measure_one_point(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
+    """The harness end to end at a small N: every epoch lists the shards and the
+    leader's PULL takes RATE reports (timing is not asserted: the machine may be busy)."""
+    params = experiment._params(quick=True) | {"warmup_s": 0.3, "window_s": 1.0}
+    zk = discovery.connect(ensemble.hosts)
+    try:
+        zk.ensure_path(experiment.CHROOT_BASE)
+        point = experiment.measure(ensemble, zk, 20, params, tmp_path)
+    finally:
+        zk.stop()
+        zk.close()
+    row = point.row
+    assert row["shards"] == 20 and row["all_shards"]
+    assert row["epochs_per_s"] > 0 and row["frame_bytes"] > 0
+    assert row["rate_in_per_s"] and row["rate_in_per_s"] > 0
