@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from . import discovery, wire
 from .client import STABLE_READ_WAIT_S, SUB_CREDIT_BYTES, SUB_KEEPALIVE_S, Record
-from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, InsertWait, ReadWait, Redirect
+from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, EachReplica, InsertWait, ReadWait, Redirect
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError,
                      from_reply)
 from .merge import SubscriberMerge
@@ -61,23 +61,6 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 class _Stale(Exception):
     """The replica sockets a request waited on were replaced (the shard's addresses changed)."""
-
-
-class _EachReplica:
-    """Waits for one answer from each of ``n`` replicas (trim, status); an ERROR raises."""
-
-    __slots__ = ("req_id", "n", "replies")
-
-    def __init__(self, req_id: int, replicas: int) -> None:
-        self.req_id = req_id
-        self.n = replicas
-        self.replies: dict[int, list[Any]] = {}
-
-    def feed(self, replica: int, msg: list[Any]) -> bool:
-        if msg[1] == wire.ERROR:
-            raise from_reply(msg[3], msg[4])
-        self.replies[replica] = msg
-        return len(self.replies) == self.n
 
 
 def _spawn(coro: Coroutine[Any, Any, Any], sock: zmq.asyncio.Socket, name: str) -> asyncio.Task[Any]:
@@ -376,13 +359,13 @@ class AsyncClient(ClientCommon):
         return wait.data
 
     # -- trim and status ------------------------------------------------------------------------
-    async def _each_replica(self, shards: list[int], frame_of: Callable[[int], bytes]) -> list[_EachReplica]:
+    async def _each_replica(self, shards: list[int], frame_of: Callable[[int], bytes]) -> list[EachReplica]:
         """One request to every replica of ``shards``; every answer, shard by shard."""
         deadline = asyncio.get_running_loop().time() + self.timeout
         req_id = next(self._req)
         frame = frame_of(req_id)
         results = await asyncio.gather(
-            *(self._roundtrip(s, lambda n: _EachReplica(req_id, n), frame, deadline, f"request to shard {s}")
+            *(self._roundtrip(s, lambda n: EachReplica(req_id, n), frame, deadline, f"request to shard {s}")
               for s in shards), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):

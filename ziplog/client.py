@@ -17,7 +17,7 @@ import zmq
 from . import discovery, wire
 from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
-from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, InsertWait, ReadWait, Redirect
+from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, EachReplica, InsertWait, ReadWait, Redirect
 from .merge import SubscriberMerge
 from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
 from .wire import PROTOCOL_VERSION as V
@@ -92,7 +92,7 @@ class _Replicas:
                     return True
         return wait.done or self.collect(wait, until)
 
-    def collect(self, wait: InsertWait | ReadWait, until: float, only: int | None = None) -> bool:
+    def collect(self, wait: InsertWait | ReadWait | EachReplica, until: float, only: int | None = None) -> bool:
         """Feed replies into ``wait`` until it is settled (True) or ``until`` passes."""
         while True:
             left = until - time.monotonic()
@@ -300,12 +300,27 @@ class Client(ClientCommon):
         for shard in sorted(self.topology.replica_counts):
             if self.topology.replica_addrs(shard) is None:
                 continue
-            reps = self._replicas(shard)
-            req_id = next(self._req)
-            for s in reps.socks:
-                s.send(pack([V, wire.STATUS, req_id]))
-            out[shard] = [self._await(s, req_id, deadline)[3] for s in reps.socks]
+            out[shard] = self._status_of(shard, deadline)
         return out
+
+    def _status_of(self, shard: int, deadline: float) -> list[dict[str, Any]]:
+        """Every replica of ``shard`` answers STATUS. It is idempotent, so an unanswered
+        request is sent again every RETRY_AFTER_S, to the addresses ZooKeeper holds then:
+        a replica that restarted since we connected listens elsewhere."""
+        while True:
+            try:
+                reps = self._replicas(shard)
+            except UnknownRecordError:  # a replica is down right now: it may come back
+                reps = None
+            if reps is not None:
+                wait = EachReplica(next(self._req), len(reps.socks))
+                reps.send_all(pack([V, wire.STATUS, wait.req_id]))
+                if reps.collect(wait, min(deadline, time.monotonic() + RETRY_AFTER_S)):
+                    return [wait.replies[i][3] for i in range(wait.n)]
+            elif time.monotonic() < deadline:
+                time.sleep(RETRY_AFTER_S)
+            if time.monotonic() >= deadline:
+                raise ZiplogTimeoutError(f"status of shard {shard} not answered in time")
 
     # -- subscribe ------------------------------------------------------------------------------
     def subscribe(self, start: RecordId = RID_GENESIS) -> "Subscription":

@@ -211,3 +211,23 @@ class ReadWait:
             self.data = values[0]
             return True
         return False
+
+
+class EachReplica:
+    """Waits for one answer from each of ``n`` replicas (trim, status); an ERROR raises.
+    Answers to an earlier attempt (another ``req_id``) are ignored."""
+
+    __slots__ = ("req_id", "n", "replies")
+
+    def __init__(self, req_id: int, replicas: int) -> None:
+        self.req_id = req_id
+        self.n = replicas
+        self.replies: dict[int, list[Any]] = {}
+
+    def feed(self, replica: int, msg: list[Any]) -> bool:
+        if msg[2] != self.req_id:
+            return False
+        if msg[1] == wire.ERROR:
+            raise from_reply(msg[3], msg[4])
+        self.replies[replica] = msg
+        return len(self.replies) == self.n
