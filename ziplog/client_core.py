@@ -55,7 +55,9 @@ class ClientCommon:
 
     def _choose_shard(self, key: bytes | None, data: bytes, excluded: set[int], now: float) -> int | None:
         live = [s for s in self.topology.live_shards() if s not in excluded]
-        if self._avoided:
+        # Avoiding a slow shard only helps a policy that may pick another one: a fixed
+        # policy keeps its shard while it is live (refusals still exclude it).
+        if self._avoided and self._policy.kind != "fixed":
             healthy = [s for s in live if self._avoided.get(s, 0.0) <= now]
             if healthy:
                 live = healthy
