@@ -33,6 +33,8 @@ from .systems.base import ClientSpec, Unavailable, counters
 
 _CTX = mp.get_context("spawn")
 START_TIMEOUT_S = 120.0
+#: an open-loop append may leave this much before its intended time
+EARLY_NS = 100_000
 
 
 def _merge_counts(into: dict[str, int], more: dict[str, int]) -> None:
@@ -175,9 +177,10 @@ def _uniform_schedule(rng: random.Random, rate: float, seconds: float) -> list[f
     return out
 
 
-async def _open_loop_client(appender: Any, times: list[float], t0: float, warmup_s: float, payload: bytes,
-                            res: LoadResult, inflight: set[asyncio.Task[None]], drain_until: list[float]) -> None:
-    loop = asyncio.get_running_loop()
+async def _open_loop_client(appender: Any, times: list[float], t0_ns: int, warmup_s: float, payload: bytes,
+                            res: LoadResult, inflight: set[asyncio.Task[None]]) -> None:
+    """``times`` are offsets in seconds from ``t0_ns`` (a ``perf_counter_ns``: the event
+    loop's own clock has millisecond resolution under uvloop, too coarse for lag)."""
     clock = time.perf_counter_ns
 
     async def one(intended_ns: int, counted: bool) -> None:
@@ -195,12 +198,13 @@ async def _open_loop_client(appender: Any, times: list[float], t0: float, warmup
             res.lag_ns.append(sent - intended_ns)
             res.acked += 1
 
-    base_ns = clock() - int((loop.time() - t0) * 1e9)  # perf_counter_ns at loop time t0
     for t in times:
-        delay = t0 + t - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.ensure_future(one(base_ns + int(t * 1e9), t >= warmup_s))
+        intended_ns = t0_ns + int(t * 1e9)
+        # libuv's timers count from a cached loop time and can fire up to ~1 ms early:
+        # sleep again until within EARLY_NS of the intended time
+        while (delay_ns := intended_ns - clock()) > EARLY_NS:
+            await asyncio.sleep(delay_ns / 1e9)
+        task = asyncio.ensure_future(one(intended_ns, t >= warmup_s))
         inflight.add(task)
         task.add_done_callback(inflight.discard)
 
@@ -256,9 +260,10 @@ async def _pool_worker(spec: ClientSpec, n_clients: int, seed: int, conn: Any) -
             t0 = loop.time()
             if kind == "open":
                 inflight: set[asyncio.Task[None]] = set()
+                t0_ns = time.perf_counter_ns()
                 await asyncio.gather(*(
-                    _open_loop_client(a, _uniform_schedule(rng, arg, seconds + warmup_s), t0, warmup_s, payload,
-                                      res, inflight, [])
+                    _open_loop_client(a, _uniform_schedule(rng, arg, seconds + warmup_s), t0_ns, warmup_s, payload,
+                                      res, inflight)
                     for a in appenders))
                 if inflight:
                     await asyncio.wait(set(inflight), timeout=drain_s)
