@@ -96,6 +96,24 @@ class Results:
         fig = plt.figure(figsize=(7.5, 4.5), dpi=110)
         return fig, self.dir / f"{self.name}{suffix}.png"
 
+    def cdf_figure(self, rows: list[dict[str, Any]], label_key: str, xlabel: str, caption: str,
+                   suffix: str = "") -> None:
+        """One CDF per row from its ``histogram``, log x axis, p50 in the legend."""
+        fig, path = self.figure(suffix)
+        ax = fig.add_subplot(1, 1, 1)
+        for row in rows:
+            h = row["histogram"]
+            if not h["counts"]:
+                continue
+            cdf = np.cumsum(h["counts"]) / max(1, sum(h["counts"]))
+            ax.step(h["edges_us"][1:], cdf, where="post", label=f"{row[label_key]} (p50 {row['p50_us']:.0f} us)")
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("CDF")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        self.save_figure(fig, path, caption)
+
     def save_figure(self, fig: Any, path: Path, caption: str) -> None:
         import matplotlib.pyplot as plt
         fig.tight_layout()

@@ -166,21 +166,8 @@ def _sweep(started: dict[str, System], p: dict[str, Any], res: Results) -> list[
 
 def _plot(res: Results, one: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> None:
     if one:
-        fig, path = res.figure("_one_client")
-        ax = fig.add_subplot(1, 1, 1)
-        import numpy as np
-        for row in one:
-            h = row["histogram"]
-            if not h["counts"]:
-                continue
-            cdf = np.cumsum(h["counts"]) / max(1, sum(h["counts"]))
-            ax.step(h["edges_us"][1:], cdf, where="post", label=f"{row['system']} (p50 {row['p50_us']:.0f} us)")
-        ax.set_xscale("log")
-        ax.set_xlabel("append latency (us), one closed-loop client, 4 KiB")
-        ax.set_ylabel("CDF")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        res.save_figure(fig, path, "one-client append latency, every system in one run")
+        res.cdf_figure(one, "system", "append latency (us), one closed-loop client, 4 KiB",
+                       "one-client append latency, every system in one run", "_one_client")
     if sweep:
         fig, path = res.figure("_vs_load")
         ax = fig.add_subplot(1, 1, 1)

@@ -120,19 +120,8 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
         rows.append({"system": "ziplog" if not kind.startswith("floor") else "floor", "kind": kind,
                      "replicas_asked": got["asked"][kind], **s,
                      "ratio_to_floor": s["p50_us"] / ref if ref else None, "histogram": histogram(samples)})
-    fig, path = res.figure()
-    ax = fig.add_subplot(1, 1, 1)
-    import numpy as np
-    for row in rows:
-        h = row["histogram"]
-        cdf = np.cumsum(h["counts"]) / max(1, sum(h["counts"]))
-        ax.step(h["edges_us"][1:], cdf, where="post", label=f"{row['kind']} (p50 {row['p50_us']:.0f} us)")
-    ax.set_xscale("log")
-    ax.set_xlabel("ReadRecord latency (us), 4 KiB, one client")
-    ax.set_ylabel("CDF")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    res.save_figure(fig, path, "ReadRecord latency, stable vs recent, with floors")
+    res.cdf_figure(rows, "kind", "ReadRecord latency (us), 4 KiB, one client",
+                   "ReadRecord latency, stable vs recent, with floors")
     res.note(f"stable reads drew from {got['stable_records']} records the client knew to be stable; "
              "ratio_to_floor compares with the floor asking as many processes. "
              f"{got['recent_skipped']} recent reads were not made because the insert's own acks already "
