@@ -305,6 +305,12 @@ class AsyncClient(ClientCommon):
         excluded: set[int] = set()
         while True:
             shard = self._choose_shard(key, data, excluded, time.monotonic())
+            if shard is None and self._pinned_shard_may_return(excluded):
+                # As Client.insert_after: wait for the pinned shard within the deadline.
+                topo, pinned = self.topology, self._policy.shard
+                await asyncio.to_thread(topo.wait, lambda: pinned in topo.live_shards(),
+                                        max(0.0, deadline - asyncio.get_running_loop().time()))
+                shard = self._choose_shard(key, data, excluded, time.monotonic())
             if shard is None:
                 raise NoShardAvailableError(f"shard {self._policy.shard} is not live" if self._policy.kind == "fixed"
                                             else "no live shard accepts inserts")

@@ -187,6 +187,12 @@ class Client(ClientCommon):
         excluded: set[int] = set()
         while True:
             shard = self._choose_shard(key, data, excluded, time.monotonic())
+            if shard is None and self._pinned_shard_may_return(excluded):
+                # The pinned shard is out for now (failure recovery, a replica restarting):
+                # wait for ZooKeeper to show it live again, within this insert's deadline.
+                self.topology.wait(lambda: self._policy.shard in self.topology.live_shards(),
+                                   max(0.0, deadline - time.monotonic()))
+                shard = self._choose_shard(key, data, excluded, time.monotonic())
             if shard is None:
                 if self._policy.kind == "fixed":
                     raise NoShardAvailableError(f"shard {self._policy.shard} is not live")

@@ -63,6 +63,13 @@ class ClientCommon:
                 live = healthy
         return self._policy.choose(live, key, data, self._rng)
 
+    def _pinned_shard_may_return(self, excluded: set[int]) -> bool:
+        """A fixed policy's shard exists but is not live, and did not refuse this record:
+        it may come back (recovery, a restart), so the insert waits for it instead of
+        failing at once. A shard ZooKeeper never heard of fails at once."""
+        return (self._policy.kind == "fixed" and self._policy.shard not in excluded
+                and self._policy.shard in self.topology.replica_counts)
+
     def _init_identity(self, timeout: float, policy: Policy | None, client_id: int | None) -> None:
         self.timeout = timeout
         self._policy = policy or Policy.random()
