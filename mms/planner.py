@@ -38,7 +38,7 @@ class EpochPlanner:
     leaving_at: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        assert self.settings.max_rate <= MAX_RATE
+        assert self.settings.min_rate <= self.settings.max_rate <= MAX_RATE  # _rates_of clamps in this order
         if self.last is not None:
             for s, r in zip(self.last.shards, self.last.rates):
                 self.rates.setdefault(s, r)
@@ -61,21 +61,38 @@ class EpochPlanner:
             epoch = self.last.epoch + 1 if self.last is not None else 0
             self.leaving_at[shard] = epoch + self.settings.drain_epochs
 
+    def drain_ends_at(self, epoch: int) -> bool:
+        """A removed shard's drain ends at ``epoch``: the one way membership changes with
+        time alone (everything else :meth:`plan` reads changes only with its arguments or
+        at :meth:`committed`)."""
+        return epoch in self.leaving_at.values()
+
     def plan(self, ready: Iterable[int], recovering: Iterable[int] = ()) -> tuple[EpochConfig, list[list[Any]] | None]:
         """The next epoch, and the new membership history if membership changed. Shards
         under failure recovery leave at once and come back when it ends."""
-        st = self.settings
         current = set(self.last.shards) if self.last is not None else set()
         epoch = self.last.epoch + 1 if self.last is not None else 0
         gone = {s for s in self.removed if self.leaving_at.get(s, 0) <= epoch or s not in current}
         members = tuple(sorted((current | set(ready)) - gone - set(recovering)))
-        rates = tuple(1 if s in self.removed else min(max(self.rates.get(s, st.default_rate), st.min_rate), st.max_rate)
-                      for s in members)
-        cfg = EpochConfig(epoch, members, rates)
+        cfg = EpochConfig(epoch, members, self._rates_of(members))
         new_history = None
         if not self.history or tuple(self.history[-1][1]) != members:
             new_history = self.history + [[epoch, list(members)]]
         return cfg, new_history
+
+    def _rates_of(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        """Each member's smoothed rate clamped to [min_rate, max_rate]; 1 while it drains.
+        (A plain loop: it runs over every member at each block commit.)"""
+        st, removed, known = self.settings, self.removed, self.rates
+        lo, hi, default = st.min_rate, st.max_rate, st.default_rate
+        rates = []
+        for s in members:
+            if s in removed:
+                rates.append(1)
+            else:
+                r = known.get(s, default)
+                rates.append(lo if r < lo else hi if r > hi else r)
+        return tuple(rates)
 
     def committed(self, cfg: EpochConfig, history: list[list[Any]] | None) -> None:
         """The plan is in ZooKeeper: make it the base of the next one."""

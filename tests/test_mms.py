@@ -3,17 +3,21 @@ leader continues the sequence without contradicting the old one."""
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Any, Iterator
+import types
+from typing import Any, Callable, Iterator
 
 import pytest
 import zmq
+from kazoo.client import KazooClient
 
 import ziplog
 from ziplog import discovery, procs, wire
 from ziplog.gsna import EpochConfig
 
 from mms.planner import EpochPlanner, PlannerSettings
+from mms.server import EpochSequencer, MembershipReplica
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +114,260 @@ def test_planner_uses_reported_rates() -> None:
     e = 2 + p.settings.drain_epochs
     assert cfg.shards == (0,) and hist == [[0, [0, 1]], [e, [0]]]
     assert isinstance(cfg, EpochConfig)
+
+
+def test_drain_ends_at_marks_the_epoch_a_removed_shard_leaves() -> None:
+    p = EpochPlanner(PlannerSettings(drain_epochs=3))
+    cfg, hist = p.plan([0, 1])
+    p.committed(cfg, hist)  # epoch 0
+    assert not any(p.drain_ends_at(e) for e in range(10))
+    p.remove(1)  # seen while planning epoch 1: drains 1..3, gone at 4
+    assert [e for e in range(10) if p.drain_ends_at(e)] == [4]
+
+
+def test_epoch_config_at_restates_without_validating(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = EpochConfig(3, (1, 4, 9), (10, 20, 30))
+    assert cfg.at(3) is cfg
+    validations = []
+    original = EpochConfig.__post_init__
+    monkeypatch.setattr(EpochConfig, "__post_init__", lambda self: validations.append(self) or original(self))
+    later = cfg.at(7)
+    assert validations == [], "at() must not validate again: the leader restates a config every epoch"
+    assert later == EpochConfig(7, (1, 4, 9), (10, 20, 30)) and later.base == EpochConfig(7, (1,), (1,)).base
+    assert hash(later) == hash(EpochConfig(7, (1, 4, 9), (10, 20, 30)))
+    with pytest.raises(AssertionError):
+        cfg.at(-1)
+
+
+def test_drain_rates_reads_at_most_its_limit() -> None:
+    """A backlog of RATE reports is read a bounded batch at a time, so it cannot keep
+    the leader from its next broadcast."""
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("inproc://rates")
+        push = ctx.socket(zmq.PUSH)
+        push.connect("inproc://rates")
+        for s in range(1000):
+            push.send(wire.pack([wire.PROTOCOL_VERSION, wire.RATE, s, 0, 50, 10_000_000]))
+        assert pull.poll(5000)
+        planner = EpochPlanner(PlannerSettings(smoothing_num=1, smoothing_den=1))
+        leader = types.SimpleNamespace(pull=pull)
+        assert MembershipReplica._drain_rates(leader, planner, 300) == 300  # type: ignore[arg-type]
+        assert len(planner.rates) == 300
+        assert MembershipReplica._drain_rates(leader, planner, 300) == 300  # type: ignore[arg-type]
+        assert MembershipReplica._drain_rates(leader, planner) == 400  # type: ignore[arg-type]
+        assert MembershipReplica._drain_rates(leader, planner, 300) == 0  # type: ignore[arg-type]
+        assert planner.rates == {s: 5000 for s in range(1000)}
+    finally:
+        ctx.destroy(linger=0)
+
+
+# -- the leader's sequence of epochs, stepped by hand against a real ZooKeeper ---------------
+
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def zk_ns(cluster: ziplog.LocalCluster) -> Iterator[KazooClient]:
+    """A fresh ZooKeeper namespace on the cluster's ensemble, set up as an MMS replica's
+    ``start`` leaves it: nothing committed yet."""
+    root = f"/mms-sequencer-{next(_namespaces)}"
+    cluster._zkc.ensure_path(root)
+    zk = discovery.connect(cluster.zk_hosts + root)
+    for path in (discovery.EPOCH_PATH, discovery.MEMBERSHIP_PATH):
+        zk.create(path, b"", makepath=True)
+    try:
+        yield zk
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def register_shard(zk: KazooClient, shard: int) -> None:
+    """As a one-replica storage server registers (one transaction: no half-registered view)."""
+    zk.ensure_path(discovery.SHARDS)
+    txn = zk.transaction()
+    txn.create(f"{discovery.SHARDS}/{shard}", discovery.enc({"replicas": 1}))
+    txn.create(f"{discovery.SHARDS}/{shard}/0", discovery.enc({"addr": "tcp://127.0.0.1:1", "pid": 0}), ephemeral=True)
+    assert not any(isinstance(r, Exception) for r in txn.commit())
+
+
+def set_shard_meta(zk: KazooClient, shard: int, **extra: Any) -> None:
+    zk.set(f"{discovery.SHARDS}/{shard}", discovery.enc({"replicas": 1, **extra}))
+
+
+def await_view(topo: discovery.Topology, predicate: Callable[[], bool]) -> None:
+    assert topo.wait(predicate, 20), "the topology did not show the change"
+
+
+class SteppedLeader:
+    """An ``EpochSequencer`` stepped as ``MembershipReplica.lead`` steps it, minus the
+    clock, recording the epochs at which it planned."""
+
+    def __init__(self, zk: KazooClient, topo: discovery.Topology) -> None:
+        self.zk, self.topo = zk, topo
+        self.seq = EpochSequencer(zk, topo, PlannerSettings(), epochs_per_commit=10)
+        self.planned_at: list[int] = []
+        plan = self.seq.planner.plan
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            self.planned_at.append(self.seq.next_epoch)
+            return plan(*args, **kw)
+
+        self.seq.planner.plan = counted  # type: ignore[method-assign]
+
+    def step(self) -> tuple[int, tuple[int, ...]]:
+        """Prepare and 'broadcast' the next epoch: its number and members."""
+        assert self.seq.prepare()
+        assert self.seq.settle()
+        return self.broadcast()
+
+    def broadcast(self) -> tuple[int, tuple[int, ...]]:
+        e = self.seq.next_epoch
+        msg = wire.unpack(self.seq.frame())
+        assert msg[:3] == [wire.PROTOCOL_VERSION, wire.EPOCH, e]
+        # The invariant: what is broadcast is already committed, block and history.
+        block = discovery.dec(self.zk.get(discovery.EPOCH_PATH)[0])
+        assert block["epoch"] <= e <= block["last"], (e, block)
+        assert (block["shards"], block["rates"]) == (msg[3], msg[4]), (e, block, msg)
+        history = discovery.dec(self.zk.get(discovery.MEMBERSHIP_PATH)[0])
+        assert discovery.members_in_history(history, e) == tuple(msg[3])
+        self.seq.advance()
+        return e, tuple(msg[3])
+
+    def run_to(self, epoch: int) -> dict[int, tuple[int, ...]]:
+        """Step up to (not including) ``epoch``: members per epoch."""
+        out = {}
+        while self.seq.next_epoch < epoch:
+            e, members = self.step()
+            out[e] = members
+        return out
+
+    def own_commit_seen(self) -> None:
+        """Our membership commit comes back through the topology's watch (one more
+        change, so one more plan): wait for it so the plans are deterministic."""
+        await_view(self.topo, lambda: self.topo.history == self.seq.planner.history)
+
+
+def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None:
+    register_shard(zk_ns, 0)
+    register_shard(zk_ns, 1)
+    topo = discovery.Topology(zk_ns)
+    await_view(topo, lambda: topo.shard_complete(0) and topo.shard_complete(1))
+    lead = SteppedLeader(zk_ns, topo)
+
+    # The first block's commit is sent; nothing goes out until it is answered.
+    assert lead.seq.prepare()
+    with pytest.raises(AssertionError, match="settle"):
+        lead.seq.frame()
+    assert lead.seq.settle()
+    assert lead.broadcast() == (0, (0, 1))
+
+    # Quiet: a plan per block (every 10 epochs), not one per epoch ...
+    lead.own_commit_seen()
+    lead.run_to(2)
+    readiness_checks = []
+    complete = topo.shard_complete
+    topo.shard_complete = lambda s: readiness_checks.append(s) or complete(s)  # type: ignore[method-assign]
+    quiet = lead.run_to(35)
+    assert set(quiet.values()) == {(0, 1)}
+    assert lead.planned_at == [0, 1, 10, 20, 30], f"planned at {lead.planned_at} (generation {topo.generation})"
+    # ... and those plans reuse the ready list: the topology did not change.
+    assert readiness_checks == []
+
+    # A shard registers mid-block: planned at the next epoch, in that epoch's broadcast.
+    register_shard(zk_ns, 2)
+    await_view(topo, lambda: topo.shard_complete(2))
+    del lead.planned_at[:]
+    assert lead.step() == (35, (0, 1, 2))
+    assert discovery.dec(zk_ns.get(discovery.EPOCH_PATH)[0])["epoch"] == 35, "a new block from epoch 35"
+    lead.own_commit_seen()
+    assert set(lead.run_to(50).values()) == {(0, 1, 2)}
+    assert lead.planned_at == [35, 36, 45]
+
+    # Failure recovery takes a shard out at once and brings it back when it ends.
+    set_shard_meta(zk_ns, 1, recovering=1)
+    await_view(topo, lambda: 1 in topo.recovering)
+    assert lead.step() == (50, (0, 2))
+    lead.own_commit_seen()
+    lead.run_to(53)
+    set_shard_meta(zk_ns, 1)
+    await_view(topo, lambda: 1 not in topo.recovering)
+    del lead.planned_at[:]
+    assert lead.step() == (53, (0, 1, 2))
+    lead.own_commit_seen()
+    lead.run_to(58)
+    assert lead.planned_at == [53, 54]
+
+    # A removed shard drains three epochs (no event marks their end), then leaves.
+    set_shard_meta(zk_ns, 0, removed=True)
+    await_view(topo, lambda: 0 in topo.removed)
+    del lead.planned_at[:]
+    draining = lead.run_to(61)
+    assert draining == {58: (0, 1, 2), 59: (0, 1, 2), 60: (0, 1, 2)}
+    assert lead.step() == (61, (1, 2))
+    lead.own_commit_seen()
+    assert set(lead.run_to(70).values()) == {(1, 2)}
+    assert lead.planned_at == [58, 61, 62], "planned at the removal, at the drain's end, at our commit's echo"
+
+
+def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
+    register_shard(zk_ns, 0)
+    topo = discovery.Topology(zk_ns)
+    await_view(topo, lambda: topo.shard_complete(0))
+    old = SteppedLeader(zk_ns, topo)
+    old.run_to(13)  # block 10..19 committed, 13 not yet broadcast
+    version = zk_ns.exists(discovery.EPOCH_PATH).version
+
+    # Meanwhile a shard registers; a new leader takes over from ZooKeeper.
+    register_shard(zk_ns, 1)
+    await_view(topo, lambda: topo.shard_complete(1))
+    new = SteppedLeader(zk_ns, topo)
+    assert new.seq.next_epoch == 19
+    # It broadcasts the block's last epoch as committed: the change cannot cut a block
+    # that another leader may have broadcast in part ...
+    assert new.step() == (19, (0,))
+    assert zk_ns.exists(discovery.EPOCH_PATH).version == version
+    assert new.seq.change_pending
+    # ... and takes it up at the first epoch after it.
+    assert new.step() == (20, (0, 1))
+    assert new.planned_at == [19, 20]
+
+    # The deposed leader sees the new shard too; its commit is refused and it steps
+    # down instead of broadcasting epoch 13 with a config nobody committed.
+    assert old.seq.next_epoch == 13 and old.seq.needs_plan()
+    assert old.seq.prepare()
+    assert not old.seq.settle(), "a deposed leader's block commit must be refused"
+
+
+def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> None:
+    """``lead`` prepares an epoch right after the previous broadcast and, if the
+    topology moves while it waits for the deadline, prepares it again."""
+    register_shard(zk_ns, 0)
+    topo = discovery.Topology(zk_ns)
+    await_view(topo, lambda: topo.shard_complete(0))
+    lead = SteppedLeader(zk_ns, topo)
+    lead.run_to(13)
+    lead.own_commit_seen()
+
+    # Mid-block: the second preparation cuts the block at the epoch about to go out.
+    assert lead.seq.prepare()
+    register_shard(zk_ns, 1)
+    await_view(topo, lambda: topo.shard_complete(1))
+    assert lead.seq.topology_moved()
+    assert lead.step() == (13, (0, 1))
+    lead.own_commit_seen()
+    lead.run_to(23)
+
+    # At a block's first epoch, committed already: the change waits one epoch, even
+    # though the topology does not move again.
+    assert lead.seq.block_due()
+    assert lead.seq.prepare() and lead.seq.settle()
+    assert discovery.dec(zk_ns.get(discovery.EPOCH_PATH)[0])["epoch"] == 23
+    register_shard(zk_ns, 2)
+    await_view(topo, lambda: topo.shard_complete(2))
+    assert lead.seq.topology_moved()
+    assert lead.step() == (23, (0, 1))
+    assert not lead.seq.topology_moved()
+    assert lead.step() == (24, (0, 1, 2))

@@ -192,6 +192,12 @@ class Topology:
     _live: list[int] | None = None
     _generation = 0
 
+    @property
+    def generation(self) -> int:
+        """Counts changes to this view: read it before reading the view, and a later
+        change shows as a different value (a watch updates the view first, then this)."""
+        return self._generation
+
     def live_shards(self) -> list[int]:
         """Shards in the latest membership whose replicas are all registered (cached until
         ZooKeeper says something changed: this is on every insert's path)."""

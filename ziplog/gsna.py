@@ -66,6 +66,20 @@ class EpochConfig:
         assert len(self.rates) == len(self.shards), "one rate per shard"
         assert all(1 <= r <= MAX_RATE for r in self.rates), "rates must be in [1, MAX_RATE]"
 
+    def at(self, epoch: int) -> EpochConfig:
+        """The same shards and rates for ``epoch``. Skips the checks of ``__post_init__``
+        (O(n log n) in the shards), which this config passed already: the membership
+        service restates one config for every epoch of a block."""
+        assert epoch >= 0, epoch
+        if epoch == self.epoch:
+            return self
+        cfg = object.__new__(EpochConfig)
+        # frozen: fields are set the way the generated __init__ sets them
+        object.__setattr__(cfg, "epoch", epoch)
+        object.__setattr__(cfg, "shards", self.shards)
+        object.__setattr__(cfg, "rates", self.rates)
+        return cfg
+
     @property
     def base(self) -> int:
         return epoch_base(self.epoch)
