@@ -87,7 +87,7 @@ def _params(quick: bool) -> dict[str, Any]:
         "replicas_per_shard": 2,             # f+1, the cluster default: ephemeral nodes per shard
         "records_per_s": 2000,               # what each shard reports in RATE (the planner's default rate)
         "sweep": [100, 1000, 4000] if quick else [100, 500, 1000, 2000, 4000, 8000],
-        "extend_to": 4000 if quick else 32000,   # keep doubling past the sweep while it keeps up
+        "extend_to": 4000 if quick else 16000,   # keep doubling past the sweep while it keeps up
         "refine": not quick,                 # one extra N between the last that keeps up and the first that fails
         "warmup_s": 1.0 if quick else 2.0,
         "window_s": 2.5 if quick else 5.0,
@@ -535,7 +535,13 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             while points[-1].row["keeps_up"] and n * 2 <= params["extend_to"]:
                 n *= 2
                 res.log(f"still keeps up: trying N={n}")
-                points.append(one(n))
+                try:
+                    points.append(one(n))
+                except Exception as e:  # e.g. ZooKeeper refusing a listing past its 1 MB reply limit
+                    res.note(f"N={n} could not be measured ({type(e).__name__}: {e}); the sweep stops at "
+                             f"N={points[-1].row['shards']}.")
+                    res.log(f"N={n} failed ({type(e).__name__}); stopping the extension")
+                    break
             limit = limit_point(points)
             ok = [p.row["shards"] for p in points if p.row["keeps_up"]]
             if params["refine"] and limit is not None and ok and limit.row["shards"] > max(ok) * 1.3:
