@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+import zmq
 
 
 class Unavailable(RuntimeError):
@@ -51,6 +53,19 @@ class ClientSpec:
 
     async def open_async(self) -> AsyncAppender:
         return await importlib.import_module(self.module).open_async(**self.params)  # type: ignore[no-any-return]
+
+
+async def read_replies(sock: Any, handle: Callable[[bytes], None]) -> None:
+    """Feed every frame arriving on ``sock`` (a ``zmq.asyncio`` socket) to ``handle``,
+    forever: one awaited receive, then everything already queued through a blocking view
+    of the same socket, without a trip through the event loop for each."""
+    recv = sock.recv
+    drain: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+    events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+    while True:
+        handle(await recv())
+        while int(drain.getsockopt(events)) & pollin:
+            handle(drain.recv(noblock))
 
 
 def counters(appender: Any) -> dict[str, int]:

@@ -20,12 +20,9 @@ from bench.baselines import check_alive, new_client_id, python_module_argv, star
 from bench.baselines.nopaxos import HELLO, HELLO_REQ_ID
 from ziplog import procs
 
-from .base import ClientSpec, System
+from .base import ClientSpec, System, read_replies
 from .servers import make_temp_dir, remove_temp_dir
 
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 
 
 class NOPaxosSystem(System):
@@ -202,8 +199,6 @@ class AsyncNOPaxosAppender:
         _reply_socket(self.replies, self.client_id, self.replica_addrs)
         self.to_sequencer = self.ctx.socket(zmq.DEALER)
         _sequencer_socket(self.to_sequencer, self.client_id, self.sequencer_addr)
-        #: a blocking view of the same socket, to drain queued replies without awaiting each
-        self._drain: zmq.Socket[Any] = zmq.Socket.shadow(self.replies.underlying)
 
     async def _open(self) -> "AsyncNOPaxosAppender":
         await self._greet()
@@ -247,13 +242,8 @@ class AsyncNOPaxosAppender:
                 w.future.set_result(pos)
 
     async def _read(self) -> None:
-        recv, drain, on_reply = self.replies.recv, self._drain, self._on_reply
         try:
-            while True:
-                on_reply(await recv())
-                # Everything else already queued, without a round trip through the loop each.
-                while int(drain.getsockopt(_EVENTS)) & _POLLIN:
-                    on_reply(drain.recv(_NOBLOCK))
+            await read_replies(self.replies, self._on_reply)
         except Exception as exc:  # a broken reply: fail every waiter loudly, not hang them
             self._fail_all(exc)
             raise

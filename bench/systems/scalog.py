@@ -21,12 +21,9 @@ from bench.baselines import check_alive, python_module_argv, start_server, wait_
 from bench.baselines.scalog import APPEND, STATS
 from ziplog import procs
 
-from .base import ClientSpec, System
+from .base import ClientSpec, System, read_replies
 from .servers import make_temp_dir, remove_temp_dir
 
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 
 
 class ScalogSystem(System):
@@ -175,8 +172,6 @@ class AsyncScalogAppender:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         _server_socket(self.sock, servers, server)
-        #: a blocking view of the same socket, to drain queued acks without awaiting each
-        self._drain: zmq.Socket[Any] = zmq.Socket.shadow(self.sock.underlying)
         self.pending: dict[int, tuple[asyncio.Future[int], float]] = {}
         self.req_id = 0
         self._pack = msgpack.Packer().pack  # reused: msgpack.packb builds a Packer per call
@@ -192,12 +187,8 @@ class AsyncScalogAppender:
             entry[0].set_result(gsn)
 
     async def _read(self) -> None:
-        recv, drain, on_ack = self.sock.recv, self._drain, self._on_ack
         try:
-            while True:
-                on_ack(await recv())
-                while int(drain.getsockopt(_EVENTS)) & _POLLIN:
-                    on_ack(drain.recv(_NOBLOCK))
+            await read_replies(self.sock, self._on_ack)
         except Exception as exc:  # a broken ack: fail every waiter loudly, not hang them
             self._fail_all(exc)
             raise
