@@ -37,6 +37,21 @@ START_TIMEOUT_S = 120.0
 EARLY_NS = 100_000
 
 
+def stop_processes(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` in all for ``procs`` (multiprocessing processes) to end by
+    themselves, then terminate, then kill whatever is left."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0.05))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1.0)
+
+
 def _merge_counts(into: dict[str, int], more: dict[str, int]) -> None:
     for k, v in more.items():
         into[k] = into.get(k, 0) + int(v)
@@ -119,10 +134,7 @@ class ClosedLoopClient:
                 self.conn.send(("close",))
             except (BrokenPipeError, OSError):
                 pass
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+            stop_processes([self.proc], 10)
 
     def __enter__(self) -> "ClosedLoopClient":
         return self
@@ -356,11 +368,7 @@ class ClientPool:
                     conn.send(("close",))
                 except (BrokenPipeError, OSError):
                     pass
-        for proc, _ in self.workers:
-            proc.join(15)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_processes([proc for proc, _ in self.workers], 15)
         self.workers = []
 
     def __enter__(self) -> "ClientPool":

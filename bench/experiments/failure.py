@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..loadgen import stop_processes
 from ..machine import machine_info
 from ..stats import format_table, summarize
 
@@ -379,16 +380,7 @@ def run(quick: bool, out: Path | None) -> list[dict]:
 
         def cleanup() -> None:
             stop.set()
-            deadline = time.monotonic() + 3.0
-            for c in children:
-                c.join(timeout=max(deadline - time.monotonic(), 0.05))
-            for c in children:
-                if c.is_alive():
-                    c.terminate()
-                    c.join(timeout=2.0)
-                if c.is_alive():
-                    c.kill()
-                    c.join(timeout=1.0)
+            stop_processes(children, 3.0)
 
         stack.callback(cleanup)
 

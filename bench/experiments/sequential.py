@@ -52,6 +52,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..loadgen import stop_processes
 from ..report import Results, histogram, progress
 from . import sequential_worker as sw
 
@@ -285,16 +286,7 @@ class Harness:
             with contextlib.suppress(Exception):
                 q.put(("quit",))
         self.stop.set()
-        deadline = time.monotonic() + 5.0
-        for c in self.children:
-            c.join(timeout=max(deadline - time.monotonic(), 0.05))
-        for c in self.children:
-            if c.is_alive():
-                c.terminate()
-                c.join(timeout=2.0)
-            if c.is_alive():
-                c.kill()
-                c.join(timeout=1.0)
+        stop_processes(self.children, 5.0)
         if self._listener is not None:
             self._listener.join(timeout=2.0)
 
