@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 run: setup
-	$(PY) -m ziplog.demo
+	$(PY) -m ziplog.tools.demo
 
 test: setup
 	$(PY) -m pytest -q

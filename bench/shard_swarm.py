@@ -42,7 +42,8 @@ from typing import Any
 import zmq
 from kazoo.client import KazooClient
 
-from ziplog import discovery, wire
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
 
 #: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
 #: request limit, and few enough round trips that 8 000 shards register in seconds.

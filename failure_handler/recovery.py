@@ -42,12 +42,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ziplog import wire
-from ziplog.discovery import history_ranges
-from ziplog.gsna import epoch_end, epoch_of
-from ziplog.replica import stream_events
-from ziplog.wire import PROTOCOL_VERSION as V
-from ziplog.wire import pack
+from ziplog.protocol import frames as wire
+from ziplog.protocol.membership import history_ranges
+from ziplog.protocol.gsna import epoch_end, epoch_of
+from ziplog.cores.replica import stream_events
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack
 
 PROBING = "probing"
 ACQUIRED = "acquired"

@@ -29,8 +29,9 @@ import zmq
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoNodeError, NodeExistsError
 
-from ziplog import discovery, wire
-from ziplog.elected import ElectedReplica, serve
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.server.elected import ElectedReplica, serve
 
 from .recovery import HandlerSettings, Persist, RecoveryCore, Send
 
@@ -38,10 +39,6 @@ log = logging.getLogger("failure_handler")
 
 #: ZooKeeper's default limit on a request is 1 MiB: larger records are split.
 CHUNK_BYTES = 512 * 1024
-
-
-def election_path(group: int = 0) -> str:
-    return f"{discovery.FH_ROOT}/election" if group == 0 else f"{discovery.FH_ROOT}/election-{group}"
 
 
 # -- the durable record ------------------------------------------------------------------------
@@ -118,7 +115,7 @@ class FailureHandlerReplica(ElectedReplica):
     def __init__(self, zk_hosts: str, replica_id: int, host: str = "127.0.0.1",
                  settings: HandlerSettings | None = None, group: int = 0, groups: int = 1) -> None:
         assert 0 <= group < groups
-        super().__init__(zk_hosts, replica_id, election_path(group))
+        super().__init__(zk_hosts, replica_id, discovery.fh_election_path(group))
         self.group, self.groups = group, groups
         self.settings = settings or HandlerSettings()
         self.pull = self.ctx.socket(zmq.PULL)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ziplog.gsna import MAX_RATE, NS_PER_S, EpochConfig
+from ziplog.protocol.gsna import MAX_RATE, NS_PER_S, EpochConfig
 
 
 @dataclass

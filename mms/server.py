@@ -23,9 +23,10 @@ import zmq
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError
 
-from ziplog import discovery, wire
-from ziplog.elected import ElectedReplica, serve
-from ziplog.gsna import EpochConfig
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.server.elected import ElectedReplica, serve
+from ziplog.protocol.gsna import EpochConfig
 
 from .planner import EpochPlanner, PlannerSettings
 

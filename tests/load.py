@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 import ziplog
-from ziplog import discovery
-from ziplog.types import RecordId
+from ziplog.io import zk as discovery
+from ziplog.protocol.types import RecordId
 
 
 class Load:

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import ziplog
-from ziplog import wire
+from ziplog.protocol import frames as wire
 
 V = wire.PROTOCOL_VERSION
 

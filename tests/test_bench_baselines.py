@@ -31,7 +31,7 @@ from bench.baselines.scalog_cuts import (
     zero_cut,
 )
 from bench.systems import ClientSpec, System, make
-from ziplog import procs
+from ziplog.tools import procs
 
 # -- scalog_cuts -----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 
 from bench.loadgen import ClientPool, ClosedLoopClient, _uniform_schedule
 from bench.report import histogram
-from bench.stats import summarize
+from ziplog.tools.stats import summarize
 from bench.systems import make
 from bench.systems.base import ClientSpec, Unavailable
 

@@ -14,8 +14,10 @@ import zmq
 
 from bench.experiments import mms as experiment
 from bench.shard_swarm import rate_frame_head, rate_frame_tail
-from ziplog import discovery, procs, wire
-from ziplog.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath
+from ziplog.io import zk as discovery
+from ziplog.tools import procs
+from ziplog.protocol import frames as wire
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath
 
 try:
     find_zookeeper_classpath()

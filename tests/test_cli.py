@@ -15,7 +15,7 @@ import pytest
 
 import ziplog
 from ziplog import RecordId
-from ziplog.cli import main, parse_rid
+from ziplog.tools.cli import main, parse_rid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,7 +153,7 @@ def test_insert_on_unknown_shard_fails_cleanly(zk: str, capsys: pytest.CaptureFi
 
 
 def test_demo_core_against_the_cluster(zk: str) -> None:
-    from ziplog import demo
+    from ziplog.tools import demo
 
     lines: list[str] = []
     summary = demo.run_demo(zk, seconds=0.5, writers=2, reads=20, log=lines.append)
@@ -184,13 +184,13 @@ def test_trim(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_module_is_importable() -> None:
     import importlib
 
-    mod = importlib.import_module("ziplog.demo")
+    mod = importlib.import_module("ziplog.tools.demo")
     assert callable(mod.main) and callable(mod.run_demo)
 
 
 def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ziplog.cli", "cluster", "up", "--shards", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "1",
                              "--data-dir", str(tmp_path / "data")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ziplog.client_core import ClientCommon
-from ziplog.types import Policy
+from ziplog.cores.client import ClientCommon
+from ziplog.protocol.types import Policy
 
 
 class _Topology:

@@ -153,7 +153,7 @@ def test_errors_are_typed(cluster: ziplog.LocalCluster) -> None:
 def test_slow_subscriber_memory_is_bounded(cluster: ziplog.LocalCluster) -> None:
     """Flow control: a subscriber that does not read holds at most its byte credit per
     shard, however much is written."""
-    from ziplog.client import SUB_CREDIT_BYTES
+    from ziplog.client.blocking import SUB_CREDIT_BYTES
     big = b"z" * 65536
     with cluster.client() as c:
         first = c.insert_after(b"start")

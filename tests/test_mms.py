@@ -13,8 +13,10 @@ import zmq
 from kazoo.client import KazooClient
 
 import ziplog
-from ziplog import discovery, procs, wire
-from ziplog.gsna import EpochConfig
+from ziplog.io import zk as discovery
+from ziplog.tools import procs
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochConfig
 
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.server import EpochSequencer, MembershipReplica

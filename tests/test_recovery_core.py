@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from failure_handler.recovery import DONE, Persist, RecoveryCore, Send
-from ziplog import wire
-from ziplog.client_core import InsertWait, Redirect
-from ziplog.gsna import EpochConfig, epoch_end
-from ziplog.replica import TO_HANDLER, TO_PRIMARY, ReplicaCore, ReplicaSettings
-from ziplog.wire import PROTOCOL_VERSION as V
-from ziplog.wire import pack, unpack
+from ziplog.protocol import frames as wire
+from ziplog.cores.client import InsertWait, Redirect
+from ziplog.protocol.gsna import EpochConfig, epoch_end
+from ziplog.cores.replica import TO_HANDLER, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack, unpack
 
 MS = 1_000_000
 SHARDS = (0, 1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ziplog import wire
-from ziplog.gsna import EpochConfig, epoch_base
-from ziplog.replica import ReplicaCore, ReplicaSettings
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochConfig, epoch_base
+from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 
 V = wire.PROTOCOL_VERSION
 DATA = b"x" * 64

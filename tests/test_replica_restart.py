@@ -91,7 +91,7 @@ def test_subscribers_follow_a_restarted_serving_replica() -> None:
     """Both clients' subscriptions resubscribe when the replica they read from moves."""
     import asyncio
 
-    from ziplog import aio
+    from ziplog.client import aio
     with ziplog.local_cluster(shards=2, replicas=2) as cluster:
         with cluster.client() as c, cluster.client() as reader:
             sub = reader.subscribe(RID_GENESIS)

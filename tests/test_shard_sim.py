@@ -42,9 +42,9 @@ def test_a_broken_invariant_is_caught() -> None:
 def test_joining_shard_waits_for_its_first_epoch() -> None:
     """A client may see a shard in ZooKeeper's membership before the epoch admitting it
     reaches the shard: the insert waits for that epoch instead of being refused."""
-    from ziplog import wire
-    from ziplog.gsna import EpochConfig
-    from ziplog.replica import ReplicaCore, ReplicaSettings
+    from ziplog.protocol import frames as wire
+    from ziplog.protocol.gsna import EpochConfig
+    from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 
     V = wire.PROTOCOL_VERSION
     core = ReplicaCore(ReplicaSettings(1, 0, 1))

@@ -24,12 +24,12 @@ import pytest
 
 from failure_handler.recovery import ACQUIRED, Persist, RecoveryCore, Send
 from tests.sim.system import KNOWN_BUGS, KnownBug, NetParams, Outcome, SystemSim, run
-from ziplog import wire
-from ziplog.client_core import InsertWait, Redirect
-from ziplog.gsna import EpochConfig
-from ziplog.replica import TO_PRIMARY, ReplicaCore, ReplicaSettings
-from ziplog.wire import PROTOCOL_VERSION as V
-from ziplog.wire import unpack
+from ziplog.protocol import frames as wire
+from ziplog.cores.client import InsertWait, Redirect
+from ziplog.protocol.gsna import EpochConfig
+from ziplog.cores.replica import TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import unpack
 
 SEEDS = range(400)
 CHUNK = 50

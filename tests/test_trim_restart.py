@@ -11,7 +11,7 @@ from ziplog import RID_GENESIS
 
 
 def test_segments_below_a_trim_are_deleted(tmp_path: Path) -> None:
-    from ziplog.segments import SegmentLog
+    from ziplog.io.segments import SegmentLog
     log = SegmentLog(tmp_path, fsync="never", segment_bytes=2000)
     list(log.load())
     log.start((5, [], 0, 0, 0))

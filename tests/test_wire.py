@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ziplog import wire
+from ziplog.protocol import frames as wire
 
 
 def test_roundtrip_valid_insert() -> None:

@@ -1,6 +1,6 @@
 """Real 3-node ZooKeeper quorum: survives one crashed node, restarts it, cleans up.
 
-Runs the Debian package's ZooKeeper JVMs (see ziplog.zk_ensemble); skipped
+Runs the Debian package's ZooKeeper JVMs (see ziplog.tools.zk_ensemble); skipped
 with the setup hint if the package is not installed.
 """
 
@@ -17,7 +17,7 @@ kazoo_client = pytest.importorskip("kazoo.client")
 from kazoo.exceptions import NodeExistsError  # noqa: E402
 from kazoo.retry import KazooRetry  # noqa: E402
 
-from ziplog.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath  # noqa: E402
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath  # noqa: E402
 
 KazooClient = kazoo_client.KazooClient
 T = TypeVar("T")

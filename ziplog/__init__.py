@@ -9,20 +9,20 @@ in two message delays.
             print(rec.rid, rec.data)
 """
 
-from .errors import (ClientClosedError, NoShardAvailableError, NotFoundError, RecordTooLargeError, ServerError,
-                     TrimmedError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
-from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
+from ziplog.protocol.errors import (ClientClosedError, NoShardAvailableError, NotFoundError, RecordTooLargeError,
+                                    ServerError, TrimmedError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
+from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
 
 def __getattr__(name: str):  # lazy: importing ziplog stays cheap for servers and tools
     if name in ("Client", "Subscription", "Record"):
-        from . import client
-        return getattr(client, name)
+        from ziplog.client import blocking
+        return getattr(blocking, name)
     if name == "AsyncClient":
-        from .aio import AsyncClient
+        from ziplog.client.aio import AsyncClient
         return AsyncClient
     if name in ("local_cluster", "LocalCluster"):
-        from . import cluster
+        from ziplog.tools import cluster
         return getattr(cluster, name)
     raise AttributeError(name)
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ziplog import procs
+from ziplog.tools import procs
 
 #: Buffered records reach the OS at least this often (no fsync: the OS writes them back).
 DISK_FLUSH_NS = 5_000_000

@@ -37,7 +37,9 @@ from typing import Any
 
 from ..loadgen import stop_processes
 from ..machine import machine_info
-from ..stats import format_table, summarize
+from ziplog.tools.stats import summarize
+
+from ..stats import format_table
 
 #: Storage servers' failure suspicion timeout (``--suspect-timeout-ms``), in ms.
 SUSPECT_TIMEOUT_MS = 500

@@ -22,7 +22,7 @@ from typing import Any
 from .. import systems as sysreg
 from ..loadgen import ClientPool, ClosedLoopClient
 from ..report import Results, histogram, progress
-from ..stats import summarize
+from ziplog.tools.stats import summarize
 from ..systems.base import System, Unavailable
 
 ALL_SYSTEMS = ["ziplog", "floor", "nopaxos", "scalog", "zookeeper", "nats", "redis"]

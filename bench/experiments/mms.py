@@ -52,8 +52,10 @@ from kazoo.client import KazooClient
 
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.server import MembershipReplica
-from ziplog import discovery, procs, wire
-from ziplog.zk_ensemble import ZooKeeperEnsemble
+from ziplog.io import zk as discovery
+from ziplog.tools import procs
+from ziplog.protocol import frames as wire
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 from ..report import Results, progress
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import systems as sysreg
 from ..report import Results, histogram, progress
-from ..stats import summarize
+from ziplog.tools.stats import summarize
 from ..systems.base import Unavailable
 
 COLUMNS = ["kind", "replicas_asked", "count", "p50_us", "p99_us", "p999_us", "mean_us", "ratio_to_floor"]

@@ -61,7 +61,7 @@ NAME = "sequential"
 PAPER_RATE = 10_000
 #: The MMS's default floor rate (mms/planner.py PlannerSettings.min_rate).
 MMS_DEFAULT_MIN_RATE = 200
-#: The storage servers' default no-op timeout (ziplog/server.py --noop-timeout-us).
+#: The storage servers' default no-op timeout (ziplog.server --noop-timeout-us).
 DEFAULT_NOOP_TIMEOUT_US = 1000
 
 COLUMNS = ["T_us", "clients_per_shard", "rate_per_shard", "achieved_per_shard", "seq_p50_us", "seq_p90_us",
@@ -167,7 +167,7 @@ class EpochLog:
 def _listen_epochs(pubs: list[str], log: EpochLog, stop: threading.Event) -> None:
     import zmq
 
-    from ziplog import wire
+    from ziplog.protocol import frames as wire
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     try:
@@ -438,7 +438,7 @@ def _slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
     in ns; NaN where the epoch was not heard. Positive: the record got a slot in the future
     and its gsn is covered by the other shards only once their schedule reaches that time
     (a record or a no-op each), or their epoch closes."""
-    from ziplog.gsna import EpochConfig, EpochSchedule, epoch_of
+    from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
     heard = {e: (t, EpochSchedule(EpochConfig(e, sh, r))) for t, e, sh, r in list(epochs.entries)}
     out = np.full(len(dl), np.nan)
     for i in range(len(dl)):
@@ -454,7 +454,7 @@ def _slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
 
 def _summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | None = None) -> dict[str, Any]:
     """One row: latencies (us) from the call, where the sequential latency went, rates."""
-    from ziplog.gsna import EPOCH_SPAN
+    from ziplog.protocol.gsna import EPOCH_SPAN
     acks, dl, span = _window(d, p["warmup_s"])
     empty = np.empty(0)
     ins = acks[:, 2] - acks[:, 1] if len(acks) else empty

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from bench.baselines import check_alive, python_module_argv, start_server, wait_ready
 from bench.baselines.scalog import APPEND, STATS
-from ziplog import procs
+from ziplog.tools import procs
 
 from .base import ClientSpec, System, read_replies
 from .servers import make_temp_dir, remove_temp_dir

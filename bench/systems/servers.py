@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ziplog import procs
+from ziplog.tools import procs
 
 from .base import Unavailable
 
@@ -66,7 +66,7 @@ def binary_version(argv: Sequence[str], pattern: str, timeout: float = 10.0) -> 
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (see :func:`ziplog.procs.free_tcp_ports`)."""
+    """``n`` distinct free TCP ports on 127.0.0.1 (see :func:`ziplog.tools.procs.free_tcp_ports`)."""
     return procs.free_tcp_ports(n)
 
 

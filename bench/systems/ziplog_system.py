@@ -27,7 +27,7 @@ class ZiplogSystem(System):
     def start(self) -> None:
         try:
             import ziplog
-            from ziplog.zk_ensemble import ZooKeeperNotInstalled
+            from ziplog.tools.zk_ensemble import ZooKeeperNotInstalled
         except Exception as e:  # a broken checkout: say so instead of a traceback
             raise Unavailable(f"cannot import ziplog ({type(e).__name__}: {e})") from e
         self._stack = contextlib.ExitStack()

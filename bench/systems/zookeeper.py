@@ -4,7 +4,7 @@
 replicated append out of ZooKeeper: the leader assigns the suffix from the parent's
 child counter, and the create is acknowledged once a quorum logged it (with
 ``forceSync=yes``, ZooKeeper's default, each server fsyncs its transaction log first).
-The ensemble is our own 3-node one from :mod:`ziplog.zk_ensemble` (the same Debian
+The ensemble is our own 3-node one from :mod:`ziplog.tools.zk_ensemble` (the same Debian
 package, JVM flags and zoo.cfg ziplog's own coordination runs on), separate from any
 ziplog cluster, so the two never compete for one ZooKeeper.
 
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ziplog.zk_ensemble import (
+from ziplog.tools.zk_ensemble import (
     ZooKeeperEnsemble,
     ZooKeeperNotInstalled,
     find_zookeeper_classpath,

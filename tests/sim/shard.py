@@ -19,13 +19,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ziplog import wire
-from ziplog.client_core import InsertWait
-from ziplog.gsna import EpochConfig, EpochSchedule, epoch_of
-from ziplog.merge import SubscriberMerge
-from ziplog.replica import TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
-from ziplog.wire import PROTOCOL_VERSION as V
-from ziplog.wire import pack, unpack
+from ziplog.protocol import frames as wire
+from ziplog.cores.client import InsertWait
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
+from ziplog.cores.merge import SubscriberMerge
+from ziplog.cores.replica import TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack, unpack
 
 MS = 1_000_000
 US = 1_000

@@ -48,15 +48,16 @@ from typing import Any, Callable
 
 from failure_handler.recovery import ACQUIRED, DONE, PROBING, HandlerSettings, Persist, RecoveryCore, Send
 from mms.planner import EpochPlanner, PlannerSettings
-from ziplog import discovery, wire
-from ziplog.client_core import AVOID_S, NO_COPY, RETRY_AFTER_S, RETRY_TROUBLED_S, InsertWait, Redirect
-from ziplog.discovery import history_ranges
-from ziplog.errors import ZiplogError, ZiplogTimeoutError
-from ziplog.gsna import EpochConfig, EpochSchedule, epoch_of
-from ziplog.merge import MergeError, SubscriberMerge
-from ziplog.replica import EV_STABLE, TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
-from ziplog.wire import PROTOCOL_VERSION as V
-from ziplog.wire import pack, unpack
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.cores.client import AVOID_S, NO_COPY, RETRY_AFTER_S, RETRY_TROUBLED_S, InsertWait, Redirect
+from ziplog.protocol.membership import history_ranges
+from ziplog.protocol.errors import ZiplogError, ZiplogTimeoutError
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
+from ziplog.cores.merge import MergeError, SubscriberMerge
+from ziplog.cores.replica import EV_STABLE, TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack, unpack
 
 MS = 1_000_000
 US = 1_000

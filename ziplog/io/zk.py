@@ -1,50 +1,17 @@
-"""Where everything is written in ZooKeeper, and a watched view of the topology.
-
-Layout (all values msgpack)::
-
-    /ziplog/epoch                     committed block {epoch, last, shards, rates}:
-                                      epochs epoch..last all have this config
-    /ziplog/membership                history [[first_epoch, members], ...]
-    /ziplog/mms/election              leader election (kazoo Election)
-    /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
-    /ziplog/shards/<shard>            {replicas: n[, removed: true][, recovering: gen]}  (persistent)
-    /ziplog/recovery/<shard>          the failure handler's durable record {gen, phase, ...}
-    /ziplog/recovery/<shard>/<chunk>  its chunks when it is large (named in the record)
-    /ziplog/fh/election[-<group>]     failure handler leader election (per group)
-    /ziplog/fh/replicas/<group>-<id>  ephemeral {pull} address of a failure handler replica
-    /ziplog/shards/<shard>/<replica>  ephemeral {addr, pid}  (the replica is up; 0 is the primary)
-
-Every process finds every address here; nothing is configured by hand.
-"""
+"""ZooKeeper through kazoo: the session, and a watched view of the topology (the layout
+is :mod:`ziplog.protocol.layout`)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
-import msgpack
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-ROOT = "/ziplog"
-EPOCH_PATH = f"{ROOT}/epoch"
-MEMBERSHIP_PATH = f"{ROOT}/membership"
-MMS_ELECTION = f"{ROOT}/mms/election"
-MMS_REPLICAS = f"{ROOT}/mms/replicas"
-SHARDS = f"{ROOT}/shards"
-RECOVERY = f"{ROOT}/recovery"
-FH_ROOT = f"{ROOT}/fh"
-FH_REPLICAS = f"{FH_ROOT}/replicas"
-
-
-def enc(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def dec(data: bytes | None) -> Any:
-    if not data:
-        return None
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+from ziplog.protocol.layout import (EPOCH_PATH, FH_REPLICAS, FH_ROOT, MEMBERSHIP_PATH, MMS_ELECTION, MMS_REPLICAS,  # noqa: F401
+                                    RECOVERY, ROOT, SHARDS, dec, enc, fh_election_path)
+from ziplog.protocol.membership import history_ranges, members_in_history  # noqa: F401
 
 
 def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
@@ -54,29 +21,6 @@ def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
                      command_retry={"max_tries": 5, "delay": 0.05, "max_delay": 1.0})
     zk.start(timeout=timeout)
     return zk
-
-
-def members_in_history(history: list[list[Any]], epoch: int) -> tuple[int, ...]:
-    """Members of ``epoch`` according to a membership history (empty before the first)."""
-    members: tuple[int, ...] = ()
-    for first, m in history:
-        if first <= epoch:
-            members = tuple(m)
-        else:
-            break
-    return members
-
-
-def history_ranges(history: list[list[Any]], first: int, last: int) -> list[tuple[int, int, tuple[int, ...]]]:
-    """Epochs first..last as (first, last, members) ranges."""
-    out: list[tuple[int, int, tuple[int, ...]]] = []
-    if last < first:
-        return out
-    points = sorted({first} | {f for f, _ in history if first < f <= last})
-    for i, p in enumerate(points):
-        end = points[i + 1] - 1 if i + 1 < len(points) else last
-        out.append((p, end, members_in_history(history, p)))
-    return out
 
 
 class Topology:

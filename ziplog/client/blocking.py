@@ -14,14 +14,15 @@ from typing import Any, Iterator
 
 import zmq
 
-from . import discovery, wire
-from .errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import (ClientClosedError, NoShardAvailableError, UnknownRecordError, ZiplogError,
                      ZiplogTimeoutError, from_reply)
-from .client_core import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, EachReplica, InsertWait, ReadWait, Redirect
-from .merge import SubscriberMerge
-from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
-from .wire import PROTOCOL_VERSION as V
-from .wire import pack, unpack
+from ziplog.cores.client import RETRY_AFTER_S, RETRY_TROUBLED_S, ClientCommon, EachReplica, InsertWait, ReadWait, Redirect
+from ziplog.cores.merge import SubscriberMerge
+from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack, unpack
 
 POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic costs on the hot path
 SUB_CREDIT_BYTES = 8 << 20

@@ -25,10 +25,11 @@ from typing import Any
 import zmq
 from kazoo.exceptions import NodeExistsError
 
-from . import discovery, wire
-from .gsna import EpochConfig
-from .replica import EV_STABLE, TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
-from .segments import SegmentLog
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochConfig
+from ziplog.cores.replica import EV_STABLE, TO_HANDLER, TO_MMS, TO_PRIMARY, ReplicaCore, ReplicaSettings
+from ziplog.io.segments import SegmentLog
 
 log = logging.getLogger("ziplog.server")
 

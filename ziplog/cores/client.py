@@ -11,9 +11,9 @@ import os
 import random
 from typing import Any
 
-from . import wire
-from .errors import ZiplogError, from_reply
-from .types import Policy
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import ZiplogError, from_reply
+from ziplog.protocol.types import Policy
 
 
 #: How long new records avoid a shard that answered FROZEN or refused (ZooKeeper says

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 from kazoo.protocol.states import KazooState
 
-from . import discovery
+from ziplog.io import zk as discovery
 
 
 class ElectedReplica:

@@ -3,7 +3,7 @@
 Starts a 3-node ZooKeeper ensemble (Debian package), the membership service
 replicas and every storage replica as separate processes on loopback, and stops
 every one of them on exit, also on an exception or Ctrl-C (children also die
-with the parent: see ``ziplog.procs``).
+with the parent: see ``ziplog.tools.procs``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from typing import Any, Iterator
 
 import subprocess
 
-from . import discovery, procs, wire
-from .zk_ensemble import ZooKeeperEnsemble
+from ziplog.io import zk as discovery
+from ziplog.tools import procs
+from ziplog.protocol import frames as wire
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 
 class LocalCluster:
@@ -190,8 +192,7 @@ class LocalCluster:
 
     def kill_fh_leader(self) -> int:
         """SIGKILL the failure handler's leader; returns its id (it is started again)."""
-        from failure_handler.server import election_path
-        return self._kill_leader(election_path(0), self.fh, self._spawn_fh)
+        return self._kill_leader(discovery.fh_election_path(0), self.fh, self._spawn_fh)
 
     def _kill_leader(self, election: str, procs_by_id: dict[int, Any], respawn: Any) -> int:
         contenders = self._zkc.Election(election).contenders()
@@ -223,7 +224,7 @@ class LocalCluster:
             raise RuntimeError(f"shard {shard} still a member after {timeout}s")
 
     def client(self, **kw: Any) -> Any:
-        from .client import Client
+        from ziplog.client.blocking import Client
         return Client(self.zk_hosts, **kw)
 
 

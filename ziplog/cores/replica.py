@@ -29,10 +29,10 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Union
 
-from . import wire
-from .gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base, epoch_end, epoch_of
-from .wire import PROTOCOL_VERSION as V
-from .wire import pack
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base, epoch_end, epoch_of
+from ziplog.protocol.frames import PROTOCOL_VERSION as V
+from ziplog.protocol.frames import pack
 
 #: Destination of a frame the backup sends to its primary (over its DEALER).
 TO_PRIMARY = "primary"
@@ -1162,7 +1162,7 @@ class ReplicaCore:
     # ================================================================================
     # recovery from disk
     def replay(self, events: list[tuple[Any, ...]] | Iterator[tuple[Any, ...]]) -> None:
-        """Rebuild the decided stream from persisted events (see ``ziplog.segments``)."""
+        """Rebuild the decided stream from persisted events (see ``ziplog.io.segments``)."""
         for ev in events:
             kind = ev[0]
             if kind == wire.EV_RECORD:
@@ -1197,7 +1197,7 @@ class ReplicaCore:
 
 
     def snapshot(self) -> tuple[Any, ...]:
-        """What a new segment file opens with (see ``ziplog.segments``)."""
+        """What a new segment file opens with (see ``ziplog.io.segments``)."""
         return (EV_SNAPSHOT, [list(r) for r in self.membership], self.frontier, self.stable, self.trim_point)
 
 

@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from .errors import ZiplogError
-from .types import RID_GENESIS, RID_RECENT, Policy, RecordId
+from ziplog.protocol.errors import ZiplogError
+from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
 ENV_ZK = "ZIPLOG_ZK"
 
@@ -103,7 +103,7 @@ def _zk_hosts(args: argparse.Namespace) -> str:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from .client import Client
+    from ziplog.client.blocking import Client
     hosts = _zk_hosts(args)
     try:
         return Client(hosts, timeout=args.timeout)
@@ -117,7 +117,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 # -- commands -------------------------------------------------------------------------------------
 def cmd_cluster_up(args: argparse.Namespace) -> int:
-    from .cluster import local_cluster
+    from ziplog.tools.cluster import local_cluster
 
     stopping: list[int] = []
 

@@ -18,7 +18,7 @@ import heapq
 from collections import deque
 from typing import Any, Iterable
 
-from .gsna import epoch_end, epoch_of
+from ziplog.protocol.gsna import epoch_end, epoch_of
 
 
 class MergeError(AssertionError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import wire
+from ziplog.protocol import frames as wire
 
 
 class ZiplogError(Exception):

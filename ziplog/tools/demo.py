@@ -1,4 +1,4 @@
-"""``python -m ziplog.demo`` (what ``make run`` runs): a local cluster and a short workload.
+"""``python -m ziplog.tools.demo`` (what ``make run`` runs): a local cluster and a short workload.
 
 Starts ZooKeeper x3, the membership service x3 and 2 shards x 2 replicas on this
 machine, then for a few seconds runs several writer threads (each its own Client)
@@ -20,7 +20,7 @@ import time
 import zlib
 from typing import Any, Callable
 
-from .types import RID_GENESIS, RecordId
+from ziplog.protocol.types import RID_GENESIS, RecordId
 
 MAGIC = b"ZLDM"
 _HEADER = struct.Struct("<4sIIIQ")  # magic, run id, writer, index, insert start (perf_counter_ns)
@@ -50,9 +50,9 @@ def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size:
              reads: int = 100, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the demo workload against the cluster at ``zk_hosts``; returns a summary dict
     whose ``ok`` is True when every check passed (``failures`` lists the others)."""
-    from bench.stats import summarize
+    from ziplog.tools.stats import summarize
 
-    from .client import Client
+    from ziplog.client.blocking import Client
 
     say = log or (lambda msg: print(msg, flush=True))
     run_id = int.from_bytes(os.urandom(4), "big")
@@ -256,9 +256,9 @@ def format_summary(s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from .cluster import local_cluster
+    from ziplog.tools.cluster import local_cluster
 
-    p = argparse.ArgumentParser(prog="python -m ziplog.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ziplog.tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=3.0, help="how long the writers run (default 3)")
     p.add_argument("--writers", type=int, default=4, help="writer threads, each its own Client (default 4)")
     p.add_argument("--shards", type=int, default=2)

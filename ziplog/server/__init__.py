@@ -1,0 +1,2 @@
+"""Server processes: thin drivers over the cores (``python -m ziplog.server`` is one
+storage replica)."""

@@ -1,0 +1,5 @@
+import sys
+
+from ziplog.server.storage import main
+
+sys.exit(main())
