@@ -39,7 +39,7 @@ def test_first_slot_after(benchmark: Any) -> None:
 
 
 def test_decode_insert(benchmark: Any) -> None:
-    frame = wire.pack([V, wire.INSERT, 1, 2, 3, 4, DATA])
+    frame = wire.encode(wire.Insert(req_id=1, client_id=2, seq=3, after=4, data=DATA))
     benchmark(wire.decode_request, frame)
 
 
@@ -47,16 +47,16 @@ def test_decode_insert(benchmark: Any) -> None:
 def test_replica_insert(benchmark: Any, replica: int) -> None:
     core = ReplicaCore(ReplicaSettings(0, replica, 2))
     if replica == 0:
-        core._on_hello(b"b", [V, wire.HELLO, 0, 1, 0, 0], 0)
+        core.on_request(b"b", wire.Hello(shard=0, replica=1, frontier=0, guessed_top=0), 0)
     core.on_epoch(EpochConfig(0, (0, 1), (1_000_000, 1_000_000)), 0)
+    core.ready()
     seq = itertools.count(1)
 
     def insert() -> None:
         n = next(seq)
-        core.on_request(b"c", [V, wire.INSERT, n, 9, n, 0, DATA], 0)
+        core.on_request(b"c", wire.Insert(req_id=n, client_id=9, seq=n, after=0, data=DATA), 0)
         core.flush(0)
-        core.outbox.clear()
-        core.disk.clear()
+        core.ready()
     benchmark(insert)
 
 

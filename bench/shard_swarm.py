@@ -86,13 +86,13 @@ class SwarmCounters:
 def rate_frame_head(shard: int) -> bytes:
     """The bytes of a RATE frame before its ``epoch`` field: a 6-element msgpack array
     header, the version, the op and the shard id. Head + ``rate_frame_tail`` is exactly
-    ``wire.pack([PROTOCOL_VERSION, RATE, shard, epoch, count, duration_ns])`` (checked
+    ``wire.encode(wire.Rate(shard=..., epoch=..., count=..., duration_ns=...))`` (checked
     at start-up); building it by concatenation keeps thousands of frames per epoch cheap."""
-    return b"\x96" + wire.pack(wire.PROTOCOL_VERSION) + wire.pack(wire.RATE) + wire.pack(shard)
+    return b"\x96" + wire.encode(wire.PROTOCOL_VERSION) + wire.encode(wire.RATE) + wire.encode(shard)
 
 
 def rate_frame_tail(epoch: int, count: int, duration_ns: int) -> bytes:
-    return wire.pack(epoch) + wire.pack(count) + wire.pack(duration_ns)
+    return wire.encode(epoch) + wire.encode(count) + wire.encode(duration_ns)
 
 
 def register_shards(zk: KazooClient, shards: range, replicas: int, addr: str) -> None:
@@ -141,7 +141,7 @@ class ShardSwarm:
         self._mms_seen: list[dict[str, str]] = []
         self.heads = [rate_frame_head(s) for s in shards]
         probe = self.heads[0] + rate_frame_tail(7, 20, 10_000_000)
-        assert probe == wire.pack([wire.PROTOCOL_VERSION, wire.RATE, shards.start, 7, 20, 10_000_000])
+        assert probe == wire.encode(wire.Rate(shard=shards.start, epoch=7, count=20, duration_ns=10_000_000))
         self.zk = discovery.connect(zk_hosts)
         # the epoch being served: (epoch, when it arrived, indexes into heads of the
         # owned shards that are members)
@@ -201,7 +201,7 @@ class ShardSwarm:
         return self._cached_members
 
     def _take_epochs(self, now_ns: int) -> None:
-        latest: list[Any] | None = None
+        latest: wire.EpochStart | None = None
         c = self.counters
         while True:
             try:
@@ -210,13 +210,11 @@ class ShardSwarm:
                 break
             c.epoch_frames += 1
             try:
-                msg = wire.unpack(frame)
-            except Exception:
+                msg = wire.decode_epoch(frame)
+            except wire.ProtocolError:
                 continue
-            if type(msg) is not list or len(msg) < 5 or msg[1] != wire.EPOCH:
-                continue
-            epoch = msg[2]
-            if epoch <= self.cur_epoch or (latest is not None and epoch <= latest[2]):
+            epoch = msg.epoch
+            if epoch <= self.cur_epoch or (latest is not None and epoch <= latest.epoch):
                 continue  # an epoch we already have (it may be broadcast twice)
             if latest is not None:
                 c.epochs_skipped += 1
@@ -226,10 +224,10 @@ class ShardSwarm:
             return
         if self.cur_epoch >= 0 and self.send_rates and self.cur_members:
             self._send_rates(self.cur_epoch, now_ns - self.cur_start_ns)
-        members = self._owned_members(latest[3])
+        members = self._owned_members(list(latest.shards))
         if len(members) != len(self.shards):
             c.epochs_missing_shards += 1
-        self.cur_epoch, self.cur_start_ns, self.cur_members = latest[2], now_ns, members
+        self.cur_epoch, self.cur_start_ns, self.cur_members = latest.epoch, now_ns, members
         c.last_epoch = self.cur_epoch
 
     def _send_rates(self, epoch: int, duration_ns: int) -> None:

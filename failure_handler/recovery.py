@@ -42,12 +42,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ziplog.protocol import frames as wire
-from ziplog.protocol.membership import history_ranges
-from ziplog.protocol.gsna import epoch_end, epoch_of
 from ziplog.cores.replica import stream_events
-from ziplog.protocol.frames import PROTOCOL_VERSION as V
-from ziplog.protocol.frames import pack
+from ziplog.protocol import frames as wire
+from ziplog.protocol.events import RecordEvent
+from ziplog.protocol.gsna import epoch_end, epoch_of
+from ziplog.protocol.membership import history_ranges
 
 PROBING = "probing"
 ACQUIRED = "acquired"
@@ -58,7 +57,7 @@ DONE = "done"
 class Send:
     shard: int
     replica: int
-    frame: bytes
+    msg: wire.RecoveryRequest
 
 
 @dataclass
@@ -126,6 +125,11 @@ class RecoveryCore:
         self._req = itertools.count(1)
         self.completed: list[tuple[int, int]] = []  # (shard, gen) of every recovery it finished
 
+    def take_actions(self) -> list[Send | Persist]:
+        """The actions since the last call, in order (the core's batch of effects)."""
+        out, self.actions = self.actions, []
+        return out
+
     # -- inputs ---------------------------------------------------------------------------------
     def load(self, shard: int, replicas: int, record: dict[str, Any] | None, now: int) -> None:
         """A (new) leader's view of a shard's durable recovery record."""
@@ -168,28 +172,29 @@ class RecoveryCore:
             return
         self._advance(rec, now)
 
-    def on_reply(self, shard: int, replica: int, msg: list[Any], now: int) -> None:
+    def on_reply(self, shard: int, replica: int, msg: wire.RecoveryOk | wire.Error, now: int) -> None:
         rec = self.active.get(shard)
-        if rec is None or type(msg) is not list or len(msg) < 3:
+        if rec is None or msg.req_id is None:
             return
-        req_id = msg[2]
+        req_id = msg.req_id
+        ok = type(msg) is wire.RecoveryOk
         r = rec.reps.setdefault(replica, _Replica())
         if req_id == rec.authority_req:
             rec.authority_req = None
-            rec.authority_told = msg[1] == wire.RECOVERY_OK
+            rec.authority_told = ok
             return
         target = rec.fetch_for.pop(req_id, None)
         if target is not None:
             rec.reps[target].pending = None
-            if msg[1] == wire.RECOVERY_OK:
-                self._on_fetched(rec, target, msg[3])
+            if isinstance(msg, wire.RecoveryOk):
+                self._on_fetched(rec, target, msg.payload)
             self._advance(rec, now)
             return
         if r.pending is None or r.pending[0] != req_id:
             return
         op = r.pending[1]
         r.pending = None
-        if msg[1] == wire.ERROR:
+        if not isinstance(msg, wire.RecoveryOk):
             # STALE: the replica restarted (it forgot the generation) or is ahead of this
             # step: learn its state again.
             r.info = None
@@ -197,7 +202,7 @@ class RecoveryCore:
             r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
             self._advance(rec, now)
             return
-        payload = msg[3]
+        payload = msg.payload
         if op == wire.PROBE:
             r.info = payload
             if payload.get("resumed"):  # a previous leader got this far
@@ -218,8 +223,12 @@ class RecoveryCore:
             self._advance(rec, now)
 
     def next_deadline(self) -> int | None:
+        """When :meth:`tick` next has a request to resend (a recovery waiting for its
+        record to be written resends nothing until then)."""
         best = None
         for rec in self.active.values():
+            if rec.persisting:
+                continue
             for r in rec.reps.values():
                 if r.pending is not None:
                     t = r.sent_at + self.s.retry_ns
@@ -274,12 +283,11 @@ class RecoveryCore:
                 return int(h[i + 1][0]) - 1
         return -1
 
-    def _send(self, rec: ShardRecovery, replica: int, op: int, fields: list[Any], now: int) -> None:
+    def _send(self, rec: ShardRecovery, replica: int, msg: wire.RecoveryRequest, now: int) -> None:
         r = rec.reps.setdefault(replica, _Replica())
-        req = next(self._req)
-        r.pending = (req, op)
+        r.pending = (msg.req_id, msg.op)
         r.sent_at = now
-        self.actions.append(Send(rec.shard, replica, pack([V, op, req, rec.gen, *fields])))
+        self.actions.append(Send(rec.shard, replica, msg))
 
     def _due(self, r: _Replica, now: int) -> bool:
         return r.pending is None or now - r.sent_at >= self.s.retry_ns
@@ -293,7 +301,7 @@ class RecoveryCore:
         # Every replica's state for this generation (probing also freezes it).
         for i, r in rec.reps.items():
             if r.info is None and self._due(r, now):
-                self._send(rec, i, wire.PROBE, [], now)
+                self._send(rec, i, wire.Probe(req_id=next(self._req), gen=rec.gen), now)
         if rec.acquired is None:
             return
         acq = rec.acquired
@@ -303,7 +311,7 @@ class RecoveryCore:
                 req = next(self._req)
                 rec.authority_req = req
                 rec.authority_sent_at = now
-                self.actions.append(Send(rec.shard, acq["source"], pack([V, wire.ACQUIRED, req, rec.gen])))
+                self.actions.append(Send(rec.shard, acq["source"], wire.Acquired(req_id=req, gen=rec.gen)))
         if rec.e_last is None:
             rec.e_last = self._last_epoch_with(rec.shard)
             if rec.e_last is None:
@@ -325,7 +333,7 @@ class RecoveryCore:
             return
         for i, r in rec.reps.items():
             if not r.resumed and self._due(r, now):
-                self._send(rec, i, wire.RESUME, [rec.end], now)
+                self._send(rec, i, wire.Resume(req_id=next(self._req), gen=rec.gen, stable=rec.end), now)
         if all(r.resumed for r in rec.reps.values()):
             rec.phase = DONE
             self._persist(rec, {"gen": rec.gen, "phase": DONE}, recovering=False)
@@ -357,7 +365,7 @@ class RecoveryCore:
         lo = max(base, r.fetch_lo)
         req = next(self._req)
         rec.fetch_for[req] = target
-        self.actions.append(Send(rec.shard, src, pack([V, wire.FETCH, req, rec.gen, lo, x, self.s.fetch_bytes])))
+        self.actions.append(Send(rec.shard, src, wire.Fetch(req_id=req, gen=rec.gen, lo=lo, hi=x, max_bytes=self.s.fetch_bytes)))
         r.sent_at = now  # the target waits on this fetch: its retry timer runs
         r.pending = (-1, wire.FETCH)
 
@@ -367,12 +375,14 @@ class RecoveryCore:
         x = acq["stable"]
         below = [g for g in r.fetched if base < g[0] <= x]
         above = [g for g in acq["records"] if g[0] > x] + acq["guesses"]
-        records = sorted((int(g[0]), int(g[1]), int(g[2]), bytes(g[3])) for g in below + above)
-        assert all(a[0] < b[0] for a, b in zip(records, records[1:])), "two records at one gsn"
-        keys = [(g[1], g[2]) for g in records]
+        records = sorted((RecordEvent(int(g[0]), 0, int(g[1]), int(g[2]), bytes(g[3])) for g in below + above),
+                         key=lambda r: r.gsn)
+        assert all(a.gsn < b.gsn for a, b in zip(records, records[1:])), "two records at one gsn"
+        keys = [(r.client_id, r.seq) for r in records]
         assert len(set(keys)) == len(keys), "a record twice in the recovered state"
         membership = self._membership(rec)
         known = epoch_of(base) if base > 0 else -1
-        events = [list(ev) for ev in stream_events(records, membership, known)]
+        events = list(stream_events(records, membership, known))
         trim = max(r.info.get("trim", 0), r.fetch_trim)
-        self._send(rec, i, wire.INSTALL, [base, trim, events, rec.end], now)
+        self._send(rec, i, wire.Install(req_id=next(self._req), gen=rec.gen, base=base, trim=trim, events=events,
+                                        end=rec.end), now)

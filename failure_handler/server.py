@@ -1,190 +1,164 @@
-"""Failure handler replica process: the thin shell around :class:`RecoveryCore`.
+"""Failure handler replica process: a thin driver over :class:`RecoveryCore`.
 
     python -m failure_handler.server --zk HOSTS --id N [--group G --groups K]
 
-Several replicas run per group; a kazoo Election per group picks the leader, which
-alone acts, for the shards it owns (shard % K == G; one group owns all by default).
-Sockets:
+Several replicas run per group; an election per group picks the leader, which alone
+acts, for the shards it owns (shard % K == G; one group owns all by default). Endpoints:
 
-  * PULL (bound, address in ``/ziplog/fh/replicas/<id>``): SUSPECT reports, pushed by
-    storage replicas to every handler replica
+  * PULL (bound, address in ``/ziplog/fh/replicas/<group>-<id>``): SUSPECT reports,
+    pushed by storage replicas to every handler replica
   * DEALER -> each storage replica's ROUTER: PROBE, ACQUIRED, FETCH, INSTALL, RESUME
 
-Everything the handler decides is in ZooKeeper before it acts on it: the recovery
-record ``/ziplog/recovery/<shard>`` (chunked when large) and the shard's
-``recovering`` flag, written in one version-checked transaction, so a deposed
-leader cannot overwrite its successor and a new leader continues from the record.
+Everything the handler decides is in ZooKeeper before it acts on it: the core's
+``Persist`` actions are performed in order, and nothing after one is performed until
+ZooKeeper took it (``failure_handler.records``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable, Protocol
 
-import zmq
-from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, NoNodeError, NodeExistsError
-
-from ziplog.io import zk as discovery
+from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
-from ziplog.server.elected import ElectedReplica, serve
+from ziplog.protocol import layout
+from ziplog.protocol.topology import TopologyView
+from ziplog.server.elected import ElectedDriver, ElectionPort, serve_forever
 
-from .recovery import HandlerSettings, Persist, RecoveryCore, Send
+from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
 
 log = logging.getLogger("failure_handler")
 
-#: ZooKeeper's default limit on a request is 1 MiB: larger records are split.
-CHUNK_BYTES = 512 * 1024
+#: The leader looks at its recoveries at least this often, even with nothing due.
+TICK_NS = 50_000_000
+#: A suspicion's reason is logged up to this many characters.
+REASON_CHARS = 200
 
 
-# -- the durable record ------------------------------------------------------------------------
-def read_record(zk: KazooClient, shard: int) -> tuple[dict[str, Any] | None, int]:
-    """The shard's recovery record and the version of its node (-1: none yet)."""
-    path = f"{discovery.RECOVERY}/{shard}"
-    try:
-        data, stat = zk.get(path)
-    except NoNodeError:
-        return None, -1
-    head = discovery.dec(data)
-    if not head:
-        return None, stat.version
-    if "chunks" in head:
-        blob = b"".join(zk.get(f"{path}/{name}")[0] for name in head["chunks"])
-        return discovery.dec(blob), stat.version
-    return head, stat.version
+class HandlerCoordination(Protocol):
+    """What a failure handler replica needs of ZooKeeper."""
+
+    @property
+    def topology(self) -> TopologyView: ...
+
+    def on_change(self, fn: Callable[[], None]) -> None: ...
+
+    def register_fh(self, group: int, replica_id: int, addr: str) -> None: ...
+
+    def sync_records(self) -> None:
+        """Make the next reads see every write committed so far."""
+
+    def read_record(self, shard: int) -> tuple[dict[str, Any] | None, int]:
+        """The shard's recovery record and its node's version (-1: none)."""
+
+    def write_record(self, shard: int, record: dict[str, Any], recovering: bool, version: int,
+                     on_done: Callable[[int | None], None]) -> None:
+        """Write the record and set or clear the flag; ``on_done`` with the new version,
+        or None when another leader wrote since ``version``."""
 
 
-def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering: bool, version: int) -> int:
-    """Write the record and set or clear the shard's recovering flag atomically; returns
-    the record node's new version. Raises BadVersionError if another leader wrote since
-    ``version``.
-
-    ZooKeeper limits a whole request (a transaction included) to about 1 MiB, so a large
-    record goes first into chunk nodes no reader looks at yet; one transaction then
-    points the record node at them and sets the flag; chunks of earlier versions go last."""
-    path = f"{discovery.RECOVERY}/{shard}"
-    meta_path = f"{discovery.SHARDS}/{shard}"
-    blob = discovery.enc(record)
-    if version < 0:
-        try:
-            zk.create(path, b"")
-        except NodeExistsError:
-            raise BadVersionError(f"recovery record of shard {shard} created under us") from None
-        version = 0
-    names: list[str] = []
-    head = blob
-    if len(blob) > CHUNK_BYTES:
-        tag = f"v{version + 1}"  # unique: only the writer of version+1 can commit it
-        for i in range(0, len(blob), CHUNK_BYTES):
-            name = f"{tag}-{i // CHUNK_BYTES}"
-            try:
-                zk.create(f"{path}/{name}", blob[i:i + CHUNK_BYTES])
-            except NodeExistsError:  # left by a writer that failed before committing
-                zk.set(f"{path}/{name}", blob[i:i + CHUNK_BYTES])
-            names.append(name)
-        head = discovery.enc({"gen": record["gen"], "phase": record["phase"], "chunks": names})
-    for _attempt in range(10):
-        meta_data, meta_stat = zk.get(meta_path)
-        meta = discovery.dec(meta_data) or {}
-        if recovering:
-            meta["recovering"] = record["gen"]
-        else:
-            meta.pop("recovering", None)
-        txn = zk.transaction()
-        txn.set_data(path, head, version=version)
-        txn.set_data(meta_path, discovery.enc(meta), version=meta_stat.version)
-        results = txn.commit()
-        if not any(isinstance(r, Exception) for r in results):
-            for child in zk.get_children(path):
-                if child not in names:
-                    zk.delete(f"{path}/{child}")
-            return results[0].version
-        if isinstance(results[0], BadVersionError):
-            raise BadVersionError(f"recovery record of shard {shard} changed under us")
-        # The shard's metadata changed (a concurrent remove): read it again.
-    raise RuntimeError(f"could not write the recovery record of shard {shard}")
-
-
-class FailureHandlerReplica(ElectedReplica):
+class FailureHandlerDriver(ElectedDriver):
     kind = "failure_handler"
 
-    def __init__(self, zk_hosts: str, replica_id: int, host: str = "127.0.0.1",
-                 settings: HandlerSettings | None = None, group: int = 0, groups: int = 1) -> None:
+    def __init__(self, rt: Runtime, net: Network, coord: HandlerCoordination, election: ElectionPort,
+                 replica_id: int, settings: HandlerSettings | None = None, group: int = 0, groups: int = 1,
+                 host: str = "127.0.0.1") -> None:
         assert 0 <= group < groups
-        super().__init__(zk_hosts, replica_id, discovery.fh_election_path(group))
-        self.group, self.groups = group, groups
+        super().__init__(rt, election, layout.fh_election_path(group), replica_id)
+        self.net = net
+        self.coord = coord
         self.settings = settings or HandlerSettings()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        port = self.pull.bind_to_random_port(f"tcp://{host}")
-        self.addr = f"tcp://{host}:{port}"
+        self.group, self.groups = group, groups
+        self.pull = net.puller(self.on_suspect_frame, host)
+        self.addr = self.pull.addr
+        # -- one term of leadership -----------------------------------------------------------
+        self.core: RecoveryCore | None = None
+        self.term = 0
+        self.versions: dict[int, int] = {}  # record versions this term wrote or read
+        self.dealers: dict[tuple[int, int], tuple[str, Endpoint]] = {}
+        #: actions taken from the core and not yet performed (they wait behind a write)
+        self.queue: deque[Send | Persist] = deque()
+        self.writing = False
+        self.timer: Timer | None = None
+        self.seen_generation = -1
+        self.suspicions = 0
 
     def start(self) -> None:
-        self.zk.ensure_path(discovery.FH_REPLICAS)
-        self.zk.ensure_path(discovery.RECOVERY)
-        node = f"{discovery.FH_REPLICAS}/{self.group}-{self.id}"
-        try:
-            self.zk.delete(node)
-        except NoNodeError:
-            pass
-        self.zk.create(node, discovery.enc({"pull": self.addr, "pid": os.getpid()}), ephemeral=True)
-        self.topology = discovery.Topology(self.zk)
+        self.coord.register_fh(self.group, self.id, self.addr)
+        self.coord.on_change(lambda: self.rt.call_soon_threadsafe(self.on_topology))
         log.info("failure handler replica %d up: %s", self.id, self.addr)
+        self.contend()
 
-    # -- leader ---------------------------------------------------------------------------------
-    def lead(self) -> None:
+    # -- leadership -------------------------------------------------------------------------------
+    def lead_begin(self) -> None:
+        self.term += 1
+        self.core = RecoveryCore(self.settings)
+        self.versions = {}
+        self.queue.clear()
+        self.writing = False
+        self.coord.sync_records()
+        self.seen_generation = -1
+        self.on_topology()
+        self._arm()
+
+    def lead_end(self) -> None:
+        self.term += 1
+        self.core = None
+        self.queue.clear()
+        self.writing = False
+        for _, ep in self.dealers.values():
+            ep.close()
+        self.dealers.clear()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    # -- input ------------------------------------------------------------------------------------
+    def on_suspect_frame(self, frame: bytes) -> None:
+        """A replica's suspicion (followers drop them: the replicas repeat theirs while
+        they stay suspicious)."""
+        core = self.core
+        if core is None:
+            return
         try:
-            _Leader(self).loop()
-        except BadVersionError as e:
-            log.warning("stepping down: %s", e)
+            msg = wire.decode_suspect(frame)
+        except wire.ProtocolError as exc:
+            log.warning("bad suspicion report: %s", exc)
+            return
+        self.suspicions += 1
+        log.info("shard %s replica %s suspects: %s", msg.shard, msg.replica, msg.reason[:REASON_CHARS])
+        core.on_suspect(msg.shard, msg.replica, self.rt.now())
+        self._act()
 
+    def _on_reply(self, shard: int, replica: int, frame: bytes) -> None:
+        core = self.core
+        if core is None:
+            return
+        try:
+            msg = wire.decode_recovery_reply(frame)
+        except wire.ProtocolError as exc:
+            log.warning("bad reply from shard %d replica %d: %s", shard, replica, exc)
+            return
+        core.on_reply(shard, replica, msg, self.rt.now())
+        self._act()
 
-class _Leader:
-    """One term of leadership: the core, its sockets, and the record versions it wrote."""
-
-    def __init__(self, owner: FailureHandlerReplica) -> None:
-        self.o = owner
-        self.core = RecoveryCore(owner.settings)
-        self.versions: dict[int, int] = {}
-        self.dealers: dict[tuple[int, int], tuple[str, zmq.Socket]] = {}
-        self.by_sock: dict[zmq.Socket, tuple[int, int]] = {}
-        self.poller = zmq.Poller()
-        self.poller.register(owner.pull, zmq.POLLIN)
-        self.seen_gen = -1
-
-    def loop(self) -> None:
-        o, core, topo = self.o, self.core, self.o.topology
-        # Suspicions queued while we were not leading may be stale; the replicas repeat
-        # theirs while they stay suspicious.
-        while True:
-            try:
-                o.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        o.zk.sync(discovery.RECOVERY)
-        while o.running and not o.lost.is_set():
-            now = time.monotonic_ns()
-            if topo._generation != self.seen_gen:
-                self.seen_gen = topo._generation
-                self._sync_topology(now)
-            deadline = core.next_deadline()
-            wait_ms = 50 if deadline is None else max(0, min(50, (deadline - now) // 1_000_000 + 1))
-            for sock, _ in self.poller.poll(wait_ms):
-                self._drain(sock, time.monotonic_ns())
-            core.tick(time.monotonic_ns())
-            self._act()
-
-    def _sync_topology(self, now: int) -> None:
-        topo, core = self.o.topology, self.core
+    def on_topology(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        topo = self.coord.topology
+        if topo.generation == self.seen_generation:
+            return
+        self.seen_generation = topo.generation
+        now = self.rt.now()
         for shard, n in topo.replica_counts.items():
-            if shard % self.o.groups != self.o.group:
+            if shard % self.groups != self.group:
                 continue  # another group's shard: its SUSPECTs are ignored here
             if shard not in core.replica_counts and n > 0:
-                record, version = read_record(self.o.zk, shard)
+                record, version = self.coord.read_record(shard)
                 self.versions[shard] = version
                 core.load(shard, n, record, now)
         for shard, addrs in topo.replicas.items():
@@ -193,57 +167,80 @@ class _Leader:
                 if cur is not None and cur[0] == addr:
                     continue
                 if cur is not None:
-                    self.poller.unregister(cur[1])
-                    del self.by_sock[cur[1]]
-                    cur[1].close(0)
-                sock = self.o.ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(addr)
-                self.dealers[(shard, replica)] = (addr, sock)
-                self.by_sock[sock] = (shard, replica)
-                self.poller.register(sock, zmq.POLLIN)
+                    cur[1].close()
+                ep = self.net.dealer(addr, self._reply_handler(shard, replica), "handler")
+                self.dealers[(shard, replica)] = (addr, ep)
         core.on_history(topo.history, now)
         self._act()
 
-    def _drain(self, sock: zmq.Socket, now: int) -> None:
-        core = self.core
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = wire.unpack(frame)
-            except Exception:
-                continue
-            if sock is self.o.pull:
-                if type(msg) is list and len(msg) >= 5 and msg[1] == wire.SUSPECT:
-                    log.info("shard %s replica %s suspects: %s", msg[2], msg[3], msg[4])
-                    core.on_suspect(int(msg[2]), int(msg[3]), now)
-            else:
-                shard, replica = self.by_sock[sock]
-                core.on_reply(shard, replica, msg, now)
+    def _reply_handler(self, shard: int, replica: int) -> Callable[[bytes], None]:
+        return lambda frame: self._on_reply(shard, replica, frame)
 
-    def _act(self) -> None:
+    def _arm(self) -> None:
         core = self.core
-        while core.actions:
-            actions, core.actions = core.actions, []
-            for a in actions:
-                if isinstance(a, Send):
-                    d = self.dealers.get((a.shard, a.replica))
-                    if d is not None:  # not registered (down): the core retries
-                        try:
-                            d[1].send(a.frame, zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass
-                elif isinstance(a, Persist):
-                    v = self.versions.get(a.shard, -1)
-                    self.versions[a.shard] = write_record(self.o.zk, a.shard, a.record, a.recovering, v)
-                    log.info("shard %d recovery %d: %s", a.shard, a.record["gen"], a.record["phase"])
-                    core.on_persisted(a.shard, a.record["gen"], time.monotonic_ns())
+        if core is None:
+            return
+        now = self.rt.now()
+        deadline = core.next_deadline()
+        t = now + TICK_NS if deadline is None else min(max(deadline, now), now + TICK_NS)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.rt.call_at(t, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        core = self.core
+        if core is None:
+            return
+        core.tick(self.rt.now())
+        self._act()
+        self._arm()
+
+    # -- effects ----------------------------------------------------------------------------------
+    def _act(self) -> None:
+        """Perform the core's actions in order; a write holds back everything after it
+        until ZooKeeper took it."""
+        core = self.core
+        if core is None:
+            return
+        self.queue.extend(core.take_actions())
+        while self.queue and not self.writing:
+            a = self.queue.popleft()
+            if isinstance(a, Send):
+                d = self.dealers.get((a.shard, a.replica))
+                if d is not None:  # not registered (down): the core retries
+                    d[1].send(wire.encode(a.msg))
+            else:
+                self.writing = True
+                term, v = self.term, self.versions.get(a.shard, -1)
+                self.coord.write_record(a.shard, a.record, a.recovering, v,
+                                        lambda version, a=a: self._written(term, a, version))  # type: ignore[misc]
+            if not self.queue:
+                self.queue.extend(core.take_actions())
+        self._arm()
+
+    def _written(self, term: int, a: Persist, version: int | None) -> None:
+        if term != self.term or self.core is None:
+            return  # a write of a term that is over
+        self.writing = False
+        if version is None:
+            self.step_down(f"the recovery record of shard {a.shard} changed under us")
+            return
+        self.versions[a.shard] = version
+        log.info("shard %d recovery %d: %s", a.shard, a.record["gen"], a.record["phase"])
+        self.core.on_persisted(a.shard, int(a.record["gen"]), self.rt.now())
+        self._act()
+
+    def close(self) -> None:
+        self.lead_end()
+        self.pull.close()
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    from failure_handler.records import KazooHandlerCoordination
+
     ap = argparse.ArgumentParser(prog="failure_handler.server", description="ziplog failure handler replica")
     ap.add_argument("--zk", required=True)
     ap.add_argument("--id", type=int, required=True)
@@ -253,9 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    replica = FailureHandlerReplica(args.zk, args.id, args.host, HandlerSettings(retry_ns=int(args.retry_ms * 1e6)),
-                                    group=args.group, groups=args.groups)
-    return serve(replica)
+    rt = ZmqRuntime()
+    coord = KazooHandlerCoordination(args.zk, rt)
+    driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id,
+                                  HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.host)
+    driver.start()
+
+    def close() -> None:
+        driver.close()
+        coord.close()
+        rt.close()
+
+    return serve_forever(rt.run_forever, rt.stop, close)
 
 
 if __name__ == "__main__":

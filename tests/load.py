@@ -115,7 +115,7 @@ class Load:
 
 
 def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] | None:
-    from failure_handler.server import read_record
+    from failure_handler.records import read_record
     return read_record(cluster._zkc, shard)[0]
 
 

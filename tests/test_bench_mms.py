@@ -44,7 +44,7 @@ def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnse
 def test_rate_frame_is_the_wire_frame() -> None:
     for shard, epoch, count, dur in [(0, 0, 0, 1), (127, 128, 20, 10_000_000), (70_000, 2**40, 2**20, 2**33)]:
         frame = rate_frame_head(shard) + rate_frame_tail(epoch, count, dur)
-        assert frame == wire.pack([wire.PROTOCOL_VERSION, wire.RATE, shard, epoch, count, dur])
+        assert frame == wire.encode(wire.Rate(shard=shard, epoch=epoch, count=count, duration_ns=dur))
 
 
 def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: ZooKeeperEnsemble,
@@ -75,9 +75,8 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
         while not (members == list(range(100, 100 + SHARDS)) and rates and min(rates) > 0.9 * REPORTED_RATE):
             assert time.monotonic() < deadline, f"last epoch: members {members}, rates {rates}"
             if sub.poll(100):
-                msg = wire.unpack(sub.recv())
-                assert msg[1] == wire.EPOCH
-                members, rates = msg[3], msg[4]
+                msg = wire.decode_epoch(sub.recv())
+                members, rates = list(msg.shards), list(msg.rates)
         assert all(p.poll() is None for p in children)
     finally:
         ctx.destroy(linger=0)

@@ -1,41 +1,73 @@
-"""Shard choice in the clients' shared core (no I/O)."""
+"""The client core without I/O: shard choice, and the insert call's state machine."""
 
 from __future__ import annotations
 
-from ziplog.cores.client import ClientCommon
-from ziplog.protocol.types import Policy
+import random
+
+from ziplog.cores.client.calls import InsertCall, InsertState
+from ziplog.cores.client.state import AVOID_NS, RETRY_AFTER_NS, ClientState
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import NoShardAvailableError
+from ziplog.protocol.topology import TopologyView
+from ziplog.protocol.types import Policy, RecordId
+
+S = 1_000_000_000
 
 
-class _Topology:
-    def __init__(self, live: list[int]) -> None:
-        self.live = live
-
-    def live_shards(self) -> list[int]:
-        return list(self.live)
+def _client(policy: Policy) -> ClientState:
+    return ClientState(1, policy, random.Random(5), 5 * S)
 
 
-def _client(policy: Policy, live: list[int]) -> ClientCommon:
-    c = ClientCommon()
-    c._init_identity(5.0, policy, 1)
-    c.topology = _Topology(live)
-    return c
+def _topology(live: list[int], replicas: int = 2) -> TopologyView:
+    topo = TopologyView()
+    topo.replica_counts = {s: replicas for s in live}
+    topo.replicas = {s: {r: f"tcp://s{s}r{r}" for r in range(replicas)} for s in live}
+    topo.history = [[0, list(live)]]
+    return topo
 
 
 def test_a_fixed_policy_keeps_its_shard_while_it_is_avoided() -> None:
     # One insert unanswered for a while marks its shard avoided; a client pinned to that
     # shard must keep inserting there, not fail with "shard is not live".
-    c = _client(Policy.fixed(0), [0, 1])
-    c._avoid(0, now=100.0)
-    assert c._choose_shard(None, b"x", set(), now=100.5) == 0
+    c = _client(Policy.fixed(0))
+    c.avoid(0, now=100 * S)
+    assert c.choose_shard([0, 1], None, b"x", set(), now=100 * S + S // 2) == 0
 
 
 def test_a_fixed_policy_gives_up_its_shard_when_it_refused() -> None:
-    c = _client(Policy.fixed(0), [0, 1])
-    assert c._choose_shard(None, b"x", {0}, now=0.0) is None
+    c = _client(Policy.fixed(0))
+    assert c.choose_shard([0, 1], None, b"x", {0}, now=0) is None
 
 
 def test_a_random_policy_moves_off_an_avoided_shard_until_it_heals() -> None:
-    c = _client(Policy.random(), [0, 1])
-    c._avoid(0, now=100.0)
-    assert {c._choose_shard(None, b"x", set(), now=100.5) for _ in range(50)} == {1}
-    assert 0 in {c._choose_shard(None, b"x", set(), now=10_000.0) for _ in range(200)}
+    c = _client(Policy.random())
+    c.avoid(0, now=100 * S)
+    assert {c.choose_shard([0, 1], None, b"x", set(), now=100 * S + S // 2) for _ in range(50)} == {1}
+    assert 0 in {c.choose_shard([0, 1], None, b"x", set(), now=100 * S + AVOID_NS) for _ in range(200)}
+
+
+def _ack(req: int, gsn: int, replica: int, decided: bool) -> wire.Ack:
+    return wire.Ack(req_id=req, gsn=gsn, replica=replica, stable=0, decided=decided, final=False)
+
+
+def test_an_insert_is_done_when_every_replica_agrees_and_resends_otherwise() -> None:
+    c, topo = _client(Policy.fixed(0)), _topology([0])
+    call = InsertCall(c, b"data", 5, None, 10 * S)
+    (addrs, msg), = call.start(0, topo)
+    assert addrs == ("tcp://s0r0", "tcp://s0r1") and isinstance(msg, wire.Insert) and msg.after == 5
+    assert call.wake_at == RETRY_AFTER_NS
+    assert call.on_reply("tcp://s0r0", _ack(msg.req_id, 9, 0, True), 1, topo) == [] and not call.done
+    # unanswered by the backup: the identical frame again, to both
+    (addrs2, again), = call.on_timer(RETRY_AFTER_NS, topo)
+    assert again is msg and addrs2 == addrs and c.stats["retries"] == 1
+    call.on_reply("tcp://s0r1", _ack(msg.req_id, 9, 1, False), RETRY_AFTER_NS + 1, topo)
+    assert call.done and call.result() == RecordId(9, 0) and call.state is InsertState.DONE
+
+
+def test_a_pinned_insert_waits_for_its_shard_and_fails_at_the_deadline() -> None:
+    c, topo = _client(Policy.fixed(3)), _topology([0])
+    topo.replica_counts = {0: 2, 3: 2}  # shard 3 exists, but is not live now
+    call = InsertCall(c, b"data", 0, None, 2 * S)
+    assert call.start(0, topo) == [] and call.state is InsertState.WAITING_FOR_SHARD and call.wake_at == 2 * S
+    call.on_timer(2 * S, topo)
+    assert call.done and isinstance(call.error, NoShardAvailableError)

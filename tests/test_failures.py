@@ -98,7 +98,7 @@ def test_add_and_remove_shard_under_load(cluster: ziplog.LocalCluster) -> None:
 
 
 def test_recovery_record_is_chunked_when_large(cluster: ziplog.LocalCluster) -> None:
-    from failure_handler.server import CHUNK_BYTES, read_record, write_record
+    from failure_handler.records import CHUNK_BYTES, read_record, write_record
     from ziplog.io import zk as discovery
     zk = cluster._zkc
     shard = 990  # a shard id no replica uses

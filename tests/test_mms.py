@@ -19,7 +19,8 @@ from ziplog.protocol import frames as wire
 from ziplog.protocol.gsna import EpochConfig
 
 from mms.planner import EpochPlanner, PlannerSettings
-from mms.server import EpochSequencer, MembershipReplica
+from mms.sequencer import EpochSequencer
+from mms.server import block_transaction, read_epoch_state
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,8 @@ class Listener:
     def pump(self, until: float) -> None:
         while time.monotonic() < until:
             if self.sub.poll(50):
-                msg = wire.unpack(self.sub.recv())
-                assert msg[1] == wire.EPOCH
-                e, cfg = msg[2], (tuple(msg[3]), tuple(msg[4]))
+                msg = wire.decode_epoch(self.sub.recv())
+                e, cfg = msg.epoch, (tuple(msg.shards), tuple(msg.rates))
                 assert self.seen.setdefault(e, cfg) == cfg, f"epoch {e} broadcast with two configs"
                 self.order.append(e)
 
@@ -141,28 +141,32 @@ def test_epoch_config_at_restates_without_validating(monkeypatch: pytest.MonkeyP
         cfg.at(-1)
 
 
-def test_drain_rates_reads_at_most_its_limit() -> None:
-    """A backlog of RATE reports is read a bounded batch at a time, so it cannot keep
-    the leader from its next broadcast."""
-    ctx = zmq.Context()
+def test_a_backlog_of_reports_is_read_a_bounded_batch_per_turn() -> None:
+    """A backlog of RATE reports is read a bounded batch at a time (the runtime's
+    DRAIN_LIMIT per socket per turn), so it cannot keep the leader from its timers."""
+    from ziplog.io.zmq_runtime import DRAIN_LIMIT, ZmqRuntime
+
+    rt = ZmqRuntime()
     try:
-        pull = ctx.socket(zmq.PULL)
-        pull.bind("inproc://rates")
-        push = ctx.socket(zmq.PUSH)
-        push.connect("inproc://rates")
-        for s in range(1000):
-            push.send(wire.pack([wire.PROTOCOL_VERSION, wire.RATE, s, 0, 50, 10_000_000]))
-        assert pull.poll(5000)
         planner = EpochPlanner(PlannerSettings(smoothing_num=1, smoothing_den=1))
-        leader = types.SimpleNamespace(pull=pull)
-        assert MembershipReplica._drain_rates(leader, planner, 300) == 300  # type: ignore[arg-type]
-        assert len(planner.rates) == 300
-        assert MembershipReplica._drain_rates(leader, planner, 300) == 300  # type: ignore[arg-type]
-        assert MembershipReplica._drain_rates(leader, planner) == 400  # type: ignore[arg-type]
-        assert MembershipReplica._drain_rates(leader, planner, 300) == 0  # type: ignore[arg-type]
-        assert planner.rates == {s: 5000 for s in range(1000)}
+        turns: list[int] = []
+
+        def on_rate(frame: bytes) -> None:
+            msg = wire.decode_rate(frame)
+            planner.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns)
+
+        pull = rt.puller(on_rate)
+        push = rt.pusher(pull.addr)
+        rt.at_turn_end(lambda: turns.append(len(planner.rates)))
+        n = 2 * DRAIN_LIMIT + 100
+        for s in range(n):
+            assert push.send(wire.encode(wire.Rate(shard=s, epoch=0, count=50, duration_ns=10_000_000)))
+        assert rt.run_until(lambda: len(planner.rates) == n, 10_000_000_000)
+        steps = [b - a for a, b in zip([0] + turns, turns)]
+        assert max(steps) <= DRAIN_LIMIT and len([x for x in steps if x]) >= 3, steps
+        assert planner.rates == {s: 5000 for s in range(n)}
     finally:
-        ctx.destroy(linger=0)
+        rt.close()
 
 
 # -- the leader's sequence of epochs, stepped by hand against a real ZooKeeper ---------------
@@ -209,7 +213,7 @@ class SteppedLeader:
 
     def __init__(self, zk: KazooClient, topo: discovery.Topology) -> None:
         self.zk, self.topo = zk, topo
-        self.seq = EpochSequencer(zk, topo, PlannerSettings(), epochs_per_commit=10)
+        self.seq = EpochSequencer(read_epoch_state(zk), topo, PlannerSettings(), epochs_per_commit=10)
         self.planned_at: list[int] = []
         plan = self.seq.planner.plan
 
@@ -219,24 +223,31 @@ class SteppedLeader:
 
         self.seq.planner.plan = counted  # type: ignore[method-assign]
 
+    def prepare(self) -> None:
+        """As the driver prepares: the commit the sequencer asks for, performed and answered."""
+        commit = self.seq.prepare()
+        if commit is not None:
+            results = block_transaction(self.zk, commit).commit()
+            assert self.seq.on_commit_result(not any(isinstance(r, Exception) for r in results))
+
     def step(self) -> tuple[int, tuple[int, ...]]:
         """Prepare and 'broadcast' the next epoch: its number and members."""
-        assert self.seq.prepare()
-        assert self.seq.settle()
+        self.prepare()
         return self.broadcast()
 
     def broadcast(self) -> tuple[int, tuple[int, ...]]:
         e = self.seq.next_epoch
-        msg = wire.unpack(self.seq.frame())
-        assert msg[:3] == [wire.PROTOCOL_VERSION, wire.EPOCH, e]
+        cfg = self.seq.config()
+        msg = wire.decode_epoch(wire.EpochEncoder().encode(cfg.epoch, cfg.shards, cfg.rates))
+        assert msg.epoch == e
         # The invariant: what is broadcast is already committed, block and history.
         block = discovery.dec(self.zk.get(discovery.EPOCH_PATH)[0])
         assert block["epoch"] <= e <= block["last"], (e, block)
-        assert (block["shards"], block["rates"]) == (msg[3], msg[4]), (e, block, msg)
+        assert (block["shards"], block["rates"]) == (list(msg.shards), list(msg.rates)), (e, block, msg)
         history = discovery.dec(self.zk.get(discovery.MEMBERSHIP_PATH)[0])
-        assert discovery.members_in_history(history, e) == tuple(msg[3])
+        assert discovery.members_in_history(history, e) == tuple(msg.shards)
         self.seq.advance()
-        return e, tuple(msg[3])
+        return e, tuple(msg.shards)
 
     def run_to(self, epoch: int) -> dict[int, tuple[int, ...]]:
         """Step up to (not including) ``epoch``: members per epoch."""
@@ -259,11 +270,13 @@ def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None
     await_view(topo, lambda: topo.shard_complete(0) and topo.shard_complete(1))
     lead = SteppedLeader(zk_ns, topo)
 
-    # The first block's commit is sent; nothing goes out until it is answered.
-    assert lead.seq.prepare()
-    with pytest.raises(AssertionError, match="settle"):
-        lead.seq.frame()
-    assert lead.seq.settle()
+    # The first block's commit is asked for; nothing goes out until it is answered.
+    commit = lead.seq.prepare()
+    assert commit is not None and lead.seq.committing and not lead.seq.ready()
+    with pytest.raises(AssertionError, match="committed"):
+        lead.seq.config()
+    assert lead.seq.on_commit_result(not any(isinstance(r, Exception)
+                                             for r in block_transaction(zk_ns, commit).commit()))
     assert lead.broadcast() == (0, (0, 1))
 
     # Quiet: a plan per block (every 10 epochs), not one per epoch ...
@@ -339,8 +352,11 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     # The deposed leader sees the new shard too; its commit is refused and it steps
     # down instead of broadcasting epoch 13 with a config nobody committed.
     assert old.seq.next_epoch == 13 and old.seq.needs_plan()
-    assert old.seq.prepare()
-    assert not old.seq.settle(), "a deposed leader's block commit must be refused"
+    commit = old.seq.prepare()
+    assert commit is not None
+    results = block_transaction(zk_ns, commit).commit()
+    assert not old.seq.on_commit_result(not any(isinstance(r, Exception) for r in results)), \
+        "a deposed leader's block commit must be refused"
 
 
 def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> None:
@@ -354,7 +370,7 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
     lead.own_commit_seen()
 
     # Mid-block: the second preparation cuts the block at the epoch about to go out.
-    assert lead.seq.prepare()
+    lead.prepare()
     register_shard(zk_ns, 1)
     await_view(topo, lambda: topo.shard_complete(1))
     assert lead.seq.topology_moved()
@@ -365,7 +381,7 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
     # At a block's first epoch, committed already: the change waits one epoch, even
     # though the topology does not move again.
     assert lead.seq.block_due()
-    assert lead.seq.prepare() and lead.seq.settle()
+    lead.prepare()
     assert discovery.dec(zk_ns.get(discovery.EPOCH_PATH)[0])["epoch"] == 23
     register_shard(zk_ns, 2)
     await_view(topo, lambda: topo.shard_complete(2))

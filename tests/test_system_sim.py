@@ -22,14 +22,12 @@ from typing import Any
 
 import pytest
 
-from failure_handler.recovery import ACQUIRED, Persist, RecoveryCore, Send
-from tests.sim.system import KNOWN_BUGS, KnownBug, NetParams, Outcome, SystemSim, run
+from failure_handler.recovery import ACQUIRED
+from tests.harness import ShardHarness
+from tests.sim.system import KNOWN_BUGS, KnownBug, NetParams, Outcome, SystemSim, corrupt, run
+from ziplog.cores.client.waits import InsertWait, Redirect
+from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
-from ziplog.cores.client import InsertWait, Redirect
-from ziplog.protocol.gsna import EpochConfig
-from ziplog.cores.replica import TO_PRIMARY, ReplicaCore, ReplicaSettings
-from ziplog.protocol.frames import PROTOCOL_VERSION as V
-from ziplog.protocol.frames import unpack
 
 SEEDS = range(400)
 CHUNK = 50
@@ -111,9 +109,9 @@ def _finished(seed: int) -> SystemSim:
 
 def test_the_checker_catches_a_replica_disagreeing() -> None:
     sim = _finished(3)
-    core = next(r.core for r in sim.reps.values() if r.idx == 1 and r.core is not None and r.core.gsns)
+    core = next(r.core for r in sim.reps.values() if r.idx == 1 and r.core is not None and r.core.log.gsns)
     assert core is not None
-    core.records[core.gsns[0]].data = b"corrupted"
+    corrupt(core, core.log.gsns[0], b"corrupted")
     with pytest.raises(AssertionError, match="disagree"):
         sim.check()
 
@@ -125,15 +123,15 @@ def test_the_checker_catches_a_lost_acknowledged_record() -> None:
     for i in range(2):
         core = sim.reps[(shard, i)].core
         assert core is not None
-        del core.records[gsn]
-        core.gsns.remove(gsn)
+        del core.log.records[gsn]
+        core.log.gsns.remove(gsn)
     with pytest.raises(AssertionError, match="lost or moved|delivered"):
         sim.check()
 
 
 def test_the_checker_catches_a_subscriber_out_of_step() -> None:
     sim = _finished(6)
-    sub = sim.subs[1]
+    sub = sim.readers[1]
     sub.delivered[0], sub.delivered[1] = sub.delivered[1], sub.delivered[0]
     with pytest.raises(AssertionError, match="subscriber 1"):
         sim.check()
@@ -155,78 +153,16 @@ def test_a_failure_names_the_seed_and_the_replay_command(monkeypatch: pytest.Mon
 # or once the cores no longer get into the situation it sets up; then remove the bug from
 # KNOWN_BUGS in tests/sim/system.py.
 
-class _Shard:
-    """Shard 0's two replica cores wired by hand (no network, no clock), as in
-    tests/test_recovery_core.py."""
+class _Shard(ShardHarness):
+    """Shard 0's two replica cores and the failure handler wired by hand (no network, no
+    clock), as in tests/test_recovery_core.py."""
 
     def __init__(self) -> None:
-        self.P = self.new(0)
-        self.B = self.new(1)
-        self.disk: dict[int, list[Any]] = {0: [], 1: []}
-        self.client: list[tuple[int, list[Any]]] = []
-        self.handler = RecoveryCore()
-        self.handler.load(0, 2, None, 0)
-        self.persisted: list[Persist] = []
-        self.now = 0
+        super().__init__({"noop_timeout_ns": 10**9, "suspect_timeout_ns": 0})
 
     @staticmethod
     def new(replica: int) -> ReplicaCore:
         return ReplicaCore(ReplicaSettings(0, replica, 2, noop_timeout_ns=10**9, suspect_timeout_ns=0))
-
-    def cores(self) -> dict[int, ReplicaCore | None]:
-        return {0: self.P, 1: self.B}
-
-    def pump(self, lose: tuple[str, ...] = ()) -> None:
-        """Deliver frames until quiet. ``lose``: "forward" (primary -> backup), "hello"
-        (backup -> primary) frames are dropped."""
-        for _ in range(100):
-            moved = False
-            for i, core in self.cores().items():
-                if core is None:
-                    continue
-                core.flush(self.now)
-                out, core.outbox = core.outbox, []
-                self.disk[i].extend(core.disk)
-                core.disk.clear()
-                for dest, frame in out:
-                    moved = True
-                    msg = unpack(frame)
-                    if dest == TO_PRIMARY:
-                        if "hello" not in lose and self.P is not None:
-                            self.P.on_request(b"backup", wire.decode_request(frame), self.now)
-                    elif dest == b"backup":
-                        if "forward" not in lose and self.B is not None:
-                            self.B.on_forward(msg, self.now)
-                    elif dest == b"client":
-                        self.client.append((i, msg))
-                    elif dest == b"fh":
-                        self.handler.on_reply(0, i, msg, self.now)
-            acts, self.handler.actions = self.handler.actions, []
-            for a in acts:
-                moved = True
-                if isinstance(a, Persist):
-                    self.persisted.append(a)
-                    self.handler.on_persisted(a.shard, a.record["gen"], self.now)
-                elif isinstance(a, Send):
-                    core = self.cores().get(a.replica)
-                    if core is not None:  # a replica that is down never hears it
-                        core.on_request(b"fh", wire.decode_request(a.frame), self.now)
-            if not moved:
-                return
-
-    def epoch(self, e: int, members: tuple[int, ...], to: tuple[int, ...] = (0, 1)) -> None:
-        cfg = EpochConfig(e, members, tuple(1000 for _ in members))
-        for i in to:
-            core = self.cores()[i]
-            if core is not None:
-                core.on_epoch(cfg, self.now)
-
-    def insert(self, seq: int, data: bytes, to: tuple[int, ...] = (0, 1)) -> None:
-        msg = [V, wire.INSERT, seq, 7, seq, 0, data]
-        for i in to:
-            core = self.cores()[i]
-            if core is not None:
-                core.on_request(b"client", msg, self.now)
 
 
 def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
@@ -236,15 +172,17 @@ def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
     h = _Shard()
     h.B.connect_primary(0)
     h.pump()
-    h.epoch(0, (0,))
+    h.send_epoch(0, (0,))
     h.pump()
     h.insert(1, b"acked")
     h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
     w = InsertWait(1, 2)
     assert any(w.feed(i, m) for i, m in h.client) and w.fast, "the client completed on the fast path"
-    h.epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
-    h.B.on_request(b"fh", [V, wire.PROBE, 1, 0], h.now)
-    state = unpack(h.B.outbox[-1][1])[3]
+    h.send_epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
+    h.B.on_request(b"handler", wire.Probe(req_id=1, gen=0), h.now)
+    reply = h.B.ready().messages[-1][1]
+    assert isinstance(reply, wire.RecoveryOk)
+    state = reply.payload
     assert [w.decided, 7, 1, b"acked"] in state["guesses"], "the only copy of an acknowledged record is gone"
 
 
@@ -256,7 +194,7 @@ def test_new_shard_starts_when_its_first_hello_is_lost() -> None:
     h.handler.on_history([[0, [0]]], 0)
     h.B.connect_primary(0)
     h.pump(lose=("hello",))  # the backup's first HELLO is lost
-    h.epoch(0, (0,))  # the starting primary keeps it for later
+    h.send_epoch(0, (0,))  # the starting primary keeps it for later
     h.insert(1, b"early")  # the primary parks it; the backup guesses and acks
     h.pump()
     h.now = 20_000_000
@@ -274,31 +212,31 @@ def test_known_bug_B4_frozen_backup_hello_makes_a_doomed_record_stable() -> None
     h.handler.on_history([[0, [0]]], 0)
     h.B.connect_primary(0)
     h.pump()
-    h.epoch(0, (0,))
+    h.send_epoch(0, (0,))
     h.pump()
     h.insert(1, b"one")
     h.pump()
     h.insert(2, b"doomed", to=(0,))  # the backup never hears of it ...
     h.pump(lose=("forward",))  # ... and the primary crashes before forwarding it
-    doomed = h.P.gsns[-1]
+    doomed = h.P.log.gsns[-1]
     disk = list(h.disk[0])
     h.P = None  # type: ignore[assignment]
     h.handler.on_suspect(0, 1, h.now)  # the backup suspects; the handler probes it alone
     h.pump()
-    assert h.B.frozen and h.B.authority, "the backup is the recovery's source"
+    assert h.B.frozen and h.B.recovery.authority, "the backup is the recovery's source"
     # The primary restarts from its disk (holding the doomed record) and meets its frozen backup.
     h.P = _Shard.new(0)
     h.P.replay(disk)
     h.B.connect_primary(h.now)
     h.pump()
     # The MMS drops the recovering shard; the handler installs the recovered state on the backup.
-    h.epoch(1, (), to=(0,))
+    h.send_epoch(1, (), to=(0,))
     h.handler.on_history([[0, [0]], [1, []]], h.now)
     h.pump()
     h.now += 20_000_000
     h.B.tick(h.now)  # the frozen, installed backup says HELLO again
     h.pump()
-    h.epoch(2, (), to=(0,))
+    h.send_epoch(2, (), to=(0,))
     h.pump()
     # The recovery will put a no-op at `doomed`: the primary must not call it stable.
     assert h.P.stable < doomed, (h.P.stable, doomed)
@@ -309,7 +247,7 @@ def test_known_bug_B5_refused_insert_whose_backup_copy_was_lost_settles() -> Non
     h.handler.on_history([[0, [0]]], 0)
     h.B.connect_primary(0)
     h.pump()
-    h.epoch(0, (0,))
+    h.send_epoch(0, (0,))
     h.pump()
     h.insert(1, b"one")
     h.pump()
@@ -332,8 +270,8 @@ def test_known_bug_B5_refused_insert_whose_backup_copy_was_lost_settles() -> Non
     h.pump()
     assert h.handler.completed and not h.P.frozen and not h.B.frozen
     h.handler.on_history([[0, [0]], [1, []], [2, [0]]], h.now)
-    h.epoch(1, ())
-    h.epoch(2, (0,))
+    h.send_epoch(1, ())
+    h.send_epoch(2, (0,))
     h.pump()
     # The client resends the same frame (a quarter second later): it must settle somehow,
     # placed on this shard or redirected elsewhere.

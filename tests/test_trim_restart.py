@@ -12,18 +12,19 @@ from ziplog import RID_GENESIS
 
 def test_segments_below_a_trim_are_deleted(tmp_path: Path) -> None:
     from ziplog.io.segments import SegmentLog
+    from ziplog.protocol.events import RecordEvent, SnapshotEvent
     log = SegmentLog(tmp_path, fsync="never", segment_bytes=2000)
     list(log.load())
-    log.start((5, [], 0, 0, 0))
+    log.start(SnapshotEvent([], 0, 0, 0))
     for g in range(1, 101):
-        log.append([(0, g, 0, 1, g, b"x" * 100)], (5, [], g, g, 0))
+        log.append([RecordEvent(g, 0, 1, g, b"x" * 100)], SnapshotEvent([], g, g, 0))
     before = len(log.segments())
     assert before > 3
     log.drop_below(60)
     kept = log.segments()
     assert len(kept) < before
     log.close()
-    gsns = [ev[1] for ev in SegmentLog(tmp_path).load() if ev[0] == 0]
+    gsns = [ev.gsn for ev in SegmentLog(tmp_path).load() if isinstance(ev, RecordEvent)]
     assert gsns and min(gsns) < 60 <= max(gsns) and gsns == sorted(gsns)
     assert set(range(60, 101)) <= set(gsns), "nothing at or above the cut is lost"
 

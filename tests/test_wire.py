@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from ziplog.protocol import frames as wire
 
 
 def test_roundtrip_valid_insert() -> None:
-    frame = wire.pack([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data"])
-    assert wire.decode_request(frame) == [wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data"]
+    frame = msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data"], use_bin_type=True)
+    assert wire.decode_request(frame) == wire.Insert(req_id=1, client_id=2, seq=3, after=4, data=b"data")
+    assert wire.encode(wire.decode_request(frame)) == frame
 
 
 @pytest.mark.parametrize("msg, code", [
@@ -18,7 +20,7 @@ def test_roundtrip_valid_insert() -> None:
 ])
 def test_rejects(msg: list, code: str | None) -> None:
     try:
-        frame = wire.pack(msg)
+        frame = msgpack.packb(msg, use_bin_type=True)
     except OverflowError:
         assert code is None
         return

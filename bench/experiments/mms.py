@@ -24,7 +24,7 @@ from the rest. A failing N during which other work took a quarter of a core is
 measured again once (full run): the machine may be shared.
 
 ``model_*`` columns replay the leader's per-epoch steps in this process with the real
-planner and ``MembershipReplica._drain_rates``: the CPU one epoch needs.
+planner and ``MembershipDriver.on_rate_frame``: the CPU one epoch needs.
 
     python -m bench mms [--quick] [--out DIR]
 """
@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +50,9 @@ import zmq
 from kazoo.client import KazooClient
 
 from mms.planner import EpochPlanner, PlannerSettings
-from mms.server import MembershipReplica
+from mms.sequencer import EpochState
+from mms.server import MembershipDriver
+from ziplog.protocol.topology import TopologyView
 from ziplog.io import zk as discovery
 from ziplog.tools import procs
 from ziplog.protocol import frames as wire
@@ -135,11 +136,11 @@ class EpochProbe:
                 continue
             frame = self.sub.recv()
             t = time.monotonic_ns()
-            msg = wire.unpack(frame)
-            if msg[1] != wire.EPOCH or msg[2] <= self.last_epoch:
+            msg = wire.decode_epoch(frame)
+            if msg.epoch <= self.last_epoch:
                 continue  # an epoch broadcast again (by a new leader)
-            self.last_epoch = msg[2]
-            return Broadcast(t, msg[2], len(msg[3]), len(frame))
+            self.last_epoch = msg.epoch
+            return Broadcast(t, msg.epoch, len(msg.shards), len(frame))
 
     def wait_for(self, shards: int, timeout: float) -> bool:
         """Until an epoch lists ``shards`` shards."""
@@ -368,62 +369,78 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
 
 def per_epoch_cost(n: int, replicas: int, repeat: int = 5) -> dict[str, float]:
     """Milliseconds of the leader's steps for one epoch with ``n`` member shards (best
-    of ``repeat``): the ready list and ``EpochPlanner.plan`` (every epoch, in
-    ``MembershipReplica.lead``), packing the EPOCH frame, and ingesting one RATE per
-    shard with the real ``MembershipReplica._drain_rates``. Not included: the ZooKeeper
-    commit (one per 10 epochs) and the kazoo and libzmq threads."""
-    topo = discovery.Topology.__new__(discovery.Topology)  # its state without a ZooKeeper session
+    of ``repeat``): the ready list and ``EpochPlanner.plan`` (as ``EpochSequencer``
+    plans), encoding the EPOCH frame, and ingesting one RATE per shard through the real
+    ``MembershipDriver.on_rate_frame``. Not included: the ZooKeeper commit (one per 10
+    epochs) and the kazoo and libzmq threads."""
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    topo = TopologyView()
     topo.replica_counts = {s: replicas for s in range(n)}
     topo.replicas = {s: {r: f"tcp://127.0.0.1:{r}" for r in range(replicas)} for s in range(n)}
-    topo.removed = frozenset()
-    topo.recovering = frozenset()
     planner = EpochPlanner(PlannerSettings())
     cfg, history = planner.plan(range(n))
     planner.committed(cfg, history)
-    frames = [wire.pack([wire.PROTOCOL_VERSION, wire.RATE, s, cfg.epoch, 20, 10_000_000]) for s in range(n)]
-    ctx = zmq.Context()
+    frames = [wire.encode(wire.Rate(shard=s, epoch=cfg.epoch, count=20, duration_ns=10_000_000)) for s in range(n)]
+    rt = ZmqRuntime()
     try:
-        pull = ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.RCVHWM, 0)
-        pull.bind("inproc://rates")
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 0)
-        push.connect("inproc://rates")
-        shell = types.SimpleNamespace(pull=pull)
+        coord = _ModelCoordination(topo, history or [])
+        driver = MembershipDriver(rt, rt, coord, coord, 0)
+        driver.lead_begin()  # leads, as far as rate reports go
         best = {"plan": math.inf, "encode": math.inf, "rates": math.inf}
         for _ in range(repeat):
             t0 = time.perf_counter()
-            # as in MembershipReplica.lead
             ready = [s for s in topo.replica_counts if topo.shard_complete(s) and s not in topo.removed]
             cfg2, _ = planner.plan(ready, topo.recovering)
             t1 = time.perf_counter()
-            wire.pack([wire.PROTOCOL_VERSION, wire.EPOCH, cfg2.epoch, list(cfg.shards), list(cfg.rates)])
+            wire.EpochEncoder().encode(cfg2.epoch, cfg.shards, cfg.rates)
             t2 = time.perf_counter()
             for f in frames:
-                push.send(f)
-            while pull.poll(0) == 0:
-                time.sleep(0.0001)
+                driver.on_rate_frame(f)
             t3 = time.perf_counter()
-            MembershipReplica._drain_rates(shell, planner)  # type: ignore[arg-type]
-            t4 = time.perf_counter()
             best["plan"] = min(best["plan"], t1 - t0)
             best["encode"] = min(best["encode"], t2 - t1)
-            best["rates"] = min(best["rates"], t4 - t3)
+            best["rates"] = min(best["rates"], t3 - t2)
+        driver.close()
     finally:
-        ctx.destroy(linger=0)
+        rt.close()
     ms = {k: round(v * 1000, 2) for k, v in best.items()}
     return {"model_plan_ms": ms["plan"], "model_encode_ms": ms["encode"], "model_rates_ms": ms["rates"],
             "model_epoch_ms": round(ms["plan"] + ms["encode"] + ms["rates"], 2)}
+
+
+class _ModelCoordination:
+    """The membership service's coordination and election ports for the in-process
+    model: a fixed topology, nothing committed, commits that are never answered."""
+
+    def __init__(self, topology: TopologyView, history: list[list[Any]]) -> None:
+        self.topology = topology
+        self.history = history
+
+    def register_mms(self, replica_id: int, addrs: dict[str, str]) -> None:
+        pass
+
+    def read_epoch_state(self) -> EpochState:
+        return EpochState(None, 0, self.history, 0)
+
+    def commit_block(self, commit: Any, on_done: Any) -> None:
+        pass
+
+    def run_election(self, path: str, identifier: str, on_elected: Any, on_lost: Any) -> None:
+        pass
+
+    def resign(self) -> None:
+        pass
 
 
 # -- profile -----------------------------------------------------------------------------------------
 
 #: what a stack of the leader's main thread is doing, by the functions on it (first match)
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("RATE ingestion (_drain_rates, on_rate)", ("_drain_rates", "on_rate")),
+    ("RATE ingestion (on_rate_frame, on_rate)", ("on_rate_frame", "on_rate", "decode_rate")),
     ("planning (ready list, EpochPlanner.plan)", ("plan", "<listcomp>", "shard_complete", "<genexpr>", "remove")),
-    ("ZooKeeper block commit", ("commit", "transaction", "set_data")),
-    ("waiting for the next epoch (_wait_until)", ("_wait_until",)),
+    ("ZooKeeper block commit", ("commit_block", "commit_async", "transaction", "set_data")),
+    ("waiting for the next epoch (poll, sleep)", ("poll", "sleep")),
 ]
 
 
@@ -439,12 +456,11 @@ def profile_leader(pid: int, seconds: int, path: Path) -> dict[str, Any] | None:
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         return {"error": f"py-spy failed: {e}"}
     frames = data["shared"]["frames"]
-    # py-spy names frames by qualified name ("MembershipReplica.lead.<locals>.<listcomp>"):
-    # match on the last part
+    # py-spy names frames by qualified name ("ZmqRuntime.run_forever"): match on the last part
     names = [str(f["name"]).rsplit(".", 1)[-1] for f in frames]
-    lead_profiles = [p for p in data["profiles"] if any(names[i] == "lead" for s in p["samples"] for i in s)]
+    lead_profiles = [p for p in data["profiles"] if any(names[i] == "run_forever" for s in p["samples"] for i in s)]
     if not lead_profiles:
-        return {"error": "no thread running lead() in the profile"}
+        return {"error": "no thread running the event loop (run_forever) in the profile"}
     prof = max(lead_profiles, key=lambda p: len(p["samples"]))
     samples: list[list[int]] = prof["samples"]
     total = len(samples)
@@ -452,7 +468,7 @@ def profile_leader(pid: int, seconds: int, path: Path) -> dict[str, Any] | None:
     own: dict[int, int] = {}
     for stack in samples:
         on_stack = {names[i] for i in stack}
-        cat = next((c for c, fns in CATEGORIES if on_stack & set(fns)), "broadcast and the rest of lead()")
+        cat = next((c for c, fns in CATEGORIES if on_stack & set(fns)), "broadcast and the rest of the loop")
         shares[cat] = shares.get(cat, 0) + 1
         if stack:
             own[stack[-1]] = own.get(stack[-1], 0) + 1
@@ -585,7 +601,7 @@ def _intro(params: dict[str, Any]) -> str:
         f"block of {params['epochs_per_commit']} (broadcast only after its ZooKeeper commit); `other_p99_ms`: the "
         "other intervals. `rate_in_per_s`: RATE frames/s the leader's PULL accepted. `model_epoch_ms`: "
         "the leader's per-epoch CPU (ready list + plan, EPOCH encoding, one RATE per shard through "
-        "`_drain_rates`) replayed in-process; above 10 ms one core cannot hold the interval. `rates=False`: "
+        "`on_rate_frame`) replayed in-process; above 10 ms one core cannot hold the interval. `rates=False`: "
         "the swarm sends no RATE.")
 
 

@@ -22,6 +22,20 @@ from typing import Any, Callable
 
 import numpy as np
 
+
+# private access: to be replaced by a public Subscription hook
+def _attach_release_tracker(sub: Any) -> _ReleaseTracker:
+    merge = sub._merge
+    tracker = _ReleaseTracker(merge)
+    merge.on_batch = tracker.on_batch
+    return tracker
+
+
+# private access: to be replaced by a public Subscription hook
+def _buffered_records(sub: Any) -> int:
+    return len(sub._merge)
+
+
 MAGIC = b"ZLSQ"
 #: magic, phase, shard, logical client, sequence number, intended issue time, call time
 HEADER = struct.Struct("<4sHHIIqq")
@@ -213,7 +227,8 @@ async def _run_phase(spec: PhaseSpec, shards: list[int], clients: dict[int, Any]
 
 class _ReleaseTracker:
     """Wraps a subscription's merge to learn, per record, when its own batch arrived and
-    which shard's batch finally let the merge deliver it (the shard it waited for)."""
+    which shard's batch finally let the merge deliver it (the shard it waited for).
+    :func:`_attach_release_tracker` puts it in place of the merge's ``on_batch``."""
 
     def __init__(self, merge: Any) -> None:
         self.merge = merge
@@ -222,7 +237,6 @@ class _ReleaseTracker:
         self.releases: list[tuple[int, int, int, int]] = []
         self._next = 0
         self._orig: Callable[..., None] = merge.on_batch
-        merge.on_batch = self.on_batch
 
     def on_batch(self, shard: int, records: list[Any], epochs: list[Any], progress: int) -> None:
         t = time.monotonic_ns()
@@ -257,7 +271,7 @@ def subscriber_main(zk_hosts: str, ctrl_q: Any, res_q: Any, stop: Any) -> None:
     try:
         client = ziplog.Client(zk_hosts, timeout=10.0)
         sub = client.subscribe(ziplog.RID_GENESIS)
-        tracker = _ReleaseTracker(sub._merge)
+        tracker = _attach_release_tracker(sub)
     except BaseException as e:
         res_q.put(("failed", "sub", f"{type(e).__name__}: {e}"))
         return
@@ -280,7 +294,7 @@ def subscriber_main(zk_hosts: str, ctrl_q: Any, res_q: Any, stop: Any) -> None:
                         if msg[0] == "flush":
                             arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(DELIVERY_COLUMNS))
                             rows = []
-                            res_q.put(("deliveries", msg[1], arr, dict(info, buffered=len(sub._merge))))
+                            res_q.put(("deliveries", msg[1], arr, dict(info, buffered=_buffered_records(sub))))
             try:
                 rec = sub.next(timeout=0.05)
             except Exception as e:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ziplog.protocol.gsna import epoch_end, epoch_of
 
@@ -78,7 +78,7 @@ class SubscriberMerge:
         return out
 
     # -- input ------------------------------------------------------------------------------
-    def on_batch(self, shard: int, records: list[list[Any]], epochs: list[list[Any]], progress: int) -> None:
+    def on_batch(self, shard: int, records: Sequence[Sequence[Any]], epochs: Sequence[Sequence[Any]], progress: int) -> None:
         for first, last, members in epochs:
             self._add_epochs(first, last, members)
         q = self.queues.setdefault(shard, deque())

@@ -1,6 +1,6 @@
 """Append-only segment files holding a replica's decided stream.
 
-Events (msgpack arrays, see ``wire.EV_*``) are appended in batches by the
+Events (msgpack arrays, see :mod:`ziplog.protocol.events`) are appended in batches by the
 server's loop thread after the acks went out: the server acks before the
 record reaches disk (as the dissertation argues, f+1 replicas in memory survive
 f failures), and batching turns many small writes into one. A write only
@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import msgpack
-
-EV_SNAPSHOT = 5  # (kind, membership_ranges, frontier, stable, trim_point)
+from ziplog.protocol.events import DiskEvent, RecordEvent, SnapshotEvent, decode_events, encode_event
 
 SEGMENT_BYTES = 64 << 20
 
@@ -49,7 +47,7 @@ class SegmentLog:
         self._size = 0
         self._seq = 0
         self._last_sync = 0.0
-        self._snapshot: Any = None
+        self._snapshot: SnapshotEvent | None = None
         self.max_gsn: dict[int, int] = {}  # segment seq -> highest record gsn in it
         self.error: BaseException | None = None
 
@@ -57,25 +55,20 @@ class SegmentLog:
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob("seg-*.log"))
 
-    def load(self) -> Iterator[tuple[Any, ...]]:
+    def load(self) -> Iterator[DiskEvent]:
         """Every event persisted, oldest first. Truncates a torn tail in place."""
         for path in self.segments():
             seq = int(path.stem.split("-")[1])
             self._seq = max(self._seq, seq)
             good = 0
-            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 31)
             with open(path, "rb") as f:
-                unpacker.feed(f.read())
-            try:
-                for ev in unpacker:
-                    good = unpacker.tell()
-                    if ev and ev[0] == 0:
-                        self.max_gsn[seq] = max(self.max_gsn.get(seq, 0), ev[1])
-                    yield tuple(ev)
-            except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-                pass
-            size = path.stat().st_size
-            if good < size:
+                blob = f.read()
+            for ev, end in decode_events(blob):
+                good = end
+                if type(ev) is RecordEvent:
+                    self.max_gsn[seq] = max(self.max_gsn.get(seq, 0), ev.gsn)
+                yield ev
+            if good < len(blob):
                 with open(path, "r+b") as f:
                     f.truncate(good)
 
@@ -84,10 +77,9 @@ class SegmentLog:
     # needs no hand-off); only fsync, which can take milliseconds, runs on a helper thread.
     # Handing every batch to a writer thread instead costs a thread wake-up and a GIL
     # hand-over per batch, right where the next request is being served.
-    def start(self, snapshot: tuple[Any, ...]) -> None:
+    def start(self, snapshot: SnapshotEvent) -> None:
         """Begin writing (a fresh segment that opens with ``snapshot``)."""
         self._snapshot = snapshot
-        self._packer = msgpack.Packer(use_bin_type=True)
         self._sync_wanted = threading.Event()
         self._stopping = False
         self._open_next()
@@ -105,27 +97,26 @@ class SegmentLog:
         self._file = open(path, "ab")
         self._size = 0
         if self._snapshot is not None:
-            self._write(self._packer.pack(list(self._snapshot)))
+            self._write(encode_event(self._snapshot))
 
     def _write(self, blob: bytes) -> None:
         self._file.write(blob)
         self._size += len(blob)
 
-    def append(self, events: list[tuple[Any, ...]], snapshot: tuple[Any, ...]) -> None:
+    def append(self, events: list[DiskEvent], snapshot: SnapshotEvent) -> None:
         """Write a batch (to the OS; fsync follows per policy). ``snapshot`` is the state
         after the batch, which the next segment opens with."""
         if self.error is not None:
             raise RuntimeError("segment fsync failed") from self.error
         if not events:
             return
-        pack = self._packer.pack
         seq = self._seq
         top = self.max_gsn.get(seq, 0)
         parts = []
         for ev in events:
-            parts.append(pack(list(ev)))
-            if ev[0] == 0 and ev[1] > top:
-                top = ev[1]
+            parts.append(encode_event(ev))
+            if type(ev) is RecordEvent and ev.gsn > top:
+                top = ev.gsn
         self.max_gsn[seq] = top
         self._snapshot = snapshot
         self._write(b"".join(parts))

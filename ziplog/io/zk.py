@@ -3,15 +3,22 @@ is :mod:`ziplog.protocol.layout`)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError, NodeExistsError
+from kazoo.protocol.states import KazooState
 
 from ziplog.protocol.layout import (EPOCH_PATH, FH_REPLICAS, FH_ROOT, MEMBERSHIP_PATH, MMS_ELECTION, MMS_REPLICAS,  # noqa: F401
                                     RECOVERY, ROOT, SHARDS, dec, enc, fh_election_path)
 from ziplog.protocol.membership import history_ranges, members_in_history  # noqa: F401
+from ziplog.protocol.topology import TopologyView
+
+log = logging.getLogger("ziplog.zk")
 
 
 def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
@@ -23,25 +30,17 @@ def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
     return zk
 
 
-class Topology:
-    """A live view of shards, their replicas' addresses, and the latest membership.
-
-    Kept current by ZooKeeper watches (callbacks in kazoo's thread replace whole
-    dicts, so readers on other threads never see a half-built view)."""
+class Topology(TopologyView):
+    """A live view of shards, their replicas' addresses, and the latest membership,
+    kept current by ZooKeeper watches (callbacks in kazoo's thread replace whole
+    fields, so readers on other threads never see a half-built view)."""
 
     def __init__(self, zk: KazooClient) -> None:
+        super().__init__()
         self.zk = zk
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self.replicas: dict[int, dict[int, str]] = {}  # shard -> replica -> addr
-        self.replica_counts: dict[int, int] = {}
-        self.removed: frozenset[int] = frozenset()
-        self.recovering: frozenset[int] = frozenset()
-        self.fh: dict[str, dict[str, str]] = {}
-        self.history: list[list[Any]] = []
-        self.mms: dict[str, dict[str, str]] = {}
         self._watched_shards: set[int] = set()
-        self._listeners: list[Callable[[], None]] = []
         zk.ensure_path(SHARDS)
         zk.ensure_path(MMS_REPLICAS)
         zk.ChildrenWatch(SHARDS, self._on_shards)
@@ -50,10 +49,7 @@ class Topology:
         zk.ensure_path(FH_REPLICAS)
         zk.ChildrenWatch(FH_REPLICAS, self._on_fh)
 
-    def on_change(self, fn: Callable[[], None]) -> None:
-        self._listeners.append(fn)
-
-    def _changed(self) -> None:
+    def changed(self) -> None:
         self._generation += 1
         self._live = None
         with self._cond:
@@ -93,7 +89,7 @@ class Topology:
             self.recovering = self.recovering | {shard}
         else:
             self.recovering = self.recovering - {shard}
-        self._changed()
+        self.changed()
 
     def _on_replicas(self, shard: int, kids: list[str]) -> None:
         addrs: dict[int, str] = {}
@@ -108,11 +104,11 @@ class Topology:
         reps = dict(self.replicas)
         reps[shard] = addrs
         self.replicas = reps
-        self._changed()
+        self.changed()
 
     def _on_membership(self, data: bytes | None, stat: Any) -> None:
         self.history = dec(data) or []
-        self._changed()
+        self.changed()
 
     def _read_children(self, parent: str, children: list[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
@@ -126,47 +122,103 @@ class Topology:
 
     def _on_mms(self, children: list[str]) -> None:
         self.mms = self._read_children(MMS_REPLICAS, children)
-        self._changed()
+        self.changed()
 
     def _on_fh(self, children: list[str]) -> None:
         self.fh = self._read_children(FH_REPLICAS, children)
-        self._changed()
-
-    # -- queries ------------------------------------------------------------------------------
-    _live: list[int] | None = None
-    _generation = 0
-
-    @property
-    def generation(self) -> int:
-        """Counts changes to this view: read it before reading the view, and a later
-        change shows as a different value (a watch updates the view first, then this)."""
-        return self._generation
-
-    def live_shards(self) -> list[int]:
-        """Shards in the latest membership whose replicas are all registered (cached until
-        ZooKeeper says something changed: this is on every insert's path)."""
-        live = self._live
-        if live is None:
-            gen = self._generation
-            members = self.history[-1][1] if self.history else []
-            out = self.removed | self.recovering
-            live = [s for s in members if s not in out and self.shard_complete(s)]
-            if gen == self._generation:  # no change raced with us: safe to keep
-                self._live = live
-        return live
-
-    def shard_complete(self, shard: int) -> bool:
-        n = self.replica_counts.get(shard, 0)
-        addrs = self.replicas.get(shard, {})
-        return n > 0 and all(i in addrs for i in range(n))
-
-    def replica_addrs(self, shard: int) -> list[str] | None:
-        n = self.replica_counts.get(shard, 0)
-        addrs = self.replicas.get(shard, {})
-        if n == 0 or any(i not in addrs for i in range(n)):
-            return None
-        return [addrs[i] for i in range(n)]
+        self.changed()
 
     def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate()`` holds (checked after every change) or ``timeout``."""
         with self._cond:
             return self._cond.wait_for(predicate, timeout)
+
+
+def stop(zk: KazooClient) -> None:
+    """End a session (its ephemeral nodes go at once) without raising."""
+    try:
+        zk.stop()
+        zk.close()
+    except Exception:
+        pass
+
+
+class StorageCoordination:
+    """A storage replica's ZooKeeper: its registration, the topology it watches, and
+    fresh reads of the membership history (the ``StorageCoordination`` port)."""
+
+    def __init__(self, zk_hosts: str) -> None:
+        self.zk = connect(zk_hosts)
+        self.topology = Topology(self.zk)
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        self.topology.on_change(fn)
+
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
+        shard_path = f"{SHARDS}/{shard}"
+        try:
+            self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
+        except NodeExistsError:
+            pass
+        node = f"{shard_path}/{replica}"
+        try:
+            self.zk.delete(node)  # a stale ephemeral of our previous life
+        except NoNodeError:
+            pass
+        self.zk.create(node, enc({"addr": addr, "pid": os.getpid()}), ephemeral=True)
+
+    def membership_history(self) -> list[list[Any]]:
+        self.zk.sync(MEMBERSHIP_PATH)
+        data, _ = self.zk.get(MEMBERSHIP_PATH)
+        return dec(data) or []
+
+    def close(self) -> None:
+        stop(self.zk)
+
+
+class Election:
+    """The ``ElectionPort`` on kazoo: a thread contends with a kazoo ``Election``; while
+    this replica leads, that thread waits until the driver resigns or the session is in
+    doubt (then the driver is told to stop at once: another replica may lead as soon as
+    our session expires). ``on_elected``/``on_lost`` run on the driver's runtime."""
+
+    def __init__(self, zk: KazooClient, rt: Any) -> None:
+        self.zk = zk
+        self.rt = rt
+        self._end_term = threading.Event()
+        self._closed = False
+        self._on_lost: Callable[[], None] | None = None
+        zk.add_listener(self._on_state)
+
+    def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
+                     on_lost: Callable[[], None]) -> None:
+        self._on_lost = on_lost
+
+        def lead() -> None:
+            self._end_term.clear()
+            self.rt.call_soon_threadsafe(on_elected)
+            self._end_term.wait()
+
+        def contend() -> None:
+            election = self.zk.Election(path, identifier=identifier)
+            while not self._closed:
+                try:
+                    election.run(lead)
+                except Exception:
+                    log.exception("election round failed")
+                    time.sleep(0.1)
+
+        threading.Thread(target=contend, name=f"election-{path}", daemon=True).start()
+
+    def _on_state(self, state: str) -> None:
+        if state != KazooState.CONNECTED:
+            self._end_term.set()
+            if self._on_lost is not None:
+                self.rt.call_soon_threadsafe(self._on_lost)
+
+    def resign(self) -> None:
+        self._end_term.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._end_term.set()

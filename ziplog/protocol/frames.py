@@ -1,59 +1,64 @@
-"""Wire protocol: every frame is one ZeroMQ message part holding a msgpack array
-``[version, op, ...fields]``. ``docs/PROTOCOL.md`` is the reference; keep the two in step.
+"""Every frame of the wire protocol: typed messages in, typed messages out, validated
+at the edge. ``docs/PROTOCOL.md`` is the reference; keep the two in step.
 
-Decoding validates shape and types so a malformed frame becomes a clear
-:class:`ProtocolError` (and an ERROR reply), never an exception in a server loop.
+A frame is one ZeroMQ message part holding a msgpack array ``[version, op, ...fields]``.
+Each op is a msgspec struct here (``array_like``: its fields in order are the array, so
+the bytes are exactly the documented layout), and each receiving edge has one decoder:
+
+* :func:`decode_request`: what a storage server's ROUTER takes (clients, backups, the
+  failure handler);
+* :func:`decode_reply`: what a client's DEALER takes;
+* :func:`decode_from_primary`, :func:`decode_epoch`, :func:`decode_rate`,
+  :func:`decode_suspect`, :func:`decode_recovery_reply`: the other edges.
+
+A decoder returns a typed message or raises :class:`ProtocolError` with the error code
+the frame earns (and its request id when one can be read), so a bad frame becomes an
+ERROR reply or a dropped frame, never an exception in a loop. Typed decoding validates
+as it goes: a uint field takes only a non-negative integer (not a bool, a float or a
+string), a data field only msgpack ``bin``, and an array of the wrong length is refused.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
+import msgspec
 import msgpack
+
+from ziplog.protocol.events import InstallEvent, Members, StreamEvent
 
 PROTOCOL_VERSION = 1
 
 # -- client -> storage server ----------------------------------------------------------
-INSERT = 1  # [v, op, req_id, client_id, seq, after_gsn, data]
-READ = 2  # [v, op, req_id, gsn]
-TRIM = 3  # [v, op, req_id, gsn]
-SUBSCRIBE = 4  # [v, op, sub_id, from_gsn, credit]
-CREDIT = 5  # [v, op, sub_id, credit]
-UNSUBSCRIBE = 6  # [v, op, sub_id]
-STATUS = 7  # [v, op, req_id]
-
+INSERT = 1
+READ = 2
+TRIM = 3
+SUBSCRIBE = 4
+CREDIT = 5
+UNSUBSCRIBE = 6
+STATUS = 7
 # -- storage server -> client ----------------------------------------------------------
-ACK = 16  # [v, op, req_id, gsn, replica, stable, decided, final]
-READ_OK = 17  # [v, op, req_id, gsn, data, stable_watermark]
-TRIM_OK = 18  # [v, op, req_id, trim_point]
-SUB_BATCH = 19  # [v, op, sub_id, records, epochs, progress]
-STATUS_OK = 20  # [v, op, req_id, status_map]
-ERROR = 31  # [v, op, req_id, code, message]
-
+ACK = 16
+READ_OK = 17
+TRIM_OK = 18
+SUB_BATCH = 19
+STATUS_OK = 20
+ERROR = 31
 # -- replica <-> replica ---------------------------------------------------------------
-HELLO = 32  # [v, op, shard, replica, frontier, guessed_top]  backup -> primary
-FORWARD = 33  # [v, op, stable, [prev_frontier, prev_epoch, events]]  primary -> backup
-PREFIX = 34  # [v, op, replica, frontier]                backup -> primary
-
+HELLO = 32
+FORWARD = 33
+PREFIX = 34
 # -- failure handler <-> storage server (dissertation 4.2.5) ------------------------------
-SUSPECT = 40  # [v, op, shard, replica, reason]           replica PUSH -> handler PULL
-PROBE = 41  # [v, op, req_id, gen]                        freeze for recovery gen, report state
-ACQUIRED = 42  # [v, op, req_id, gen]                     your state is the recovery's: answer for it
-FETCH = 43  # [v, op, req_id, gen, lo, hi, max_bytes]     decided records lo < gsn <= hi
-INSTALL = 44  # [v, op, req_id, gen, base, trim, events, end]  truncate to base, apply, frontier end
-RESUME = 45  # [v, op, req_id, gen, stable]               recovery done: serve again
-RECOVERY_OK = 46  # [v, op, req_id, payload]              answer to PROBE..RESUME
-
+SUSPECT = 40
+PROBE = 41
+ACQUIRED = 42
+FETCH = 43
+INSTALL = 44
+RESUME = 45
+RECOVERY_OK = 46
 # -- membership service ------------------------------------------------------------------
-EPOCH = 48  # [v, op, epoch, shards, rates]              MMS PUB -> shards
-RATE = 49  # [v, op, shard, epoch, count, duration_ns]   shard primary -> MMS PULL
-
-# Decided-stream event kinds (inside FORWARD, on disk).
-EV_RECORD = 0  # (kind, gsn, slot, client_id, seq, data)
-EV_FRONTIER = 1  # (kind, frontier, epoch, next_slot)
-EV_EPOCH = 2  # (kind, first_epoch, last_epoch, members)  members None = same as before
-EV_TRIM = 3  # (kind, trim_point)
-EV_TRUNCATE = 6  # (kind, base)  on disk only: recovery dropped everything decided above base
+EPOCH = 48
+RATE = 49
 
 # Error codes (strings on the wire so other languages need no table).
 E_MALFORMED = "MALFORMED"
@@ -76,6 +81,8 @@ E_NOT_HELD = "NOT_HELD"
 #: primary's decision can place it.
 E_NO_GUESS = "NO_GUESS"
 E_STALE = "STALE"
+#: The replica holds its limit of waiting requests or of subscriptions: try again later.
+E_OVERLOADED = "OVERLOADED"
 
 MAX_U64 = (1 << 64) - 1
 
@@ -84,8 +91,240 @@ MAX_U64 = (1 << 64) - 1
 #: batches: nothing queues up without bound, and nothing is dropped on a full queue.
 SUB_BATCH_COST = 1024
 
-_packer = msgpack.Packer(use_bin_type=True)
-pack = _packer.pack
+#: A non-negative integer that fits msgpack (whose widest integer is uint64).
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+#: An epoch number that is -1 before the first epoch.
+Epoch = Annotated[int, msgspec.Meta(ge=-1)]
+
+
+class Frame(msgspec.Struct, array_like=True, gc=False, kw_only=True, forbid_unknown_fields=True):
+    """Base of every frame: the version, then (in each subclass) the op."""
+
+    v: int = PROTOCOL_VERSION
+
+
+# -- client -> storage server ----------------------------------------------------------
+class Insert(Frame, kw_only=True):
+    """Insert ``data`` anywhere after gsn ``after``; ``(client_id, seq)`` names the record
+    across resends and redirects."""
+    op: int = INSERT
+    req_id: U64
+    client_id: U64
+    seq: U64
+    after: U64
+    data: bytes
+
+
+class Read(Frame, kw_only=True):
+    op: int = READ
+    req_id: U64
+    gsn: U64
+
+
+class Trim(Frame, kw_only=True):
+    op: int = TRIM
+    req_id: U64
+    gsn: U64
+
+
+class Subscribe(Frame, kw_only=True):
+    op: int = SUBSCRIBE
+    sub_id: U64
+    from_gsn: U64
+    credit: U64
+
+
+class Credit(Frame, kw_only=True):
+    op: int = CREDIT
+    sub_id: U64
+    credit: U64
+
+
+class Unsubscribe(Frame, kw_only=True):
+    op: int = UNSUBSCRIBE
+    sub_id: U64
+
+
+class Status(Frame, kw_only=True):
+    op: int = STATUS
+    req_id: U64
+
+
+# -- storage server -> client ----------------------------------------------------------
+class Ack(Frame, kw_only=True):
+    """``gsn`` for the insert ``req_id``: the decision when ``decided`` (always from the
+    primary), a backup's guess otherwise; ``final`` from the replica a recovery keeps."""
+    op: int = ACK
+    req_id: U64
+    gsn: U64
+    replica: U64
+    stable: U64
+    decided: bool
+    final: bool
+
+
+class ReadOk(Frame, kw_only=True):
+    op: int = READ_OK
+    req_id: U64
+    gsn: U64
+    data: bytes
+    stable: U64
+
+
+class TrimOk(Frame, kw_only=True):
+    op: int = TRIM_OK
+    req_id: U64
+    trim_point: U64
+
+
+class SubBatch(Frame, kw_only=True):
+    """Records in gsn order, the members of every epoch up to ``progress``, and
+    ``progress``: every position of the shard up to it is stable and was sent."""
+    op: int = SUB_BATCH
+    sub_id: U64
+    records: list[tuple[U64, bytes]]
+    epochs: list[tuple[U64, U64, Members]]
+    progress: U64
+
+    @property
+    def req_id(self) -> int:
+        """Answers to a subscription name it by its ``sub_id`` (an ERROR does too)."""
+        return self.sub_id
+
+
+class StatusOk(Frame, kw_only=True):
+    op: int = STATUS_OK
+    req_id: U64
+    status: dict[str, Any]
+
+
+class Error(Frame, kw_only=True):
+    """The request ``req_id`` (None when it could not be read) failed with ``code``."""
+    op: int = ERROR
+    req_id: U64 | None
+    code: str
+    message: str
+
+
+# -- replica <-> replica ---------------------------------------------------------------
+class Hello(Frame, kw_only=True):
+    op: int = HELLO
+    shard: U64
+    replica: U64
+    frontier: U64
+    guessed_top: U64
+
+
+class ForwardBody(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """The backup must be at ``(prev_frontier, prev_epoch)`` to apply ``events``."""
+    prev_frontier: U64
+    prev_epoch: Epoch
+    events: list[StreamEvent]
+
+
+class Forward(Frame, kw_only=True):
+    op: int = FORWARD
+    stable: U64
+    body: ForwardBody
+
+
+class Prefix(Frame, kw_only=True):
+    op: int = PREFIX
+    replica: U64
+    frontier: U64
+
+
+# -- failure handler <-> storage server ---------------------------------------------------
+class Suspect(Frame, kw_only=True):
+    op: int = SUSPECT
+    shard: U64
+    replica: U64
+    reason: str
+
+
+class Probe(Frame, kw_only=True):
+    op: int = PROBE
+    req_id: U64
+    gen: U64
+
+
+class Acquired(Frame, kw_only=True):
+    op: int = ACQUIRED
+    req_id: U64
+    gen: U64
+
+
+class Fetch(Frame, kw_only=True):
+    op: int = FETCH
+    req_id: U64
+    gen: U64
+    lo: U64
+    hi: U64
+    max_bytes: U64
+
+
+class Install(Frame, kw_only=True):
+    op: int = INSTALL
+    req_id: U64
+    gen: U64
+    base: U64
+    trim: U64
+    events: list[InstallEvent]
+    end: U64
+
+
+class Resume(Frame, kw_only=True):
+    op: int = RESUME
+    req_id: U64
+    gen: U64
+    stable: U64
+
+
+class RecoveryOk(Frame, kw_only=True):
+    op: int = RECOVERY_OK
+    req_id: U64
+    payload: dict[str, Any]
+
+
+# -- membership service ------------------------------------------------------------------
+class EpochStart(Frame, kw_only=True):
+    """EPOCH: the configuration of ``epoch`` (members sorted, one rate each)."""
+    op: int = EPOCH
+    epoch: U64
+    shards: Members
+    rates: tuple[U64, ...]
+
+
+class Rate(Frame, kw_only=True):
+    op: int = RATE
+    shard: U64
+    epoch: U64
+    count: U64
+    duration_ns: U64
+
+
+ClientRequest = Union[Insert, Read, Trim, Subscribe, Credit, Unsubscribe, Status]
+PeerRequest = Union[Hello, Prefix]
+RecoveryRequest = Union[Probe, Acquired, Fetch, Install, Resume]
+Request = Union[ClientRequest, PeerRequest, RecoveryRequest]
+Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, Error]
+
+#: Frames a storage server's ROUTER takes, by op (FORWARD is not one of them: it comes
+#: only from the primary, on a backup's own connection).
+REQUESTS: dict[int, type[Frame]] = {
+    INSERT: Insert, READ: Read, TRIM: Trim, SUBSCRIBE: Subscribe, CREDIT: Credit, UNSUBSCRIBE: Unsubscribe,
+    STATUS: Status, HELLO: Hello, PREFIX: Prefix, PROBE: Probe, ACQUIRED: Acquired, FETCH: Fetch,
+    INSTALL: Install, RESUME: Resume,
+}
+#: Frames a client's DEALER takes.
+REPLIES: dict[int, type[Frame]] = {
+    ACK: Ack, READ_OK: ReadOk, TRIM_OK: TrimOk, SUB_BATCH: SubBatch, STATUS_OK: StatusOk, ERROR: Error,
+}
+FROM_PRIMARY: dict[int, type[Frame]] = {FORWARD: Forward, ERROR: Error}
+RECOVERY_REPLIES: dict[int, type[Frame]] = {RECOVERY_OK: RecoveryOk, ERROR: Error}
+EPOCHS: dict[int, type[Frame]] = {EPOCH: EpochStart}
+RATES: dict[int, type[Frame]] = {RATE: Rate}
+SUSPECTS: dict[int, type[Frame]] = {SUSPECT: Suspect}
 
 
 class ProtocolError(Exception):
@@ -98,64 +337,107 @@ class ProtocolError(Exception):
         self.req_id = req_id
 
 
-def unpack(frame: bytes) -> Any:
-    return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+_encoder = msgspec.msgpack.Encoder()
+#: A typed message as its frame.
+encode = _encoder.encode
 
 
-def _is_uint(x: Any) -> bool:
-    return type(x) is int and 0 <= x <= MAX_U64
+class _EdgeDecoder:
+    """Decodes the frames one edge takes. The fast path reads the op from the frame's
+    third byte (a msgpack fixarray whose first element is the positive fixint version
+    1 puts a small op there) and decodes straight into that op's struct, which checks
+    every field as it goes. Anything else, and any frame the typed decoder refuses,
+    takes the slow path, which finds the precise error code."""
+
+    def __init__(self, table: dict[int, type[Frame]], check_version: bool = True) -> None:
+        self.table = table
+        self.check_version = check_version
+        self.decoders: dict[int, Any] = {op: msgspec.msgpack.Decoder(cls) for op, cls in table.items()}
+
+    def __call__(self, frame: bytes) -> Any:
+        if len(frame) > 2 and 0x90 <= frame[0] <= 0x9F and frame[1] == PROTOCOL_VERSION:
+            dec = self.decoders.get(frame[2])
+            if dec is not None:
+                try:
+                    return dec.decode(frame)
+                except msgspec.MsgspecError:
+                    pass
+        return self._slow(frame)
+
+    def _slow(self, frame: bytes) -> Any:
+        """The frame's message, or the ProtocolError it earns, checked in this order:
+        msgpack, an array of two or more, the version, the op, the number of fields,
+        their types. (A frame gets here when it is bad, or when a field is encoded in
+        an unusual but valid way, such as a version of an edge that does not check it.)"""
+        try:
+            msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several types; all mean the same here
+            raise ProtocolError(E_MALFORMED, f"not a msgpack frame ({type(exc).__name__})") from None
+        if type(msg) is not list or len(msg) < 2:
+            raise ProtocolError(E_MALFORMED, "frame must be a msgpack array [version, op, ...]")
+        version, op = msg[0], msg[1]
+        req_id = msg[2] if len(msg) > 2 and type(msg[2]) is int and 0 <= msg[2] <= MAX_U64 else None
+        if self.check_version and (type(version) is not int or version != PROTOCOL_VERSION):
+            raise ProtocolError(E_VERSION, f"protocol version {version!r} unsupported, want {PROTOCOL_VERSION}", req_id)
+        cls = self.table.get(op) if type(op) is int else None
+        if cls is None:
+            raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", req_id)
+        nfields = len(cls.__struct_fields__)
+        if len(msg) != nfields:
+            raise ProtocolError(E_MALFORMED, f"op {op} takes {nfields - 2} fields, got {len(msg) - 2}", req_id)
+        try:  # the typed decoder again, on the frame as it would be with version 1
+            return msgspec.msgpack.decode(msgpack.packb([PROTOCOL_VERSION, *msg[1:]], use_bin_type=True), type=cls)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(E_BAD_ARGUMENT, f"op {op}: {_field_error(str(exc), cls)}", req_id) from None
 
 
-# field type checkers per client op: (name, checker)
-_U = ("uint", _is_uint)
-_B = ("bytes", lambda x: type(x) is bytes)
-
-CLIENT_SCHEMAS: dict[int, tuple[tuple[str, Any], ...]] = {
-    INSERT: (_U, _U, _U, _U, _B),
-    READ: (_U, _U),
-    TRIM: (_U, _U),
-    SUBSCRIBE: (_U, _U, _U),
-    CREDIT: (_U, _U),
-    UNSUBSCRIBE: (_U,),
-    STATUS: (_U,),
-}
-
-PEER_SCHEMAS: dict[int, tuple[tuple[str, Any], ...]] = {
-    HELLO: (_U, _U, _U, _U),
-    FORWARD: (_U, ("list", lambda x: type(x) is list)),
-    PREFIX: (_U, _U),
-    PROBE: (_U, _U),
-    ACQUIRED: (_U, _U),
-    FETCH: (_U, _U, _U, _U, _U),
-    INSTALL: (_U, _U, _U, _U, ("list", lambda x: type(x) is list), _U),
-    RESUME: (_U, _U, _U),
-}
+def _field_error(text: str, cls: type[Frame]) -> str:
+    """msgspec's ``Expected `int`, got `str` - at `$[3]``` with the field's name."""
+    head, sep, where = text.partition(" - at `$[")
+    if not sep:
+        return text
+    index = where.split("]", 1)[0]
+    if index.isdigit() and int(index) < len(cls.__struct_fields__):
+        return f"field {cls.__struct_fields__[int(index)]}: {head}"
+    return text
 
 
-def decode_request(frame: bytes) -> list[Any]:
-    """Decode and validate a frame sent to a storage server. Raises ProtocolError."""
-    try:
-        msg = unpack(frame)
-    except Exception as exc:  # msgpack raises several types; all mean the same here
-        raise ProtocolError(E_MALFORMED, f"not a msgpack frame ({type(exc).__name__})") from None
-    if type(msg) is not list or len(msg) < 2:
-        raise ProtocolError(E_MALFORMED, "frame must be a msgpack array [version, op, ...]")
-    version, op = msg[0], msg[1]
-    req_id = msg[2] if len(msg) > 2 and _is_uint(msg[2]) else None
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(E_VERSION, f"protocol version {version!r} unsupported, want {PROTOCOL_VERSION}", req_id)
-    schema = CLIENT_SCHEMAS.get(op) if type(op) is int else None
-    if schema is None:
-        schema = PEER_SCHEMAS.get(op) if type(op) is int else None
-    if schema is None:
-        raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", req_id)
-    if len(msg) != 2 + len(schema):
-        raise ProtocolError(E_MALFORMED, f"op {op} takes {len(schema)} fields, got {len(msg) - 2}", req_id)
-    for i, (tname, check) in enumerate(schema):
-        if not check(msg[2 + i]):
-            raise ProtocolError(E_BAD_ARGUMENT, f"op {op} field {i} must be {tname}, got {type(msg[2 + i]).__name__}", req_id)
-    return msg
+#: A frame sent to a storage server (clients, backups, the failure handler).
+decode_request = _EdgeDecoder(REQUESTS)
+#: A storage server's answer to a client.
+decode_reply = _EdgeDecoder(REPLIES)
+#: What a backup's connection to its primary carries (the version is not checked).
+decode_from_primary = _EdgeDecoder(FROM_PRIMARY, check_version=False)
+#: A storage replica's answer to the failure handler.
+decode_recovery_reply = _EdgeDecoder(RECOVERY_REPLIES)
+#: An epoch broadcast (the version is not checked).
+decode_epoch = _EdgeDecoder(EPOCHS, check_version=False)
+#: A primary's rate report (the version is not checked).
+decode_rate = _EdgeDecoder(RATES, check_version=False)
+#: A replica's suspicion report.
+decode_suspect = _EdgeDecoder(SUSPECTS)
 
 
 def error_frame(req_id: int | None, code: str, message: str) -> bytes:
-    return pack([PROTOCOL_VERSION, ERROR, req_id, code, message])
+    return encode(Error(req_id=req_id, code=code, message=message))
+
+
+class EpochEncoder:
+    """EPOCH frames of a sequence of epochs that share one configuration: only the
+    epoch number differs, so the rest is encoded once per configuration (a membership
+    of thousands of shards costs more to encode than an epoch lasts)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Members, tuple[int, ...]] | None = None
+        self._tail = b""
+        self._head = b"\x95" + encode(PROTOCOL_VERSION) + encode(EPOCH)
+
+    def encode(self, epoch: int, shards: Members, rates: tuple[int, ...]) -> bytes:
+        key = (shards, rates)
+        if self._key is None or self._key[0] is not shards or self._key[1] is not rates:
+            self._tail = encode(shards) + encode(rates)
+            self._key = key
+            frame = self._head + encode(epoch) + self._tail
+            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates))
+            return frame
+        return self._head + encode(epoch) + self._tail

@@ -1,92 +1,81 @@
 """A replicated control-plane process with one elected leader (the membership service,
-the failure handler): its ZooKeeper session, the kazoo Election loop, losing leadership
-with the session, and the signal handling of its ``main``. Subclasses implement
-:meth:`ElectedReplica.lead`, which runs while this replica leads and returns (or raises)
-to step down; it must stop once ``lost`` is set."""
+the failure handler), as a driver: it contends through an :class:`ElectionPort` and is
+told when it leads and when it must stop (the session is in doubt, or it stepped down).
+Subclasses implement :meth:`ElectedDriver.lead_begin` and :meth:`ElectedDriver.lead_end`.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
-import threading
-import time
-from typing import Any
+from typing import Any, Callable, Protocol
 
-import zmq
-from kazoo.protocol.states import KazooState
-
-from ziplog.io import zk as discovery
+from ziplog.io.ports import Runtime
 
 
-class ElectedReplica:
+class ElectionPort(Protocol):
+    def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
+                     on_lost: Callable[[], None]) -> None:
+        """Contend for leadership at ``path``, for good; ``on_elected`` and ``on_lost`` are
+        called on the driver's runtime (``on_lost`` when the session is in doubt, or after
+        :meth:`resign`). A replica that stops leading contends again."""
+
+    def resign(self) -> None:
+        """Give up leadership (and contend again)."""
+
+
+class ElectedDriver:
     #: what the logs call this kind of replica
     kind = "replica"
 
-    def __init__(self, zk_hosts: str, replica_id: int, election_path: str) -> None:
-        self.id = replica_id
+    def __init__(self, rt: Runtime, election: ElectionPort, election_path: str, replica_id: int) -> None:
+        self.rt = rt
+        self.election = election
         self.election_path = election_path
+        self.id = replica_id
+        self.leading = False
         self.log = logging.getLogger(self.kind)
-        self.zk = discovery.connect(zk_hosts)
-        self.ctx = zmq.Context()
-        self.running = True
-        self.is_leader = False
-        #: set when the ZooKeeper session is in doubt: stop leading until we are sure again
-        self.lost = threading.Event()
-        self.zk.add_listener(self._on_zk_state)
 
-    def _on_zk_state(self, state: str) -> None:
-        if state != KazooState.CONNECTED:
-            self.lost.set()
+    def contend(self) -> None:
+        self.election.run_election(self.election_path, str(self.id), self._elected, self._lost)
 
-    def run(self) -> None:
-        election = self.zk.Election(self.election_path, identifier=str(self.id))
-        while self.running:
-            try:
-                election.run(self._lead)
-            except Exception:
-                self.log.exception("election round failed")
-                time.sleep(0.1)
-
-    def _lead(self) -> None:
-        self.lost.clear()
-        self.is_leader = True
+    def _elected(self) -> None:
+        if self.leading:
+            return
+        self.leading = True
         self.log.info("%s %d is leader", self.kind, self.id)
-        try:
-            self.lead()
-        finally:
-            self.is_leader = False
-            self.log.info("%s %d stops leading", self.kind, self.id)
+        self.lead_begin()
 
-    def lead(self) -> None:
+    def _lost(self) -> None:
+        if not self.leading:
+            return
+        self.leading = False
+        self.log.info("%s %d stops leading", self.kind, self.id)
+        self.lead_end()
+
+    def step_down(self, why: str) -> None:
+        """Another leader exists (a version check failed): stop, and contend again."""
+        self.log.warning("%s %d steps down: %s", self.kind, self.id, why)
+        self._lost()
+        self.election.resign()
+
+    def lead_begin(self) -> None:
         raise NotImplementedError
 
-    def start(self) -> None:
-        """Register in ZooKeeper (before :meth:`run`)."""
-
-    def close(self) -> None:
-        self.running = False
-        try:
-            self.zk.stop()
-            self.zk.close()
-        except Exception:
-            pass
-        self.ctx.destroy(linger=0)
+    def lead_end(self) -> None:
+        raise NotImplementedError
 
 
-def serve(replica: ElectedReplica) -> int:
-    """A ``main``'s body: run until SIGTERM/SIGINT, then close."""
+def serve_forever(run_forever: Callable[[], None], stop: Callable[[], None], close: Callable[[], None]) -> int:
+    """A process ``main``'s body: run until SIGTERM/SIGINT, then close."""
 
-    def stop(signum: int, frame: Any) -> None:
-        replica.running = False
-        replica.lost.set()
-        if not replica.is_leader:
-            raise SystemExit(0)  # a follower may be blocked inside the election
+    def on_signal(signum: int, frame: Any) -> None:
+        stop()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    replica.start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        replica.run()
+        run_forever()
     finally:
-        replica.close()
+        close()
     return 0

@@ -141,10 +141,13 @@ class LocalCluster:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(addr)
-            sock.send(wire.pack([wire.PROTOCOL_VERSION, wire.STATUS, 1]))
+            sock.send(wire.encode(wire.Status(req_id=1)))
             if not sock.poll(2000):
                 return False
-            st = wire.unpack(sock.recv())[3]
+            reply = wire.decode_reply(sock.recv())
+            if not isinstance(reply, wire.StatusOk):
+                return False
+            st = reply.status
             return len(st["backups_connected"]) == self.replicas - 1 and st["epoch"] >= 0
         finally:
             sock.close(0)

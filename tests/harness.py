@@ -1,0 +1,163 @@
+"""Shard 0's replica cores and the failure handler's core wired by hand: no network, no
+clock, no driver. Core-level tests step them one event at a time; every message crosses
+the codec (encoded, then decoded at its edge), as it would on the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from failure_handler.recovery import Persist, RecoveryCore, Send
+from ziplog.cores.effects import Peer, ReadHistory
+from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.protocol import frames as wire
+from ziplog.protocol.events import DiskEvent
+from ziplog.protocol.gsna import EpochConfig
+from ziplog.protocol.membership import history_ranges
+
+MS = 1_000_000
+
+
+class ShardHarness:
+    """Replicas 0 (primary) and 1 (backup) of shard 0, a client route, and the failure
+    handler. A core set to None is down: it hears nothing."""
+
+    def __init__(self, settings: dict[str, Any] | None = None, history: list[list[Any]] | None = None) -> None:
+        self.settings = settings or {}
+        self.now = 0
+        self.cores: dict[int, ReplicaCore | None] = {0: self.new_core(0), 1: self.new_core(1)}
+        self.disk: dict[int, list[DiskEvent]] = {0: [], 1: []}
+        self.client: list[tuple[int, wire.Reply]] = []
+        self.suspects: list[wire.Suspect] = []
+        self.rates: list[wire.Rate] = []
+        self.history: list[list[Any]] = history if history is not None else [[0, [0]]]
+        self.handler = RecoveryCore()
+        self.handler.load(0, 2, None, 0)
+        self.persisted: list[Persist] = []
+        #: called with each Persist once written (a test may drop the shard then)
+        self.on_persist: Any = None
+        self.epoch = -1
+
+    def new_core(self, replica: int) -> ReplicaCore:
+        return ReplicaCore(ReplicaSettings(0, replica, 2, **self.settings))
+
+    @property
+    def P(self) -> ReplicaCore:
+        core = self.cores[0]
+        assert core is not None
+        return core
+
+    @P.setter
+    def P(self, core: ReplicaCore | None) -> None:
+        self.cores[0] = core
+
+    @property
+    def B(self) -> ReplicaCore:
+        core = self.cores[1]
+        assert core is not None
+        return core
+
+    @B.setter
+    def B(self, core: ReplicaCore | None) -> None:
+        self.cores[1] = core
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def config(self, epoch: int, members: tuple[int, ...]) -> EpochConfig:
+        return EpochConfig(epoch, members, tuple(1000 for _ in members))
+
+    def send_epoch(self, e: int, members: tuple[int, ...], to: tuple[int, ...] = (0, 1)) -> None:
+        cfg = self.config(e, members)
+        for i in to:
+            core = self.cores[i]
+            if core is not None:
+                core.on_epoch(cfg, self.now)
+
+    def next_epoch(self) -> None:
+        """The MMS broadcasts the next epoch with the history's latest members."""
+        self.epoch += 1
+        self.send_epoch(self.epoch, tuple(self.history[-1][1]))
+        self.pump()
+
+    def insert(self, seq: int, data: bytes, to: tuple[int, ...] = (0, 1), after: int = 0, client: int = 7) -> None:
+        msg = wire.Insert(req_id=seq, client_id=client, seq=seq, after=after, data=data)
+        for i in to:
+            core = self.cores[i]
+            if core is not None:
+                core.on_request(b"client", wire.decode_request(wire.encode(msg)), self.now)
+
+    def replies(self, req_id: int) -> list[tuple[int, wire.Reply]]:
+        return [(i, m) for i, m in self.client if m.req_id == req_id]
+
+    # -- the network, by hand ---------------------------------------------------------------------
+    def pump(self, lose: tuple[str, ...] = (), drop_from: set[int] | frozenset[int] = frozenset()) -> None:
+        """Deliver every message until quiet. ``lose``: "forward" (primary -> backup) and
+        "hello" (backup -> primary) messages are lost; messages from replicas in
+        ``drop_from`` are all lost (it "crashed" before they left)."""
+        for _ in range(200):
+            moved = False
+            for i, core in list(self.cores.items()):
+                if core is None:
+                    continue
+                core.flush(self.now)
+                moved = self._deliver(i, core, lose, drop_from) or moved
+            moved = self.run_handler() or moved
+            if not moved:
+                return
+        raise AssertionError("the cores keep talking: no quiet after 200 rounds")
+
+    def _deliver(self, i: int, core: ReplicaCore, lose: tuple[str, ...], drop_from: Any) -> bool:
+        moved = False
+        while True:
+            ready = core.ready()
+            self.disk[i].extend(ready.persist)
+            for dest, msg in ready.messages:
+                moved = True
+                if i in drop_from:
+                    continue
+                frame = wire.encode(msg)
+                if dest is Peer.PRIMARY:
+                    if "hello" in lose and isinstance(msg, wire.Hello):
+                        continue
+                    if self.cores[0] is not None:
+                        self.P.on_request(b"backup", wire.decode_request(frame), self.now)
+                elif dest is Peer.HANDLER:
+                    self.suspects.append(wire.decode_suspect(frame))
+                elif dest is Peer.MMS:
+                    self.rates.append(wire.decode_rate(frame))
+                elif dest == b"backup":
+                    if "forward" not in lose and self.cores[1] is not None:
+                        msg2 = wire.decode_from_primary(frame)
+                        if isinstance(msg2, wire.Forward):
+                            self.B.on_forward(msg2, self.now)
+                elif dest == b"client":
+                    self.client.append((i, wire.decode_reply(frame)))
+                elif dest == b"handler":
+                    self.handler.on_reply(0, i, wire.decode_recovery_reply(frame), self.now)
+                else:
+                    raise AssertionError(f"a message to an unknown route {dest!r}")
+            if not ready.coordinate:
+                return moved
+            for req in ready.coordinate:
+                assert isinstance(req, ReadHistory)
+                core.on_history(history_ranges(self.history, req.first, req.last), self.now)
+
+    def run_handler(self) -> bool:
+        acts = self.handler.take_actions()
+        for a in acts:
+            if isinstance(a, Persist):
+                self.persisted.append(a)
+                self.handler.on_persisted(a.shard, int(a.record["gen"]), self.now)
+                if self.on_persist is not None:
+                    self.on_persist(a)
+            else:
+                assert isinstance(a, Send)
+                core = self.cores.get(a.replica)
+                if core is not None:  # a replica that is down never hears it
+                    core.on_request(b"handler", wire.decode_request(wire.encode(a.msg)), self.now)
+        return bool(acts)
+
+    def tick(self, advance_ns: int = 0) -> None:
+        self.now += advance_ns
+        for core in self.cores.values():
+            if core is not None:
+                core.tick(self.now)
+        self.pump()

@@ -1,0 +1,271 @@
+"""The client driver: the client core's calls and subscriptions over the ports. The
+blocking :class:`~ziplog.Client` runs it on a :class:`~ziplog.io.zmq_runtime.ZmqRuntime`
+while a call waits, :class:`~ziplog.aio.AsyncClient` on an asyncio runtime, and the
+simulation on its simulated network: the same code in all three.
+
+One DEALER per replica address (a DEALER connected to several would round-robin, and a
+request must reach every replica), shared by every call; each subscription has its own
+DEALER per shard. Replies are routed to calls by their request id.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ziplog.cores.client.calls import Call, EachReplicaCall, InsertCall, ReadCall
+from ziplog.cores.client.state import ClientState
+from ziplog.cores.client.subscription import SubscriptionCore
+from ziplog.io.ports import Connector, Endpoint, Runtime, Timer
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import ClientClosedError, ZiplogError
+from ziplog.protocol.topology import TopologyView
+from ziplog.protocol.types import RID_RECENT, RecordId
+
+#: How long a closed subscription's connections may take to deliver their UNSUBSCRIBE.
+UNSUBSCRIBE_LINGER_MS = 200
+
+
+class Record:
+    """A record delivered by a subscription."""
+
+    __slots__ = ("rid", "data")
+
+    def __init__(self, rid: RecordId, data: bytes) -> None:
+        self.rid = rid
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"Record(rid={self.rid!r}, data={self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
+
+
+class ClientDriver:
+    def __init__(self, rt: Runtime, net: Connector, topology: TopologyView, state: ClientState) -> None:
+        self.rt = rt
+        self.net = net
+        self.topology = topology
+        self.client = state
+        self.conns: dict[str, Endpoint] = {}
+        #: request id -> the call that sent it (calls forget theirs when done)
+        self.pending: dict[int, Call] = {}
+        self.calls: dict[Call, tuple[Timer | None, int | None, Callable[[], None] | None]] = {}
+        self.subs: dict[int, "SubscriptionDriver"] = {}
+        self.closed = False
+
+    # -- calls ------------------------------------------------------------------------------------
+    def insert(self, data: bytes, after_gsn: int, key: bytes | None, on_done: Callable[[], None] | None = None) -> InsertCall:
+        call = InsertCall(self.client, data, after_gsn, key, self.rt.now() + self.client.timeout_ns)
+        self.start(call, on_done)
+        return call
+
+    def read(self, rid: RecordId, on_done: Callable[[], None] | None = None) -> ReadCall:
+        call = ReadCall(self.client, rid, self.rt.now() + self.client.timeout_ns)
+        self.start(call, on_done)
+        return call
+
+    def each_replica(self, shards: list[int], make: Callable[[int], wire.Frame], what: str,
+                     on_done: Callable[[], None] | None = None) -> EachReplicaCall:
+        call = EachReplicaCall(self.client, shards, make, self.rt.now() + self.client.timeout_ns, what)
+        self.start(call, on_done)
+        return call
+
+    def start(self, call: Call, on_done: Callable[[], None] | None = None) -> None:
+        if self.closed:
+            call.fail(ClientClosedError("client is closed"))
+            if on_done is not None:
+                on_done()
+            return
+        self.calls[call] = (None, None, on_done)
+        self._run(call, call.start(self.rt.now(), self.topology))
+
+    def _run(self, call: Call, sends: Sequence[tuple[Sequence[str], wire.Frame]]) -> None:
+        encode = wire.encode
+        for addrs, msg in sends:
+            frame = encode(msg)
+            self.pending[msg.req_id] = call  # type: ignore[attr-defined]
+            for addr in addrs:
+                conn = self.conns.get(addr)
+                if conn is None:
+                    conn = self.conns[addr] = self.net.dealer(addr, self._reply_handler(addr), "replica")
+                conn.send(frame)
+        timer, at, on_done = self.calls.get(call, (None, None, None))
+        if call.done:
+            for r in call.req_ids:
+                self.pending.pop(r, None)
+            if timer is not None:
+                timer.cancel()
+            self.calls.pop(call, None)
+            if on_done is not None:
+                on_done()
+            return
+        if call.wake_at != at:
+            if timer is not None:
+                timer.cancel()
+            timer = None if call.wake_at is None else self.rt.call_at(call.wake_at, lambda: self._on_timer(call))
+            self.calls[call] = (timer, call.wake_at, on_done)
+
+    def _reply_handler(self, addr: str) -> Callable[[bytes], None]:
+        return lambda frame: self._on_reply(addr, frame)
+
+    def _on_reply(self, addr: str, frame: bytes) -> None:
+        try:
+            msg = wire.decode_reply(frame)
+        except wire.ProtocolError:
+            return
+        call = self.pending.get(msg.req_id)
+        if call is None or call.done:
+            return  # a late answer to a request that is over
+        self._run(call, call.on_reply(addr, msg, self.rt.now(), self.topology))
+
+    def _on_timer(self, call: Call) -> None:
+        entry = self.calls.get(call)
+        if entry is None or call.done:
+            return
+        self.calls[call] = (None, None, entry[2])
+        self._run(call, call.on_timer(self.rt.now(), self.topology))
+
+    def on_topology(self) -> None:
+        """Something moved in ZooKeeper: calls and subscriptions look again; connections
+        to addresses no replica has any more are closed."""
+        if self.closed:
+            return
+        now, topo = self.rt.now(), self.topology
+        for call in list(self.calls):
+            if not call.done:
+                self._run(call, call.on_topology(now, topo))
+        for sub in list(self.subs.values()):
+            sub.on_topology()
+        current = {a for reps in topo.replicas.values() for a in reps.values()}
+        for addr in [a for a in self.conns if a not in current]:
+            self.conns.pop(addr).close()
+
+    # -- subscriptions ----------------------------------------------------------------------------
+    def subscribe(self, start: RecordId, pick: Callable[[int, int], int] | None = None) -> "SubscriptionDriver":
+        """A subscription from ``start``; ``pick(shard, replicas)`` chooses the replica it
+        reads a shard from (default: replica 0)."""
+        sub_id = self.client.next_req()
+        if start == RID_RECENT:
+            core = SubscriptionCore(sub_id, None, explicit=False, pick=pick)
+        else:
+            core = SubscriptionCore(sub_id, max(start.gsn, 1), explicit=start.gsn > 0, pick=pick)
+        sub = SubscriptionDriver(self, core)
+        self.subs[sub_id] = sub
+        if start == RID_RECENT:
+            # The position: just past the lowest stable watermark of any shard now (a status
+            # round trip), so every record inserted after this returns is seen.
+            shards = [s for s in self.topology.shards() if self.topology.replica_addrs(s) is not None]
+            if not shards:
+                sub.positioned(1)
+                return sub
+            status = EachReplicaCall(self.client, shards, lambda req: wire.Status(req_id=req),
+                                     self.rt.now() + self.client.timeout_ns, "status")
+
+            def positioned() -> None:
+                try:
+                    replies = status.result()
+                except ZiplogError as exc:
+                    sub.perform(core.failed(exc))
+                    return
+                stables = [min(r.status["stable"] for r in reps) for reps in replies.values() if reps]
+                sub.positioned(max(min(stables), 0) + 1 if stables else 1)
+
+            self.start(status, positioned)
+        else:
+            sub.perform(core.start(self.rt.now(), self.topology))
+        return sub
+
+    def close(self) -> None:
+        """Every call still waiting fails with ClientClosedError; subscriptions close."""
+        if self.closed:
+            return
+        self.closed = True
+        for sub in list(self.subs.values()):
+            sub.close()
+        for call in list(self.calls):
+            if not call.done:
+                call.fail(ClientClosedError("client is closed"))
+                self._run(call, [])
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+
+class SubscriptionDriver:
+    """One subscription's connections and timer, over :class:`SubscriptionCore`.
+    ``on_change`` (if set) is told whenever a record, an error or the end may be there."""
+
+    def __init__(self, driver: ClientDriver, core: SubscriptionCore) -> None:
+        self.driver = driver
+        self.core = core
+        self.conns: dict[int, Endpoint] = {}
+        self.timer: Timer | None = None
+        self.timer_at: int | None = None
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.core.state.value == "closed"
+
+    def positioned(self, from_gsn: int) -> None:
+        self.perform(self.core.positioned(from_gsn, self.driver.rt.now(), self.driver.topology))
+
+    def perform(self, effects: list[tuple[str, int, Any]]) -> None:
+        net = self.driver.net
+        for what, shard, arg in effects:
+            if what == "send":
+                conn = self.conns.get(shard)
+                if conn is not None:
+                    conn.send(wire.encode(arg))
+            elif what == "open":
+                old = self.conns.pop(shard, None)
+                if old is not None:
+                    old.close()
+                self.conns[shard] = net.dealer(arg, self._frame_handler(shard), "subscription")
+            else:
+                conn = self.conns.pop(shard, None)
+                if conn is not None:
+                    conn.close(UNSUBSCRIBE_LINGER_MS)
+        at = self.core.wake_at
+        if at != self.timer_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer_at = at
+            self.timer = None if at is None else self.driver.rt.call_at(at, self._on_timer)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _frame_handler(self, shard: int) -> Callable[[bytes], None]:
+        return lambda frame: self._on_frame(shard, frame)
+
+    def _on_frame(self, shard: int, frame: bytes) -> None:
+        try:
+            msg = wire.decode_reply(frame)
+        except wire.ProtocolError:
+            return
+        self.perform(self.core.on_frame(shard, msg, self.driver.topology))
+
+    def _on_timer(self) -> None:
+        self.timer = self.timer_at = None
+        self.perform(self.core.on_timer(self.driver.rt.now(), self.driver.topology))
+
+    def on_topology(self) -> None:
+        self.perform(self.core.connect_known(self.driver.topology))
+
+    def read(self) -> None:
+        """The reader is here (it may have been away longer than the servers' lease)."""
+        self.perform(self.core.read(self.driver.rt.now(), self.driver.topology))
+
+    def pop(self) -> Record | None:
+        item, effects = self.core.pop()
+        if effects:
+            self.perform(effects)
+        if item is None:
+            return None
+        gsn, shard, data = item
+        return Record(RecordId(gsn, shard), data)
+
+    def close(self) -> None:
+        self.perform(self.core.close())
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = self.timer_at = None
+        self.driver.subs.pop(self.core.sub_id, None)

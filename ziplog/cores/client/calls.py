@@ -1,0 +1,318 @@
+"""One client call at a time, as a state machine (sans-I/O): InsertAfter, ReadRecord,
+trim and status. A call takes the replies to its requests, the passage of time and
+changes of the topology, and hands back the frames to send (to which replicas'
+addresses); ``wake_at`` says when it wants :meth:`Call.on_timer`; once ``done``,
+:meth:`Call.result` is its value or raises its error. The blocking and the asyncio
+clients and the simulation's clients drive the same calls through one driver
+(``ziplog.client.driver``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Sequence
+
+from ziplog.cores.client.state import RETRY_AFTER_NS, RETRY_TROUBLED_NS, STABLE_READ_WAIT_NS, ClientState
+from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirect
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import (NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
+from ziplog.protocol.topology import TopologyView
+from ziplog.protocol.types import RecordId
+
+#: frames to send: (the replica addresses, the message)
+Sends = list[tuple[Sequence[str], wire.Frame]]
+
+
+class Call:
+    """What every call has: its requests' ids (the driver routes replies by them), when
+    it wants the timer, and its outcome."""
+
+    def __init__(self, deadline_ns: int) -> None:
+        self.deadline_ns = deadline_ns
+        self.done = False
+        self.error: BaseException | None = None
+        self.value: Any = None
+        self.wake_at: int | None = deadline_ns
+        self.req_ids: list[int] = []
+
+    def result(self) -> Any:
+        assert self.done, "the call is not done"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def _finish(self, value: Any) -> Sends:
+        self.done, self.value, self.wake_at = True, value, None
+        return []
+
+    def fail(self, error: BaseException) -> Sends:
+        self.done, self.error, self.wake_at = True, error, None
+        return []
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        raise NotImplementedError
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        raise NotImplementedError
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        raise NotImplementedError
+
+    def on_topology(self, now: int, topo: TopologyView) -> Sends:
+        return []
+
+
+class InsertState(enum.Enum):
+    #: a pinned shard is not live right now: wait (within the deadline) for it to return
+    WAITING_FOR_SHARD = "waiting_for_shard"
+    #: sent to every replica of ``shard``; resent every retry interval until settled
+    SENT = "sent"
+    DONE = "done"
+
+
+class InsertCall(Call):
+    """``insert_after``: the record goes to every replica of one live shard; the primary's
+    ACK is the decision, and the insert is done when every backup's latest ACK equals it
+    (``InsertWait``). Unanswered, the identical frame is resent (replicas answer a
+    duplicate with the gsn they gave it); a shard that provably holds no copy
+    (``Redirect``) is left for another under the same (client id, seq), so the record
+    still appears once. The deadline covers the whole call."""
+
+    def __init__(self, client: ClientState, data: bytes, after_gsn: int, key: bytes | None, deadline_ns: int) -> None:
+        super().__init__(deadline_ns)
+        self.client = client
+        self.data = data
+        self.after = after_gsn
+        self.key = key
+        self.seq = client.next_seq()
+        self.excluded: set[int] = set()
+        self.state = InsertState.WAITING_FOR_SHARD
+        self.shard = -1
+        self.targets: tuple[str, ...] = ()
+        self.wait: InsertWait | None = None
+        self.msg: wire.Insert | None = None
+        self.retry_at = 0
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        return self._choose(now, topo)
+
+    def _choose(self, now: int, topo: TopologyView) -> Sends:
+        client = self.client
+        shard = client.choose_shard(topo.live_shards(), self.key, self.data, self.excluded, now)
+        if shard is None:
+            if client.pinned_shard_may_return(self.excluded, topo.replica_counts):
+                # The pinned shard is out for now (failure recovery, a replica restarting):
+                # wait for ZooKeeper to show it live again, within this call's deadline.
+                self.state = InsertState.WAITING_FOR_SHARD
+                self.wake_at = self.deadline_ns
+                return []
+            if client.policy.kind == "fixed":
+                return self.fail(NoShardAvailableError(f"shard {client.policy.shard} is not live"))
+            return self.fail(NoShardAvailableError("no live shard accepts inserts"))
+        addrs = topo.replica_addrs(shard)
+        if addrs is None:
+            return self.fail(UnknownRecordError(f"shard {shard} is unknown or not all of its replicas are up"))
+        req = client.next_req()
+        self.req_ids.append(req)
+        self.state = InsertState.SENT
+        self.shard = shard
+        self.targets = tuple(addrs)
+        self.wait = InsertWait(req, len(addrs))
+        self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data)
+        self.retry_at = now + RETRY_AFTER_NS
+        self.wake_at = min(self.retry_at, self.deadline_ns)
+        return [(self.targets, self.msg)]
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        wait = self.wait
+        if self.state is not InsertState.SENT or wait is None or addr not in self.targets:
+            return []  # an answer on a connection we no longer wait on
+        try:
+            settled = wait.feed(self.targets.index(addr), msg)
+        except Redirect:
+            # The shard provably holds no copy: the same id on another shard is safe.
+            self.excluded.add(self.shard)
+            self.client.avoid(self.shard, now)
+            self.client.stats["redirects"] += 1
+            return self._choose(now, topo)
+        except ZiplogError as exc:
+            self.state = InsertState.DONE
+            return self.fail(exc)
+        if not settled:
+            return []
+        self.state = InsertState.DONE
+        gsn = wait.decided
+        assert gsn is not None and gsn > self.after, ("InsertAfter returned a gsn not above the rid", gsn, self.after)
+        self.client.stats["fast_path" if wait.fast else "slow_path"] += 1
+        self.client.learn_stable(self.shard, wait.stable)
+        return self._finish(RecordId(gsn, self.shard))
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        if self.state is InsertState.WAITING_FOR_SHARD:
+            if now >= self.deadline_ns:
+                return self.fail(NoShardAvailableError(f"shard {self.client.policy.shard} is not live"))
+            return self._choose(now, topo)
+        if self.state is not InsertState.SENT:
+            return []
+        if now >= self.deadline_ns:
+            self.state = InsertState.DONE
+            return self.fail(ZiplogTimeoutError(f"insert on shard {self.shard} not acknowledged in time"))
+        if now < self.retry_at:
+            return []
+        # Unanswered: resend the identical frame; replicas answer a duplicate with the gsn
+        # they already gave it. A replica that restarted listens elsewhere now.
+        self.client.stats["retries"] += 1
+        self.client.avoid(self.shard, now)
+        return self._resend(now, topo)
+
+    def _resend(self, now: int, topo: TopologyView) -> Sends:
+        wait = self.wait
+        assert wait is not None and self.msg is not None
+        new = topo.replica_addrs(self.shard)
+        if new is not None and tuple(new) != self.targets:
+            self.wait = wait = InsertWait(wait.req_id, len(new))  # answers on the old connections are gone
+            self.targets = tuple(new)
+        self.retry_at = now + (RETRY_TROUBLED_NS if wait.troubled else RETRY_AFTER_NS)
+        self.wake_at = min(self.retry_at, self.deadline_ns)
+        return [(self.targets, self.msg)]
+
+    def on_topology(self, now: int, topo: TopologyView) -> Sends:
+        if self.state is InsertState.WAITING_FOR_SHARD:
+            return self._choose(now, topo)
+        if self.state is InsertState.SENT:
+            new = topo.replica_addrs(self.shard)
+            if new is not None and tuple(new) != self.targets:
+                return self._resend(now, topo)  # a replica moved: ask it where it is now
+        return []
+
+
+class ReadCall(Call):
+    """``read_record``: a gsn the client knows is stable (every replica holds it) is read
+    from one random replica, and from all if that one has not answered within
+    STABLE_READ_WAIT; any other from all replicas, settled by the first answer that
+    reports it stable or by all answers agreeing (``ReadWait``)."""
+
+    def __init__(self, client: ClientState, rid: RecordId, deadline_ns: int) -> None:
+        super().__init__(deadline_ns)
+        self.client = client
+        self.rid = rid
+        self.targets: tuple[str, ...] = ()
+        self.only: str | None = None  # the one replica asked, while asking one
+        self.wait: ReadWait | None = None
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        rid = self.rid
+        if rid.gsn <= 0 or rid.shard < 0:
+            return self.fail(UnknownRecordError(f"{rid!r} names no record"))
+        addrs = topo.replica_addrs(rid.shard)
+        if addrs is None:
+            return self.fail(UnknownRecordError(f"shard {rid.shard} is unknown or not all of its replicas are up"))
+        self.targets = tuple(addrs)
+        if rid.gsn <= self.client.stable.get(rid.shard, 0):
+            # Stable: every replica holds it, so one answer suffices (and spreads the load).
+            self.only = self.targets[self.client.rng.randrange(len(self.targets))]
+            self.wait = ReadWait(self._req(), rid.gsn, 1)
+            self.wake_at = min(self.deadline_ns, now + STABLE_READ_WAIT_NS)
+            return [((self.only,), wire.Read(req_id=self.wait.req_id, gsn=rid.gsn))]
+        return self._ask_all()
+
+    def _req(self) -> int:
+        req = self.client.next_req()
+        self.req_ids.append(req)
+        return req
+
+    def _ask_all(self) -> Sends:
+        self.only = None
+        self.wait = ReadWait(self._req(), self.rid.gsn, len(self.targets))
+        self.wake_at = self.deadline_ns
+        return [(self.targets, wire.Read(req_id=self.wait.req_id, gsn=self.rid.gsn))]
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        wait = self.wait
+        if wait is None or self.done:
+            return []
+        if self.only is not None:
+            if addr != self.only:
+                return []
+            index = 0
+        elif addr in self.targets:
+            index = self.targets.index(addr)
+        else:
+            return []
+        try:
+            settled = wait.feed(index, msg)
+        except ZiplogError as exc:
+            return self.fail(exc)
+        if not settled:
+            return []
+        self.client.learn_stable(self.rid.shard, wait.stable)
+        return self._finish(wait.data)
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        if now >= self.deadline_ns:
+            return self.fail(ZiplogTimeoutError(f"read of {self.rid!r} not answered in time"))
+        if self.only is not None:
+            return self._ask_all()  # that replica is slow or gone: ask them all
+        return []
+
+
+class EachReplicaCall(Call):
+    """A request every replica of some shards must answer (trim, status). It is
+    idempotent, so an unanswered one is sent again every retry interval, to the
+    addresses ZooKeeper holds then."""
+
+    def __init__(self, client: ClientState, shards: list[int], make: Callable[[int], wire.Frame], deadline_ns: int,
+                 what: str) -> None:
+        super().__init__(deadline_ns)
+        self.client = client
+        self.shards = shards
+        self.make = make
+        self.what = what
+        self.waits: dict[int, EachReplica] = {}
+        self.targets: dict[int, tuple[str, ...]] = {}
+        self.msg: wire.Frame | None = None
+        self.retry_at = 0
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        req = self.client.next_req()
+        self.req_ids.append(req)
+        self.msg = self.make(req)
+        return self._send_missing(now, topo)
+
+    def _send_missing(self, now: int, topo: TopologyView) -> Sends:
+        assert self.msg is not None
+        out: Sends = []
+        for s in self.shards:
+            w = self.waits.get(s)
+            if w is not None and len(w.replies) == w.n:
+                continue
+            addrs = topo.replica_addrs(s)
+            if addrs is None:
+                continue  # a replica is down right now: it may come back
+            if self.targets.get(s) != tuple(addrs):
+                self.targets[s] = tuple(addrs)
+                self.waits[s] = EachReplica(self.msg.req_id, len(addrs))  # type: ignore[attr-defined]
+            out.append((self.targets[s], self.msg))
+        self.retry_at = now + RETRY_AFTER_NS
+        self.wake_at = min(self.retry_at, self.deadline_ns)
+        return out
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        if self.done:
+            return []
+        for s, targets in self.targets.items():
+            if addr in targets:
+                try:
+                    self.waits[s].feed(targets.index(addr), msg)
+                except ZiplogError as exc:
+                    return self.fail(exc)
+        if len(self.waits) == len(self.shards) and all(len(w.replies) == w.n for w in self.waits.values()):
+            return self._finish({s: [self.waits[s].replies[i] for i in range(self.waits[s].n)] for s in self.shards})
+        return []
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        if now >= self.deadline_ns:
+            return self.fail(ZiplogTimeoutError(f"{self.what} not answered in time"))
+        if now >= self.retry_at:
+            return self._send_missing(now, topo)
+        return []

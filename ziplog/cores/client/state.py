@@ -1,0 +1,72 @@
+"""What a client keeps across its calls (sans-I/O): its identity, the sequence numbers
+that make a resent insert recognisable (so a retry never stores a record twice), the
+stable watermarks it learned, the shards it avoids for a while, and its counters."""
+
+from __future__ import annotations
+
+import random
+
+from ziplog.protocol.types import Policy
+
+NS_PER_S = 1_000_000_000
+#: How long new records avoid a shard that answered FROZEN or refused (ZooKeeper says
+#: the same a little later, through the shard's recovering flag).
+AVOID_NS = 1_000_000_000
+#: Resend an unanswered insert (same client id and sequence number) after this long...
+RETRY_AFTER_NS = 250_000_000
+#: ... or this long when the shard is refusing or frozen for recovery: the answer that
+#: settles the record comes only in reply to a resend.
+RETRY_TROUBLED_NS = 50_000_000
+#: A stable read asks one replica; after this long without an answer it asks all.
+STABLE_READ_WAIT_NS = 500_000_000
+#: Shards whose stable watermark a client remembers (one entry per shard it used).
+MAX_SHARDS_REMEMBERED = 1_000_000
+
+
+class ClientState:
+    def __init__(self, client_id: int, policy: Policy | None, rng: random.Random, timeout_ns: int) -> None:
+        self.client_id = client_id
+        self.policy = policy or Policy.random()
+        self.rng = rng
+        self.timeout_ns = timeout_ns
+        self._seq = 0
+        self._req = 0
+        self.stable: dict[int, int] = {}  # shard -> highest stable watermark a reply reported
+        self.avoided: dict[int, int] = {}  # shard -> until when new records avoid it
+        self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    def learn_stable(self, shard: int, stable: int) -> None:
+        """Replies carry the replica's stable watermark; reads at or below it need one replica."""
+        if stable > self.stable.get(shard, 0) and (shard in self.stable or len(self.stable) < MAX_SHARDS_REMEMBERED):
+            self.stable[shard] = stable
+
+    def avoid(self, shard: int, now: int) -> None:
+        """Send new records elsewhere for a while: the shard is recovering or refusing."""
+        self.avoided[shard] = now + AVOID_NS
+        if len(self.avoided) > 64:
+            self.avoided = {s: t for s, t in self.avoided.items() if t > now}
+
+    def choose_shard(self, live: list[int], key: bytes | None, data: bytes, excluded: set[int], now: int) -> int | None:
+        live = [s for s in live if s not in excluded]
+        # Avoiding a slow shard only helps a policy that may pick another one: a fixed
+        # policy keeps its shard while it is live (refusals still exclude it).
+        if self.avoided and self.policy.kind != "fixed":
+            healthy = [s for s in live if self.avoided.get(s, 0) <= now]
+            if healthy:
+                live = healthy
+        return self.policy.choose(live, key, data, self.rng)
+
+    def pinned_shard_may_return(self, excluded: set[int], known_shards: dict[int, int]) -> bool:
+        """A fixed policy's shard exists but is not live, and did not refuse this record:
+        it may come back (recovery, a restart), so the insert waits for it instead of
+        failing at once. A shard ZooKeeper never heard of fails at once."""
+        return (self.policy.kind == "fixed" and self.policy.shard not in excluded
+                and self.policy.shard in known_shards)

@@ -1,0 +1,225 @@
+"""A subscription's lifecycle (sans-I/O): which replica of which shard to read from,
+credit, lease renewal, and resuming where a moved replica left off. The merge of the
+shards' streams into one gap-free stream in gsn order is :class:`SubscriberMerge`.
+
+A subscription reads from replica 0 of every shard ZooKeeper knows and of every shard
+named in the membership it receives. It grants ``SUB_CREDIT_BYTES`` of credit, and
+returns credit as records are consumed (plus ``SUB_BATCH_COST`` per batch), so what a
+server queues for a reader that stops is bounded. Servers drop a subscription they
+have not heard from for their lease (60 s): a CREDIT of 0 renews it every
+``SUB_KEEPALIVE``, and a reader that was away longer than ``SUB_LEASE`` subscribes
+again everywhere from where each shard left off. When a shard's replica 0 moves (a
+restart), the subscription subscribes there again from just past what that shard sent.
+
+Effects are ``(what, shard, arg)``: ``("open", shard, addr)`` a connection,
+``("send", shard, frame)`` on it, ``("close", shard, None)`` it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+from ziplog.cores.merge import SubscriberMerge
+from ziplog.protocol import frames as wire
+from ziplog.protocol.errors import from_reply
+from ziplog.protocol.topology import TopologyView
+
+#: Credit a subscription grants each shard (bytes), returned after a quarter of it is read.
+SUB_CREDIT_BYTES = 8 << 20
+#: A CREDIT of 0 renews the servers' lease this often.
+SUB_KEEPALIVE_NS = 10_000_000_000
+#: Subscribe again everywhere when not read for this long: a little under the servers'
+#: lease on a silent subscription (ReplicaSettings.subscription_lease_ns, 60 s).
+SUB_LEASE_NS = 50_000_000_000
+#: How often a subscription looks for shards it is not connected to yet.
+SUB_RECONNECT_NS = 200_000_000
+
+Effect = tuple[str, int, Any]
+
+
+class SubState(enum.Enum):
+    #: RID_RECENT: waiting for the position (a status round trip)
+    POSITIONING = "positioning"
+    OPEN = "open"
+    #: a shard answered with an error: it is raised to the reader
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+#: (shard, gsns of the batch's records, delivered up to before, delivered up to after)
+BatchObserver = Callable[[int, list[int], int, int], None]
+
+
+class SubscriptionCore:
+    def __init__(self, sub_id: int, from_gsn: int | None, explicit: bool,
+                 pick: Callable[[int, int], int] | None = None) -> None:
+        self.sub_id = sub_id
+        #: which replica of a shard (of how many) to read from: replica 0 unless told
+        self.pick = pick or (lambda shard, n: 0)
+        self.explicit = explicit
+        self.from_gsn = from_gsn or 0
+        self.state = SubState.POSITIONING if from_gsn is None else SubState.OPEN
+        self.merge: SubscriberMerge | None = SubscriberMerge(from_gsn) if from_gsn is not None else None
+        self.addrs: dict[int, str] = {}  # shard -> the replica address subscribed to
+        self.consumed: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self.last_keepalive = 0
+        self.last_read = 0
+        self.next_look = 0
+        self.resubscribes = 0
+        #: a diagnostic hook, called after each batch (see :data:`BatchObserver`)
+        self.observer: BatchObserver | None = None
+
+    # -- position -------------------------------------------------------------------------------
+    def positioned(self, from_gsn: int, now: int, topo: TopologyView) -> list[Effect]:
+        """RID_RECENT: the position is known now."""
+        assert self.state is SubState.POSITIONING
+        self.from_gsn = from_gsn
+        self.merge = SubscriberMerge(from_gsn)
+        self.state = SubState.OPEN
+        return self.start(now, topo)
+
+    def failed(self, error: BaseException) -> list[Effect]:
+        if self.state in (SubState.POSITIONING, SubState.OPEN):
+            self.error = error
+            self.state = SubState.FAILED
+        return []
+
+    def start(self, now: int, topo: TopologyView) -> list[Effect]:
+        self.last_keepalive = self.last_read = now
+        self.next_look = now + SUB_RECONNECT_NS
+        return self.connect_known(topo)
+
+    @property
+    def wake_at(self) -> int | None:
+        if self.state is not SubState.OPEN:
+            return None
+        return min(self.last_keepalive + SUB_KEEPALIVE_NS, self.next_look)
+
+    # -- connections ----------------------------------------------------------------------------
+    def connect_known(self, topo: TopologyView) -> list[Effect]:
+        """Subscribe on every shard we know of; subscribe again where a shard's serving
+        replica moved (restarted), from just past what that shard already sent us."""
+        if self.state is not SubState.OPEN:
+            return []
+        merge = self.merge
+        assert merge is not None
+        out: list[Effect] = []
+        for shard in sorted(set(topo.replica_counts) | merge.known_shards()):
+            addrs = topo.replica_addrs(shard)
+            if addrs is None:
+                continue
+            addr = addrs[self.pick(shard, len(addrs))]
+            old = self.addrs.get(shard)
+            if old == addr:
+                continue
+            if old is not None:
+                out.append(("close", shard, None))
+                start = merge.resume_point(shard)
+                self.resubscribes += 1
+            else:
+                # 0 asks for the start of the log (no TrimmedError); an explicit position must exist.
+                start = self.from_gsn if self.explicit else (0 if self.from_gsn == 1 else self.from_gsn)
+            self.addrs[shard] = addr
+            self.consumed[shard] = 0
+            out.append(("open", shard, addr))
+            out.append(("send", shard, wire.Subscribe(sub_id=self.sub_id, from_gsn=start, credit=SUB_CREDIT_BYTES)))
+        return out
+
+    def resubscribe_all(self, topo: TopologyView) -> list[Effect]:
+        """Every shard looks moved: subscribe again everywhere from where each left off."""
+        self.addrs = {s: "" for s in self.addrs}
+        return self.connect_known(topo)
+
+    # -- input ----------------------------------------------------------------------------------
+    def on_frame(self, shard: int, msg: wire.Reply, topo: TopologyView) -> list[Effect]:
+        if self.state is not SubState.OPEN:
+            return []
+        merge = self.merge
+        assert merge is not None
+        if isinstance(msg, wire.SubBatch):
+            if msg.sub_id != self.sub_id:
+                return []
+            before = merge.delivered
+            merge.on_batch(shard, msg.records, msg.epochs, msg.progress)
+            if self.observer is not None:
+                self.observer(shard, [g for g, _ in msg.records], before, merge.delivered)
+            out = self._credit(shard, wire.SUB_BATCH_COST)
+            if merge.known_shards() - set(self.addrs):
+                out.extend(self.connect_known(topo))
+            return out
+        if isinstance(msg, wire.Error) and msg.req_id == self.sub_id:
+            return self.failed(from_reply(msg.code, msg.message))
+        return []
+
+    def on_timer(self, now: int, topo: TopologyView) -> list[Effect]:
+        out: list[Effect] = []
+        if self.state is not SubState.OPEN:
+            return out
+        if now >= self.last_keepalive + SUB_KEEPALIVE_NS:
+            # renew the servers' lease even while nothing is consumed
+            self.last_keepalive = now
+            out.extend(("send", s, wire.Credit(sub_id=self.sub_id, credit=0)) for s in self.addrs)
+        if now >= self.next_look:
+            self.next_look = now + SUB_RECONNECT_NS
+            out.extend(self.connect_known(topo))
+        return out
+
+    # -- reading --------------------------------------------------------------------------------
+    def read(self, now: int, topo: TopologyView) -> list[Effect]:
+        """The reader is here: if it was away longer than the servers' lease, they may
+        have dropped the subscription: subscribe again from where each shard left off."""
+        out: list[Effect] = []
+        if self.state is SubState.OPEN and now - self.last_read > SUB_LEASE_NS:
+            self.last_keepalive = now
+            out = self.resubscribe_all(topo)
+        self.last_read = now
+        return out
+
+    def pop(self) -> tuple[tuple[int, int, bytes] | None, list[Effect]]:
+        """The next record (gsn, shard, data) if one is ready, and the credit to return."""
+        if self.merge is None:
+            return None, []
+        item = self.merge.pop()
+        if item is None:
+            return None, []
+        return item, self._credit(item[1], len(item[2]))
+
+    def has_record(self) -> bool:
+        return self.merge is not None and len(self.merge) > 0
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _credit(self, shard: int, nbytes: int) -> list[Effect]:
+        c = self.consumed.get(shard, 0) + nbytes
+        out: list[Effect] = []
+        if c >= SUB_CREDIT_BYTES // 4:
+            if shard in self.addrs:
+                out.append(("send", shard, wire.Credit(sub_id=self.sub_id, credit=c)))
+            c = 0
+        self.consumed[shard] = c
+        return out
+
+    def close(self) -> list[Effect]:
+        if self.state is SubState.CLOSED:
+            return []
+        self.state = SubState.CLOSED
+        out: list[Effect] = []
+        for s in self.addrs:
+            out.append(("send", s, wire.Unsubscribe(sub_id=self.sub_id)))
+            out.append(("close", s, None))
+        self.addrs = {}
+        return out
+
+    # -- what a reader may look at -------------------------------------------------------------------
+    @property
+    def buffered(self) -> int:
+        """Records received and not yet read."""
+        return len(self.merge) if self.merge is not None else 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self.merge.buffered_bytes if self.merge is not None else 0

@@ -1,0 +1,365 @@
+"""A backup's part (replicas 1..f): it guesses, it never decides. Dissertation 4.2.4.
+
+An INSERT gets the backup's own guess of the slot the primary will give it (the next
+slot of its speculation of the current epoch's schedule, above the rid) and an ACK
+``decided=false`` at once: when every backup's guess equals the primary's decision the
+insert took two message delays. The primary's FORWARDs then arrive in order; the backup
+applies them to its log, and where its guess differed it re-ACKs the decided gsn (the
+three-delay path). It answers every FORWARD with PREFIX (its frontier), which is how the
+primary learns what is stable.
+
+A backup is UNQUALIFIED from (re)start until the primary's first FORWARD shows it in
+step (its disk may lag what it acknowledged before a crash): it guesses nothing until
+then. Its link to the primary (:class:`Link`) is CONNECTING until the primary answers
+its HELLO, then IN_STEP.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ziplog.cores.effects import Outbox, Peer
+from ziplog.cores.replica.log import DecidedLog
+from ziplog.cores.replica.memory import Memory
+from ziplog.cores.replica.settings import ReplicaSettings
+from ziplog.protocol import frames as f
+from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_of
+
+ErrorReply = Callable[[bytes, "int | None", str, str], None]
+Key = tuple[int, int]
+
+
+class Qualification(enum.Enum):
+    #: (re)started: may have lost what it acknowledged before; guesses nothing
+    UNQUALIFIED = "unqualified"
+    #: holds everything it ever acknowledged
+    QUALIFIED = "qualified"
+
+
+class Link(enum.Enum):
+    #: no primary known yet
+    DOWN = "down"
+    #: HELLO sent (again every hello_retry) and not answered yet
+    CONNECTING = "connecting"
+    #: the primary's forwards arrive and apply
+    IN_STEP = "in_step"
+
+
+@dataclass(slots=True)
+class Guess:
+    key: Key
+    slot: int
+    data: bytes
+
+
+@dataclass
+class Speculation:
+    """A backup's guesses: what it acked but the primary has not yet decided. Slots
+    are guessed in the current epoch (``config``); guesses of earlier epochs stay until
+    the primary's decisions settle or displace them, because an acknowledged guess is
+    state failure recovery must see."""
+
+    config: EpochConfig
+    cursor: SlotCursor | None  # None when this shard is not a member
+    next_slot: int = 0
+    by_key: dict[Key, int] = field(default_factory=dict)  # key -> guessed gsn
+    #: guessed gsn -> the guess; its record is kept because a guess acked to a client is
+    #: state failure recovery must see
+    by_gsn: dict[int, Guess] = field(default_factory=dict)
+
+    def add(self, gsn: int, key: Key, slot: int, data: bytes) -> None:
+        self.by_key[key] = gsn
+        self.by_gsn[gsn] = Guess(key, slot, data)
+
+    def forget(self, gsn: int) -> None:
+        """Drop the guess at ``gsn`` (confirmed, or displaced by the primary's decision)."""
+        g = self.by_gsn.pop(gsn, None)
+        if g is not None:
+            self.by_key.pop(g.key, None)
+
+    def resync(self, primary_next_slot: int) -> None:
+        """Follow the primary's slot pointer, backwards too: a guess the primary did not
+        take (a record it placed elsewhere, an epoch switch seen at different moments)
+        must not leave us one slot off for the rest of the epoch. Never below a slot
+        still held by an outstanding guess, so no two guesses share a gsn."""
+        lo, hi = self.config.base, self.config.end
+        top = max((g.slot for gsn, g in self.by_gsn.items() if lo <= gsn <= hi), default=-1) + 1
+        self.next_slot = max(primary_next_slot, top)
+
+    def carried_into(self, config: EpochConfig, cursor: SlotCursor | None) -> "Speculation":
+        """The speculation for a new epoch, keeping every outstanding guess."""
+        return Speculation(config, cursor, 0, self.by_key, self.by_gsn)
+
+
+class BackupFollower:
+    is_primary = False
+
+    def __init__(self, settings: ReplicaSettings, log: DecidedLog, out: Outbox, error: ErrorReply,
+                 stats: dict[str, int]) -> None:
+        self.s = settings
+        self.shard = settings.shard
+        self.log = log
+        self.out = out
+        self.error = error
+        self.stats = stats
+        self.qualification = Qualification.UNQUALIFIED
+        self.link = Link.DOWN
+        self.hello_sent_at: int | None = None
+        self.spec: Speculation | None = None
+        #: who asked for a record the primary has not decided yet: (route, req_id); when
+        #: the decision arrives and differs from our guess we ACK it there
+        self.pending_routes: Memory[Key, tuple[bytes, int]] = Memory(settings.route_memory_ns, settings.max_remembered,
+                                                                     settings.prune_interval_ns)
+        #: records we will never guess (we said NO_GUESS, or our guess was displaced): a
+        #: client the primary refused may have moved them to another shard
+        self.no_guess: Memory[Key, None] = Memory(settings.refusal_memory_ns, settings.max_remembered,
+                                                  settings.prune_interval_ns)
+        self.prefix_dirty = False
+        self.last_prefix_ns = 0
+
+    # -- what others ask ----------------------------------------------------------------------------
+    deciding = False
+    blocked = None
+
+    @property
+    def qualified(self) -> bool:
+        return self.qualification is Qualification.QUALIFIED
+
+    def current_epoch(self) -> int:
+        return self.spec.config.epoch if self.spec is not None else -1
+
+    # -- the primary ----------------------------------------------------------------------------
+    def connect_primary(self, now: int, frozen: bool) -> None:
+        """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
+        the primary answers (it may not be up yet, or the hello may be lost)."""
+        self.link = Link.CONNECTING
+        self.hello_sent_at = now
+        if not frozen:  # frozen: our state is the recovery's business, not a primary's
+            self.out.send(Peer.PRIMARY, self.hello())
+
+    def hello(self) -> f.Hello:
+        sp = self.spec
+        guessed_top = max(sp.by_gsn, default=0) if sp is not None else 0
+        return f.Hello(shard=self.shard, replica=self.s.replica, frontier=self.log.frontier, guessed_top=guessed_top)
+
+    def on_forward(self, msg: f.Forward, now: int) -> None:
+        log = self.log
+        body = msg.body
+        if body.prev_frontier > log.frontier or body.prev_epoch > log.last_epoch:
+            # We missed a forward (or restarted): ask for a catch-up, not more than once
+            # per retry interval (the catch-up itself may be in flight).
+            if self.hello_sent_at is None or now - self.hello_sent_at > self.s.hello_retry_ns:
+                self.out.send(Peer.PRIMARY, self.hello())
+                self.hello_sent_at = now
+            return
+        self.hello_sent_at = None
+        self.link = Link.IN_STEP
+        # In step with the primary: we now hold everything it decided, which includes
+        # everything any replica acknowledged before we (re)started.
+        self.qualification = Qualification.QUALIFIED
+        changed = False
+        sp = self.spec
+        for ev in body.events:
+            t = type(ev)
+            if t is RecordEvent:
+                assert isinstance(ev, RecordEvent)
+                if log.apply_record(ev):
+                    changed = True
+                    self._settle(ev, now)
+            elif t is FrontierEvent:
+                assert isinstance(ev, FrontierEvent)
+                if log.advance_frontier(ev.frontier):
+                    changed = True
+                sp = self.spec
+                if sp is not None and sp.config.epoch == ev.epoch:
+                    self._drop_displaced_guesses(now)
+                    sp.resync(ev.next_slot)
+            else:
+                assert isinstance(ev, EpochEvent)
+                if log.apply_epochs(ev.first, ev.last, ev.members):
+                    changed = True
+        self.prefix_dirty = True  # answer every FORWARD: a lost PREFIX must not stall stability
+        if changed:
+            self._drop_displaced_guesses(now)
+        log.advance_stable(msg.stable)
+
+    def _settle(self, ev: RecordEvent, now: int) -> None:
+        """The primary decided ``ev``: our guess of it (if any) is confirmed or replaced,
+        a guess of another record at its gsn is displaced, and a client we answered with
+        another gsn gets the decided one."""
+        gsn, key = ev.gsn, (ev.client_id, ev.seq)
+        sp = self.spec
+        guessed = None
+        if sp is not None:
+            guessed = sp.by_key.get(key)
+            if guessed is not None:
+                sp.forget(guessed)
+            other = sp.by_gsn.get(gsn)
+            if other is not None and other.key != key:
+                self._displaced(other.key, now)
+            sp.forget(gsn)  # another record guessed here is displaced: the primary will place it
+            if sp.config.epoch == epoch_of(gsn) and ev.slot + 1 > sp.next_slot:
+                sp.next_slot = ev.slot + 1
+        pending = self.pending_routes.pop(key)
+        if pending is not None and guessed != gsn:
+            self.stats["reacks"] += 1
+            self.out.send(pending[0], f.Ack(req_id=pending[1], gsn=gsn, replica=self.s.replica, stable=self.log.stable,
+                                            decided=True, final=False))
+
+    def _drop_displaced_guesses(self, now: int) -> None:
+        sp = self.spec
+        if sp is None or not sp.by_gsn:
+            return
+        frontier = self.log.frontier
+        for g in [g for g in sp.by_gsn if g <= frontier]:
+            self._displaced(sp.by_gsn[g].key, now)
+            sp.forget(g)
+
+    def _displaced(self, key: Key, now: int) -> None:
+        """The primary filled our guess's slot otherwise: never guess this record again. A
+        resend then learns NO_GUESS; if the primary refused the record for good, that tells
+        the client the shard has no copy (guessing anew at every resend never would)."""
+        if key not in self.log.dedup:
+            self.no_guess.add(key, now)
+
+    # -- inserts --------------------------------------------------------------------------------
+    def insert(self, route: bytes, msg: f.Insert, now: int) -> None:
+        key = (msg.client_id, msg.seq)
+        # Remember who asked: when the primary's decision arrives we ack (again) there.
+        self.pending_routes.add(key, now, (route, msg.req_id))
+        sp = self.spec
+        guessed = sp.by_key.get(key) if sp is not None else None
+        if guessed is not None:
+            self._ack(route, msg.req_id, guessed)
+            return
+        if (sp is None or sp.cursor is None or not self.qualified or epoch_of(msg.after + 1) > sp.config.epoch
+                or key in self.no_guess or len(sp.by_gsn) >= self.s.max_guesses):
+            # No guess possible (not a member by our view, the rid is ahead of us, or we
+            # have not synchronised with the primary since we started: a guess acked then
+            # would look, to a restarted primary, like a record it lost). The primary
+            # decides or refuses; a backup never refuses on its own, but says it holds no
+            # copy, so a client the primary refuses knows the shard has none.
+            self._no_guess(route, msg.req_id, key, now)
+            return
+        cur = sp.cursor
+        k = sp.next_slot
+        floor_gsn = max(msg.after, self.log.frontier)
+        if k < cur.count and cur.gsn(k) <= floor_gsn:
+            k = cur.first_slot_after(floor_gsn)
+        if k >= cur.count:  # no room left in this epoch by our reckoning: wait for the decision
+            self._no_guess(route, msg.req_id, key, now)
+            return
+        gsn = cur.gsn(k)
+        sp.next_slot = k + 1
+        sp.add(gsn, key, k, msg.data)
+        self.stats["fast_acks"] += 1
+        self._ack(route, msg.req_id, gsn)
+
+    def _ack(self, route: bytes, req_id: int, gsn: int) -> None:
+        self.out.send(route, f.Ack(req_id=req_id, gsn=gsn, replica=self.s.replica, stable=self.log.stable,
+                                   decided=False, final=False))
+
+    def _no_guess(self, route: bytes, req_id: int, key: Key, now: int) -> None:
+        self.no_guess.add(key, now)
+        self.error(route, req_id, f.E_NO_GUESS, "this backup holds no copy; the primary decides")
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def on_epoch(self, config: EpochConfig, now: int) -> bool:
+        """A broadcast: only speculation uses it (the decided membership is the primary's
+        EV_EPOCH)."""
+        sp = self.spec
+        if sp is not None and config.epoch <= sp.config.epoch:
+            return False
+        cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
+        self.spec = sp.carried_into(config, cursor) if sp is not None else Speculation(config, cursor)
+        return True
+
+    def on_history(self, ranges: list[tuple[int, int, tuple[int, ...]]], now: int) -> bool:
+        return False
+
+    def on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
+        pass  # only a primary takes HELLO
+
+    def on_prefix(self, msg: f.Prefix, now: int) -> None:
+        pass
+
+    # -- time -----------------------------------------------------------------------------------
+    def tick(self, now: int) -> None:
+        if (self.link is Link.CONNECTING and self.hello_sent_at is not None
+                and now - self.hello_sent_at > self.s.hello_retry_ns):
+            self.connect_primary(now, frozen=False)
+
+    def prune(self, now: int) -> None:
+        # Inserts the primary never decided (it refused them, or the client gave up).
+        self.pending_routes.prune(now)
+        self.no_guess.prune(now)
+
+    def flush(self, now: int) -> None:
+        if ((self.prefix_dirty and now - self.last_prefix_ns >= self.s.prefix_interval_ns)
+                or (self.link is Link.IN_STEP and now - self.last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
+            self.out.send(Peer.PRIMARY, f.Prefix(replica=self.s.replica, frontier=self.log.frontier))
+            self.prefix_dirty = False
+            self.last_prefix_ns = now
+
+    def next_deadline(self, now: int) -> int | None:
+        s = self.s
+        times: list[int] = []
+        if self.link is Link.IN_STEP:
+            times.append(self.last_prefix_ns + s.heartbeat_ns)
+        if self.prefix_dirty:
+            times.append(self.last_prefix_ns + s.prefix_interval_ns)
+        if self.link is Link.CONNECTING and self.hello_sent_at is not None:
+            times.append(self.hello_sent_at + s.hello_retry_ns)
+        for m in (self.pending_routes.next_prune(), self.no_guess.next_prune()):
+            if m is not None:
+                times.append(m)
+        return min(times) if times else None
+
+    def parked_insert_expired(self, p: object, now: int) -> None:
+        pass  # a backup parks no inserts
+
+    # -- failure recovery -------------------------------------------------------------------------
+    def frozen(self) -> None:
+        pass
+
+    def holds(self, key: Key) -> int | None:
+        held = self.log.dedup.get(key)
+        if held is None and self.spec is not None:
+            held = self.spec.by_key.get(key)
+        return held
+
+    def guesses_above(self, frontier: int) -> list[list[object]]:
+        """Records guessed and acknowledged above ``frontier``: a recovery must keep them."""
+        if self.spec is None:
+            return []
+        return [[g, q.key[0], q.key[1], q.data] for g, q in sorted(self.spec.by_gsn.items()) if g > frontier]
+
+    def wait_for_authority(self, route: bytes, req_id: int, key: Key, now: int) -> None:
+        """A frozen backup's client: answered once it knows whether the recovery keeps
+        the record."""
+        self.pending_routes.add(key, now, (route, req_id))
+
+    def take_waiting(self) -> list[tuple[Key, tuple[bytes, int] | None]]:
+        return self.pending_routes.take_all()
+
+    def refused_for_recovery(self, key: Key, now: int) -> None:
+        self.no_guess.add(key, now)
+
+    def on_authority(self, now: int) -> None:
+        pass
+
+    def installing(self) -> None:
+        self.spec = None
+
+    def installed(self) -> None:
+        pass
+
+    def resumed(self, now: int) -> None:
+        self.qualification = Qualification.QUALIFIED  # every replica now holds exactly the recovered state
+        self.connect_primary(now, frozen=False)
+
+    def status(self) -> dict[str, object]:
+        return {"backups_connected": [], "blocked": None, "link": self.link.value}

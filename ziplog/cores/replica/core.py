@@ -1,0 +1,271 @@
+"""The storage replica's protocol core (sans-I/O): one replica of one shard.
+
+:class:`ReplicaCore` composes the parts, each owning its state:
+
+* :class:`~.log.DecidedLog`: records, membership, frontier/stable/trim;
+* the role: :class:`~.primary.PrimarySequencer` (replica 0, decides) or
+  :class:`~.backup.BackupFollower` (guesses, applies the primary's stream);
+* :class:`~.recovery.RecoveryParticipant`: freezing, answering for an acquired state,
+  installing, resuming;
+* :class:`~.fanout.Fanout`: reads and subscriptions;
+* :class:`~.parking.Parking`: requests waiting for an epoch or a position;
+* :class:`~.liveness.Liveness`: heartbeats heard, failure suspicion.
+
+Inputs are typed messages and the passage of time; every effect (messages, events to
+persist, coordination reads) waits in the core until :meth:`ready` hands the batch
+over. :meth:`next_deadline` says when :meth:`tick` has work. No sockets, clocks or
+threads: ``ziplog.server.storage`` drives it in production and ``tests/sim`` drives the
+same driver in simulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Union
+
+from ziplog.cores.effects import Outbox, Ready
+from ziplog.cores.replica.backup import BackupFollower
+from ziplog.cores.replica.fanout import Fanout
+from ziplog.cores.replica.liveness import Liveness
+from ziplog.cores.replica.log import DecidedLog
+from ziplog.cores.replica.parking import Parking
+from ziplog.cores.replica.primary import PrimarySequencer
+from ziplog.cores.replica.recovery import RecoveryParticipant
+from ziplog.cores.replica.settings import ReplicaSettings
+from ziplog.protocol import frames as f
+from ziplog.protocol.events import DiskEvent, Members, SnapshotEvent
+from ziplog.protocol.gsna import EpochConfig
+
+Role = Union[PrimarySequencer, BackupFollower]
+
+
+class ReplicaCore:
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.s = settings
+        self.shard = settings.shard
+        self.out = Outbox()
+        self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
+        self.log = DecidedLog(self.out)
+        self.parking = Parking(settings.max_parked)
+        self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
+                           if settings.is_primary else BackupFollower(settings, self.log, self.out, self.error, self.stats))
+        self.fanout = Fanout(settings, self.log, self.parking, self.out, self.error, self.stats)
+        self.liveness = Liveness(settings.shard, settings.replica, settings.suspect_timeout_ns, self.out)
+        self.recovery = RecoveryParticipant(settings.shard, settings.replica, self.log, self.role, self.parking,
+                                            self.out, self.error, self._resumed)
+        self._handlers: dict[type, Callable[[bytes, Any, int], None]] = {
+            f.Insert: self._on_insert,
+            f.Read: self.fanout.on_read,
+            f.Subscribe: self.fanout.on_subscribe,
+            f.Credit: self.fanout.on_credit,
+            f.Unsubscribe: lambda route, msg, now: self.fanout.on_unsubscribe(route, msg),
+            f.Trim: self._on_trim,
+            f.Status: self._on_status,
+            f.Hello: self._on_hello,
+            f.Prefix: self._on_prefix,
+            f.Probe: self.recovery.on_op,
+            f.Acquired: self.recovery.on_op,
+            f.Fetch: self.recovery.on_op,
+            f.Install: self.recovery.on_op,
+            f.Resume: self.recovery.on_op,
+        }
+
+    # -- what the driver reads ------------------------------------------------------------------
+    def ready(self) -> Ready:
+        """The effects of everything since the last call, in order."""
+        return self.out.ready()
+
+    @property
+    def is_primary(self) -> bool:
+        return self.s.is_primary
+
+    @property
+    def frozen(self) -> bool:
+        return self.recovery.frozen
+
+    @property
+    def qualified(self) -> bool:
+        return self.role.qualified
+
+    @property
+    def blocked(self) -> str | None:
+        return self.role.blocked
+
+    @property
+    def frontier(self) -> int:
+        return self.log.frontier
+
+    @property
+    def stable(self) -> int:
+        return self.log.stable
+
+    @property
+    def last_epoch(self) -> int:
+        return self.log.last_epoch
+
+    def snapshot(self) -> SnapshotEvent:
+        return self.log.snapshot()
+
+    def flush_marks(self) -> list[DiskEvent]:
+        return self.log.flush_marks()
+
+    @property
+    def deletable_below(self) -> int:
+        return self.log.deletable_below
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def on_request(self, route: bytes, msg: f.Request, now: int) -> None:
+        """A frame on the replica's ROUTER (clients, backups, the failure handler)."""
+        self._handlers[type(msg)](route, msg, now)
+
+    def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
+        self.stats["errors"] += 1
+        self.out.send(route, f.Error(req_id=req_id, code=code, message=message))
+
+    def _on_insert(self, route: bytes, msg: f.Insert, now: int) -> None:
+        key = (msg.client_id, msg.seq)
+        if self.recovery.frozen:
+            self.recovery.frozen_insert(route, msg.req_id, key, now)
+            return
+        decided = self.log.dedup.get(key)
+        if decided is not None:  # a retry, or the primary's decision arrived first
+            self.out.send(route, f.Ack(req_id=msg.req_id, gsn=decided, replica=self.s.replica, stable=self.log.stable,
+                                       decided=True, final=False))
+            return
+        if len(msg.data) > self.s.max_record_bytes:
+            self.error(route, msg.req_id, f.E_TOO_LARGE,
+                       f"record of {len(msg.data)} bytes exceeds the limit of {self.s.max_record_bytes}")
+            return
+        self.stats["inserts"] += 1
+        self.role.insert(route, msg, now)
+
+    def _on_trim(self, route: bytes, msg: f.Trim, now: int) -> None:
+        if self.log.raise_trim(msg.gsn):
+            self.fanout.mark_dirty()
+        self.out.send(route, f.TrimOk(req_id=msg.req_id, trim_point=self.log.trim_point))
+
+    def _on_status(self, route: bytes, msg: f.Status, now: int) -> None:
+        self.out.send(route, f.StatusOk(req_id=msg.req_id, status=self.status()))
+
+    def _on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
+        if not self.is_primary or msg.shard != self.shard or not (1 <= msg.replica < self.s.replicas):
+            return
+        self.liveness.hear(msg.replica, now)
+        if self.recovery.frozen:
+            return  # recovery, not a catch-up, will bring the backup in line
+        was_deciding = self.role.deciding
+        self.role.on_hello(route, msg, now)
+        if self.role.deciding and not was_deciding:
+            self._began_epochs(now)
+
+    def _on_prefix(self, route: bytes, msg: f.Prefix, now: int) -> None:
+        if not self.is_primary or not (1 <= msg.replica < self.s.replicas):
+            return
+        self.liveness.hear(msg.replica, now)
+        if self.recovery.frozen:
+            return
+        self.role.on_prefix(msg, now)
+
+    def on_forward(self, msg: f.Forward, now: int) -> None:
+        """A FORWARD on a backup's own connection to its primary."""
+        if self.is_primary or self.recovery.frozen:
+            return  # frozen: we promised to store nothing new
+        self.liveness.hear(0, now)
+        self.role.on_forward(msg, now)  # type: ignore[union-attr]
+
+    def on_epoch(self, config: EpochConfig, now: int) -> None:
+        """A broadcast from the membership service."""
+        if self.recovery.frozen:
+            if self.is_primary and config.epoch > self.log.last_epoch:
+                self.role.stashed = config  # type: ignore[union-attr]
+            return
+        if self.role.on_epoch(config, now):
+            self._began_epochs(now)
+
+    def on_history(self, ranges: Iterable[tuple[int, int, Members]], now: int) -> None:
+        """The answer to a ``ReadHistory``: members of the epochs it named."""
+        if self.role.on_history(list(ranges), now):
+            self._began_epochs(now)
+
+    def _began_epochs(self, now: int) -> None:
+        """A new epoch began: subscriptions learn its members, and inserts that waited
+        for it go on, in arrival order."""
+        self.fanout.mark_dirty()
+        epoch = self.role.current_epoch()
+        for p in self.parking.inserts_for(epoch):
+            assert isinstance(p.msg, f.Insert)
+            self._on_insert(p.route, p.msg, now)
+
+    def connect_primary(self, now: int) -> None:
+        """(Re)connected to the primary (a backup's connection to a new address)."""
+        if not self.is_primary:
+            self.role.connect_primary(now, self.recovery.frozen)  # type: ignore[union-attr]
+
+    def _resumed(self, now: int) -> None:
+        self.liveness.reset()
+        self.fanout.mark_dirty()
+        if self.role.deciding:
+            self._began_epochs(now)
+
+    # -- time -----------------------------------------------------------------------------------
+    def tick(self, now: int) -> None:
+        frozen = self.recovery.frozen
+        if not frozen:
+            self.role.tick(now)
+        for p in self.parking.expired(now):
+            if type(p.msg) is f.Insert:
+                self.role.parked_insert_expired(p, now)
+                what = "epoch"
+            else:
+                what = "position"
+            self.error(p.route, p.msg.req_id, f.E_TIMEOUT, f"timed out waiting for the {what} the request names")
+        self.role.prune(now)
+        if not frozen:
+            self.liveness.check(now, self.role.blocked)
+        self.fanout.expire_leases(now)
+
+    def flush(self, now: int) -> None:
+        """End of a turn: the batched forward or prefix report, then reads and
+        subscriptions."""
+        if not self.recovery.frozen:  # a frozen replica stores nothing new: nothing to tell its peers
+            self.role.flush(now)
+        self.fanout.flush()
+
+    def next_deadline(self, now: int) -> int | None:
+        """Earliest time :meth:`tick` has work; None when only events can make progress."""
+        times = []
+        if not self.recovery.frozen:
+            times.append(self.role.next_deadline(now))
+            times.append(self.liveness.next_deadline())
+        times.append(self.parking.next_deadline())
+        times.append(self.fanout.next_lease_expiry())
+        return min((t for t in times if t is not None), default=None)
+
+    # -- disk -----------------------------------------------------------------------------------
+    def replay(self, events: Iterable[DiskEvent]) -> None:
+        """Rebuild the decided log from persisted events."""
+        self.log.replay(events)
+        if self.is_primary:
+            self.role.mark_forward_point()  # type: ignore[union-attr]
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        log = self.log
+        return {
+            "shard": self.shard,
+            "replica": self.s.replica,
+            "primary": self.is_primary,
+            "epoch": log.last_epoch,
+            "frontier": log.frontier,
+            "stable": log.stable,
+            "trim_point": log.trim_point,
+            "records": len(log.gsns),
+            "subscriptions": len(self.fanout.subs),
+            "parked": len(self.parking),
+            "qualified": self.role.qualified,
+            "frozen": self.recovery.frozen,
+            "recovery": self.recovery.phase.value,
+            "recovery_gen": self.recovery.gen,
+            "suspicions": self.liveness.suspicions,
+            **self.role.status(),
+            **self.stats,
+        }

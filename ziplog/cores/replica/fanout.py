@@ -1,0 +1,168 @@
+"""Serving readers and subscribers from the decided log.
+
+A read of a decided gsn is answered at once; of a gsn not decided yet, it waits
+(:mod:`.parking`) until the frontier passes it. A subscription is served only stable
+positions: records up to the stable watermark, then a ``progress`` watermark and the
+members of every epoch up to it (the subscriber's merge needs them). A batch costs its
+records' bytes plus ``SUB_BATCH_COST`` of the subscriber's credit, and a subscription
+with no credit gets nothing, not even progress: a stalled reader bounds what is queued
+for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+from ziplog.cores.effects import Outbox
+from ziplog.cores.replica.log import DecidedLog
+from ziplog.cores.replica.parking import Parked, Parking
+from ziplog.cores.replica.settings import ReplicaSettings
+from ziplog.protocol import frames as f
+from ziplog.protocol.gsna import epoch_of
+
+ErrorReply = Callable[[bytes, "int | None", str, str], None]
+
+
+@dataclass(slots=True)
+class Subscription:
+    route: bytes
+    sub_id: int
+    next_gsn: int  # records >= next_gsn not yet sent
+    credit: int  # bytes the subscriber can still take
+    progress_sent: int  # last progress reported
+    epoch_sent: int  # membership sent for every epoch <= this
+    last_heard_ns: int
+
+
+class Fanout:
+    def __init__(self, settings: ReplicaSettings, log: DecidedLog, parking: Parking, out: Outbox,
+                 error: ErrorReply, stats: dict[str, int]) -> None:
+        self.s = settings
+        self.log = log
+        self.parking = parking
+        self.out = out
+        self.error = error
+        self.stats = stats
+        self.subs: dict[tuple[bytes, int], Subscription] = {}
+        #: something subscriptions may not have seen yet (stable, trim, an epoch)
+        self.dirty = False
+        log.stable_listeners.append(self.mark_dirty)
+
+    def mark_dirty(self) -> None:
+        self.dirty = True
+
+    # -- reads ----------------------------------------------------------------------------------
+    def on_read(self, route: bytes, msg: f.Read, now: int) -> None:
+        self.stats["reads"] += 1
+        log = self.log
+        if msg.gsn > log.frontier:
+            if log.membership and epoch_of(msg.gsn) > log.last_epoch + self.s.max_epochs_ahead:
+                self.error(route, msg.req_id, f.E_UNKNOWN_RID, f"gsn {msg.gsn} lies far beyond this shard's log")
+                return
+            if not self.parking.park(Parked(route, msg, now + self.s.park_timeout_ns, need_frontier=msg.gsn)):
+                self.error(route, msg.req_id, f.E_OVERLOADED, "too many requests are waiting on this replica")
+            return
+        self.answer_read(route, msg.req_id, msg.gsn)
+
+    def answer_read(self, route: bytes, req_id: int, gsn: int) -> None:
+        log = self.log
+        if gsn < log.trim_point:
+            self.error(route, req_id, f.E_TRIMMED, f"gsn {gsn} is below the trim point {log.trim_point}")
+            return
+        rec = log.records.get(gsn)
+        if rec is None:
+            self.error(route, req_id, f.E_NOT_FOUND, f"shard {self.s.shard} holds no record at gsn {gsn}")
+            return
+        self.out.send(route, f.ReadOk(req_id=req_id, gsn=gsn, data=rec.data, stable=log.stable))
+
+    def serve_parked_reads(self) -> None:
+        for p in self.parking.reads_upto(self.log.frontier):
+            assert isinstance(p.msg, f.Read)
+            self.answer_read(p.route, p.msg.req_id, p.msg.gsn)
+
+    # -- subscriptions --------------------------------------------------------------------------
+    def on_subscribe(self, route: bytes, msg: f.Subscribe, now: int) -> None:
+        trim = self.log.trim_point
+        if 0 < msg.from_gsn < trim:
+            self.error(route, msg.sub_id, f.E_TRIMMED, f"subscription start {msg.from_gsn} is below the trim point {trim}")
+            return
+        key = (route, msg.sub_id)
+        if key not in self.subs and len(self.subs) >= self.s.max_subscriptions:
+            self.error(route, msg.sub_id, f.E_OVERLOADED, f"this replica serves {len(self.subs)} subscriptions, its limit")
+            return
+        start = max(msg.from_gsn, 1)
+        sub = Subscription(route, msg.sub_id, start, msg.credit, start - 1, epoch_of(start) - 1, now)
+        self.subs[key] = sub
+        self.serve(sub)
+
+    def on_credit(self, route: bytes, msg: f.Credit, now: int) -> None:
+        sub = self.subs.get((route, msg.sub_id))
+        if sub is not None:
+            sub.credit += msg.credit
+            sub.last_heard_ns = now
+            self.dirty = True
+
+    def on_unsubscribe(self, route: bytes, msg: f.Unsubscribe) -> None:
+        self.subs.pop((route, msg.sub_id), None)
+
+    def serve(self, sub: Subscription) -> None:
+        if sub.credit <= 0:
+            return  # the subscriber has not caught up: it grants credit as it reads
+        log = self.log
+        gsns, records_by_gsn = log.gsns, log.records
+        limit = log.stable
+        i = bisect.bisect_left(gsns, max(sub.next_gsn, log.trim_point))
+        records: list[tuple[int, bytes]] = []
+        size = 0
+        progress = limit
+        max_bytes = self.s.sub_batch_bytes
+        while i < len(gsns):
+            g = gsns[i]
+            if g > limit:
+                break
+            if sub.credit <= 0 or size >= max_bytes:
+                progress = g - 1
+                break
+            data = records_by_gsn[g].data
+            records.append((g, data))
+            size += len(data) + 16
+            sub.credit -= len(data)
+            i += 1
+        if records:
+            sub.next_gsn = records[-1][0] + 1
+        if progress <= sub.progress_sent and not records:
+            return
+        epochs: list[tuple[int, int, tuple[int, ...]]] = []
+        target_epoch = epoch_of(progress) if progress > 0 else -1
+        if target_epoch > sub.epoch_sent:
+            for first, last, members in log.membership:
+                if last <= sub.epoch_sent:
+                    continue
+                if first > target_epoch:
+                    break
+                epochs.append((max(first, sub.epoch_sent + 1), min(last, target_epoch), tuple(members)))
+            sub.epoch_sent = target_epoch
+        sub.progress_sent = max(progress, sub.progress_sent)
+        sub.credit -= f.SUB_BATCH_COST
+        self.out.send(sub.route, f.SubBatch(sub_id=sub.sub_id, records=records, epochs=epochs, progress=sub.progress_sent))
+
+    def flush(self) -> None:
+        if self.parking:
+            self.serve_parked_reads()
+        if self.dirty:
+            self.dirty = False
+            for sub in list(self.subs.values()):
+                self.serve(sub)
+
+    def expire_leases(self, now: int) -> None:
+        if self.subs:
+            lease = self.s.subscription_lease_ns
+            for key in [k for k, sub in self.subs.items() if now - sub.last_heard_ns > lease]:
+                del self.subs[key]
+
+    def next_lease_expiry(self) -> int | None:
+        if not self.subs:
+            return None
+        return min(sub.last_heard_ns for sub in self.subs.values()) + self.s.subscription_lease_ns + 1

@@ -1,0 +1,252 @@
+"""The decided log of one replica: records by gsn, the membership of every epoch, and
+the watermarks. The primary writes it with its decisions; a backup applies the
+primary's stream to it; recovery truncates and refills it. Every change is also an
+event to persist.
+
+* ``frontier``: every slot of this shard with gsn <= frontier is decided here (a record
+  or a no-op);
+* ``stable``: every replica of the shard holds the log up to it, so nothing at or below
+  it can change or vanish: only stable positions are ever shown to subscribers;
+* ``trim_point``: records below it are logically deleted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Callable, Iterable, Iterator
+
+from ziplog.cores.effects import Outbox
+from ziplog.protocol.events import (DiskEvent, EpochEvent, FrontierEvent, Members, RecordEvent, SnapshotEvent,
+                                    StableEvent, TrimEvent, TruncateEvent)
+from ziplog.protocol.gsna import epoch_base, epoch_of
+
+
+class DecidedLog:
+    def __init__(self, out: Outbox) -> None:
+        self.out = out
+        self.records: dict[int, RecordEvent] = {}
+        self.gsns: list[int] = []  # sorted gsns of self.records
+        self.dedup: dict[tuple[int, int], int] = {}  # (client_id, seq) -> decided gsn
+        self.frontier = 0
+        self.stable = 0
+        self.trim_point = 0
+        #: membership history: [first_epoch, last_epoch, members]; contiguous from 0
+        self.membership: list[list[Any]] = []
+        #: called after ``stable`` advanced (subscriptions have something new to show)
+        self.stable_listeners: list[Callable[[], None]] = []
+
+    # -- reading ------------------------------------------------------------------------------
+    @property
+    def last_epoch(self) -> int:
+        """Last epoch of the decided stream (-1 before any)."""
+        return self.membership[-1][1] if self.membership else -1
+
+    def members_of(self, epoch: int) -> Members | None:
+        i = bisect.bisect_right(self.membership, epoch, key=lambda r: r[0]) - 1
+        if i < 0 or epoch > self.membership[i][1]:
+            return None
+        return tuple(self.membership[i][2])
+
+    def ever_member(self, shard: int) -> bool:
+        return any(shard in r[2] for r in self.membership)
+
+    def records_after(self, gsn: int) -> list[RecordEvent]:
+        i = bisect.bisect_right(self.gsns, gsn)
+        records = self.records
+        return [records[g] for g in self.gsns[i:]]
+
+    @property
+    def deletable_below(self) -> int:
+        """Records below this gsn may be deleted for good, from memory and from disk:
+        trimmed, and stable, so no backup will need them for a catch-up."""
+        return min(self.trim_point, self.stable + 1)
+
+    def stream_after(self, frontier: int) -> Iterator[RecordEvent | EpochEvent]:
+        """The decided stream above ``frontier`` for a replica at that frontier (it has
+        applied every epoch up to ``epoch_of(frontier)`` at least): a catch-up."""
+        return stream_events(self.records_after(frontier), self.membership, epoch_hint(frontier))
+
+    # -- the decided stream: the only way state changes -------------------------------------------
+    def apply_record(self, ev: RecordEvent) -> bool:
+        """Store a decided record; False for a repeat of one already applied."""
+        gsn = ev.gsn
+        if gsn <= self.frontier:
+            return False
+        assert not self.gsns or gsn > self.gsns[-1], "decided records must arrive in gsn order"
+        assert epoch_of(gsn) == self.last_epoch, ("record outside the current epoch", gsn, self.last_epoch)
+        key = (ev.client_id, ev.seq)
+        assert key not in self.dedup, ("record decided twice", key, self.dedup.get(key), gsn)
+        self.records[gsn] = ev
+        self.gsns.append(gsn)
+        self.dedup[key] = gsn
+        self.frontier = gsn
+        self.out.persist.append(ev)
+        return True
+
+    def advance_frontier(self, frontier: int) -> bool:
+        """Every slot up to ``frontier`` is decided (the rest are no-ops)."""
+        if frontier <= self.frontier:
+            return False
+        assert epoch_of(frontier) <= self.last_epoch, "frontier beyond the known epochs"
+        self.frontier = frontier
+        return True
+
+    def apply_epochs(self, first: int, last: int, members: Iterable[int] | None) -> bool:
+        """Record that epochs first..last had ``members`` (None: same as the previous)."""
+        if last <= self.last_epoch:
+            return False
+        if first <= self.last_epoch:
+            first = self.last_epoch + 1
+        assert first == self.last_epoch + 1 or not self.membership, ("membership gap", first, self.last_epoch)
+        if members is None:
+            assert self.membership, "first epoch event must carry its members"
+            members = self.membership[-1][2]
+        m = tuple(members)
+        if self.membership and tuple(self.membership[-1][2]) == m and self.membership[-1][1] == first - 1:
+            self.membership[-1][1] = last
+        else:
+            self.membership.append([first, last, m])
+        # Epochs before ``first`` are closed: nothing of ours can appear there any more.
+        if self.frontier < epoch_base(first) - 1:
+            self.frontier = epoch_base(first) - 1
+        self.out.persist.append(EpochEvent(first, last, m))
+        return True
+
+    def advance_stable(self, stable: int) -> bool:
+        """Every replica holds the log up to ``stable`` (never beyond our frontier)."""
+        stable = min(stable, self.frontier)
+        if stable <= self.stable:
+            return False
+        self.stable = stable
+        self.drop_trimmed()
+        for fn in self.stable_listeners:
+            fn()
+        return True
+
+    def raise_trim(self, point: int, drop: bool = True) -> bool:
+        if point <= self.trim_point:
+            return False
+        self.trim_point = point
+        self.out.persist.append(TrimEvent(point))
+        if drop:
+            self.drop_trimmed()
+        return True
+
+    def drop_trimmed(self) -> None:
+        """Drop trimmed records from memory, but only stable ones: an unstable record may
+        still be needed to catch a backup up."""
+        limit = self.deletable_below
+        if not self.gsns or self.gsns[0] >= limit:
+            return
+        i = bisect.bisect_left(self.gsns, limit)
+        for g in self.gsns[:i]:
+            rec = self.records.pop(g)
+            # dedup entries of trimmed records go too: their clients are long done
+            self.dedup.pop((rec.client_id, rec.seq), None)
+        del self.gsns[:i]
+
+    def truncate(self, base: int) -> None:
+        """Forget everything decided above ``base`` (failure recovery replaces it)."""
+        i = bisect.bisect_right(self.gsns, base)
+        for g in self.gsns[i:]:
+            rec = self.records.pop(g)
+            self.dedup.pop((rec.client_id, rec.seq), None)
+        del self.gsns[i:]
+        self.frontier = min(self.frontier, base)
+        keep_epoch = epoch_of(base) if base > 0 else -1
+        kept = []
+        for first, last, members in self.membership:
+            if first > keep_epoch:
+                break
+            kept.append([first, min(last, keep_epoch), members])
+        self.membership = kept
+
+    # -- disk -----------------------------------------------------------------------------------
+    def replay(self, events: Iterable[DiskEvent]) -> None:
+        """Rebuild from persisted events (see ``ziplog.io.segments``); nothing is persisted
+        again."""
+        for ev in events:
+            t = type(ev)
+            if t is RecordEvent:
+                assert isinstance(ev, RecordEvent)
+                if ev.gsn > self.frontier:
+                    self.records[ev.gsn] = ev
+                    self.gsns.append(ev.gsn)
+                    self.dedup[(ev.client_id, ev.seq)] = ev.gsn
+                    self.frontier = ev.gsn
+            elif t is FrontierEvent:
+                assert isinstance(ev, FrontierEvent)
+                self.frontier = max(self.frontier, ev.frontier)
+            elif t is EpochEvent:
+                assert isinstance(ev, EpochEvent)
+                self.apply_epochs(ev.first, ev.last, ev.members)
+            elif t is TrimEvent:
+                assert isinstance(ev, TrimEvent)
+                self.trim_point = max(self.trim_point, ev.point)
+            elif t is TruncateEvent:
+                assert isinstance(ev, TruncateEvent)
+                self.truncate(ev.base)
+            elif t is StableEvent:
+                assert isinstance(ev, StableEvent)
+                self.stable = max(self.stable, ev.stable)
+            elif t is SnapshotEvent:
+                assert isinstance(ev, SnapshotEvent)
+                for first, last, members in ev.ranges:
+                    self.apply_epochs(first, last, members)
+                self.frontier = max(self.frontier, ev.frontier)
+                self.stable = max(self.stable, ev.stable)
+                self.trim_point = max(self.trim_point, ev.trim)
+        self.stable = min(self.stable, self.frontier)
+        self.out.persist.clear()
+        self.drop_trimmed()
+
+    def snapshot(self) -> SnapshotEvent:
+        """What a new segment file opens with."""
+        return SnapshotEvent([(f, la, tuple(m)) for f, la, m in self.membership], self.frontier, self.stable,
+                             self.trim_point)
+
+    def flush_marks(self) -> list[DiskEvent]:
+        """The watermarks written with every batch of events on disk."""
+        return [FrontierEvent(self.frontier, self.last_epoch, 0), StableEvent(self.stable)]
+
+
+def epoch_hint(frontier: int) -> int:
+    """A replica at ``frontier`` has applied every epoch up to this one at least."""
+    return epoch_of(frontier) if frontier > 0 else -1
+
+
+def stream_events(records: list[RecordEvent], membership: list[list[Any]],
+                  known_epoch: int) -> Iterator[RecordEvent | EpochEvent]:
+    """A decided stream for a replica that knows every epoch up to ``known_epoch``:
+    epoch events and ``records`` (sorted by gsn) in order, a range of epochs split
+    wherever records fall so that every record follows the event opening its epoch.
+    Used for catch-ups and by failure recovery to build what it installs. Records go
+    with slot 0 (a catch-up does not need slots)."""
+    i = 0
+    n = len(records)
+
+    def record(j: int) -> RecordEvent:
+        r = records[j]
+        return r if r.slot == 0 else RecordEvent(r.gsn, 0, r.client_id, r.seq, r.data)
+
+    for first, last, members in membership:
+        if last <= known_epoch:
+            continue
+        e = max(first, known_epoch + 1)
+        while i < n and epoch_of(records[i].gsn) < e:  # records of epochs it already knows
+            yield record(i)
+            i += 1
+        while e <= last:
+            if i < n and epoch_of(records[i].gsn) <= last:
+                re = epoch_of(records[i].gsn)
+                yield EpochEvent(e, re, tuple(members))
+                while i < n and epoch_of(records[i].gsn) == re:
+                    yield record(i)
+                    i += 1
+                e = re + 1
+            else:
+                yield EpochEvent(e, last, tuple(members))
+                e = last + 1
+    while i < n:
+        yield record(i)
+        i += 1

@@ -1,0 +1,66 @@
+"""Requests a replica cannot answer yet: an InsertAfter whose rid lies in an epoch that
+has not begun here, a read of a gsn not decided yet. They wait, bounded in number and in
+time, in arrival order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from ziplog.protocol.frames import Insert, Read
+
+Waiting = Union[Insert, Read]
+
+
+@dataclass(slots=True)
+class Parked:
+    route: bytes
+    msg: Waiting
+    deadline_ns: int
+    need_epoch: int = 0  # an insert waits until this epoch is current ...
+    need_frontier: int = 0  # ... a read until the frontier reaches this
+
+
+class Parking:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting: list[Parked] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def park(self, p: Parked) -> bool:
+        """False when the limit is reached: the caller refuses the request instead."""
+        if len(self.waiting) >= self.limit:
+            return False
+        self.waiting.append(p)
+        return True
+
+    def _take(self, pred: Callable[[Parked], bool]) -> list[Parked]:
+        taken = [p for p in self.waiting if pred(p)]
+        if taken:
+            self.waiting = [p for p in self.waiting if not pred(p)]
+        return taken
+
+    def inserts_for(self, epoch: int) -> list[Parked]:
+        """Inserts whose epoch has begun (``epoch`` is current), in arrival order."""
+        if not self.waiting:
+            return []
+        return self._take(lambda p: type(p.msg) is Insert and p.need_epoch <= epoch)
+
+    def reads_upto(self, frontier: int) -> list[Parked]:
+        """Reads of gsns now decided (at or below ``frontier``), in arrival order."""
+        if not self.waiting:
+            return []
+        return self._take(lambda p: type(p.msg) is Read and p.need_frontier <= frontier)
+
+    def all_inserts(self) -> list[Parked]:
+        return self._take(lambda p: type(p.msg) is Insert)
+
+    def expired(self, now: int) -> list[Parked]:
+        if not self.waiting:
+            return []
+        return self._take(lambda p: p.deadline_ns <= now)
+
+    def next_deadline(self) -> int | None:
+        return min((p.deadline_ns for p in self.waiting), default=None)

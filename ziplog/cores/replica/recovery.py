@@ -1,0 +1,211 @@
+"""A storage replica's side of failure recovery (dissertation 4.2.5); the failure
+handler's side is ``failure_handler.recovery``.
+
+Phases (:class:`RecoveryPhase`): NORMAL; FROZEN once a PROBE names a generation above
+any seen (the promise to store nothing new: no FORWARD, PREFIX, HELLO or EPOCH is
+applied and INSERTs get FROZEN); ACQUIRED once the handler durably took this replica's
+state as the recovery's (it then answers for that state: a record it holds is ACKed
+``final`` at that gsn, any other gets NOT_HELD); back to NORMAL on RESUME, after an
+INSTALL of the recovered state. A PROBE of a newer generation freezes again from any
+phase.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+from ziplog.cores.effects import Outbox
+from ziplog.cores.replica.log import DecidedLog
+from ziplog.cores.replica.parking import Parking
+from ziplog.protocol import frames as f
+from ziplog.protocol.events import EpochEvent, RecordEvent, TruncateEvent
+from ziplog.protocol.gsna import epoch_of
+
+if TYPE_CHECKING:
+    from ziplog.cores.replica.backup import BackupFollower
+    from ziplog.cores.replica.primary import PrimarySequencer
+
+ErrorReply = Callable[[bytes, "int | None", str, str], None]
+Key = tuple[int, int]
+
+
+class RecoveryPhase(enum.Enum):
+    NORMAL = "normal"
+    #: promised the failure handler to store nothing new
+    FROZEN = "frozen"
+    #: frozen, and its state is the one the recovery keeps: it answers for it
+    ACQUIRED = "acquired"
+
+
+_TRANSITIONS = {
+    RecoveryPhase.NORMAL: {RecoveryPhase.FROZEN},
+    RecoveryPhase.FROZEN: {RecoveryPhase.FROZEN, RecoveryPhase.ACQUIRED, RecoveryPhase.NORMAL},
+    RecoveryPhase.ACQUIRED: {RecoveryPhase.FROZEN, RecoveryPhase.NORMAL},
+}
+
+
+class RecoveryParticipant:
+    def __init__(self, shard: int, replica: int, log: DecidedLog, role: "Union[PrimarySequencer, BackupFollower]",
+                 parking: Parking, out: Outbox, error: ErrorReply, on_resume: Callable[[int], None]) -> None:
+        self.shard = shard
+        self.replica = replica
+        self.log = log
+        self.role = role
+        self.parking = parking
+        self.out = out
+        self.error = error
+        self.on_resume = on_resume
+        self.phase = RecoveryPhase.NORMAL
+        self.gen = -1  # highest recovery generation the failure handler named
+        self.installed_gen = -1
+
+    def _become(self, phase: RecoveryPhase) -> None:
+        assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
+        self.phase = phase
+
+    @property
+    def frozen(self) -> bool:
+        return self.phase is not RecoveryPhase.NORMAL
+
+    @property
+    def authority(self) -> bool:
+        return self.phase is RecoveryPhase.ACQUIRED
+
+    # -- inserts while frozen ---------------------------------------------------------------------
+    def frozen_insert(self, route: bytes, req_id: int, key: Key, now: int) -> None:
+        """An insert reaching a replica frozen for recovery. Only the replica whose state
+        the failure handler has durably acquired knows the record's fate: in that state
+        (decided or guessed) it will be rolled forward at that gsn; otherwise it will not
+        be in this shard's log and the client may place it elsewhere."""
+        held = self.role.holds(key)
+        if self.authority:
+            if held is not None:
+                self.out.send(route, f.Ack(req_id=req_id, gsn=held, replica=self.replica, stable=self.log.stable,
+                                           decided=True, final=True))
+            else:
+                self.role.refused_for_recovery(key, now)
+                self.error(route, req_id, f.E_NOT_HELD, f"shard {self.shard} is recovering and will not hold this record")
+            return
+        if not self.role.is_primary:
+            self.role.wait_for_authority(route, req_id, key, now)  # type: ignore[union-attr]
+        self.error(route, req_id, f.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
+
+    # -- the handler's requests ---------------------------------------------------------------------
+    def on_op(self, route: bytes, msg: f.RecoveryRequest, now: int) -> None:
+        gen = msg.gen
+        if gen < self.gen or (type(msg) is not f.Probe and gen != self.gen):
+            self.error(route, msg.req_id, f.E_STALE, f"recovery generation {gen} is not the current one ({self.gen})")
+            return
+        payload: dict[str, Any] | str
+        if isinstance(msg, f.Probe):
+            payload = self._probe(gen)
+        elif isinstance(msg, f.Acquired):
+            payload = self._acquired(now)
+        elif isinstance(msg, f.Fetch):
+            payload = self._fetch(msg.lo, msg.hi, msg.max_bytes)
+        elif isinstance(msg, f.Install):
+            payload = self._install(msg.base, msg.trim, msg.events, msg.end)
+        else:
+            assert isinstance(msg, f.Resume)
+            payload = self._resume(msg.stable, now)
+        if isinstance(payload, str):
+            self.error(route, msg.req_id, f.E_STALE, payload)
+        else:
+            self.out.send(route, f.RecoveryOk(req_id=msg.req_id, payload=payload))
+
+    def _probe(self, gen: int) -> dict[str, Any]:
+        """Freeze (the promise to store nothing new) and report our state: the decided
+        records above the stable point and, for a backup, the records it guessed and
+        acknowledged. Only a qualified replica's records may be the basis of recovery."""
+        log = self.log
+        if gen > self.gen:
+            self.gen = gen
+            self._become(RecoveryPhase.FROZEN)
+            self.installed_gen = -1
+            self.role.frozen()
+            # Inserts parked for an epoch would be decided after the recovery, though the
+            # source may tell their clients the shard does not hold them: drop them now.
+            for p in self.parking.all_inserts():
+                self.error(p.route, p.msg.req_id, f.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
+        qualified = self.role.qualified
+        state: dict[str, Any] = {
+            "replica": self.replica, "gen": gen, "qualified": qualified, "frozen": self.frozen,
+            "frontier": log.frontier, "stable": log.stable, "trim": log.trim_point,
+            "last_epoch": log.last_epoch, "installed": self.installed_gen == gen,
+            "resumed": not self.frozen and self.installed_gen == gen,
+            "membership": [[fe, la, list(m)] for fe, la, m in log.membership],
+        }
+        if qualified and self.frozen:
+            state["records"] = [[r.gsn, r.client_id, r.seq, r.data] for r in log.records_after(log.stable)]
+            state["guesses"] = self.role.guesses_above(log.frontier)
+        return state
+
+    def _acquired(self, now: int) -> dict[str, Any] | str:
+        if not self.frozen:
+            return "not frozen"
+        if self.phase is RecoveryPhase.FROZEN:
+            self._become(RecoveryPhase.ACQUIRED)
+        self.role.on_authority(now)
+        # Clients waiting on a record we could not place yet get their final answer now.
+        if not self.role.is_primary:
+            for key, waiting in self.role.take_waiting():  # type: ignore[union-attr]
+                if waiting is not None:
+                    self.frozen_insert(waiting[0], waiting[1], key, now)
+        return {"authority": True}
+
+    def _fetch(self, lo: int, hi: int, max_bytes: int) -> dict[str, Any] | str:
+        log = self.log
+        if hi > log.frontier:
+            return f"asked for records up to {hi}, frontier is {log.frontier}"
+        out: list[list[Any]] = []
+        size = 0
+        done = True
+        for r in log.records_after(lo):
+            if r.gsn > hi:
+                break
+            if size >= max_bytes and out:
+                done = False
+                break
+            out.append([r.gsn, r.client_id, r.seq, r.data])
+            size += len(r.data) + 32
+        return {"trim": log.trim_point, "deleted_below": log.deletable_below, "records": out, "done": done}
+
+    def _install(self, base: int, trim: int, events: list[RecordEvent | EpochEvent], end: int) -> dict[str, Any] | str:
+        """Roll forward: replace everything above ``base`` with the recovery's stream
+        (records the acquired state held, epochs up to the last one that included the
+        shard) and make every other position up to ``end`` a no-op."""
+        if not self.frozen:
+            return "not frozen"
+        if base > end:
+            return f"install base {base} above its end {end}"
+        log = self.log
+        self.role.installing()
+        log.truncate(base)
+        self.out.persist.append(TruncateEvent(base))
+        log.raise_trim(trim, drop=False)
+        for ev in events:
+            if type(ev) is RecordEvent:
+                log.apply_record(ev)  # type: ignore[arg-type]
+            else:
+                assert isinstance(ev, EpochEvent)
+                log.apply_epochs(ev.first, ev.last, ev.members)
+        if end > log.frontier:
+            if epoch_of(end) > log.last_epoch:
+                return f"install ends at {end}, beyond its epochs (last {log.last_epoch})"
+            log.frontier = end
+        self.out.persist.extend(log.flush_marks()[:1])
+        self.installed_gen = self.gen
+        self.role.installed()
+        return {"frontier": log.frontier, "last_epoch": log.last_epoch}
+
+    def _resume(self, stable: int, now: int) -> dict[str, Any] | str:
+        if not self.frozen:
+            return {"resumed": True}  # a repeat
+        if self.installed_gen != self.gen:
+            return "resume before install"
+        self._become(RecoveryPhase.NORMAL)
+        self.log.advance_stable(stable)
+        self.role.resumed(now)
+        self.on_resume(now)
+        return {"resumed": True, "frontier": self.log.frontier}

@@ -1,0 +1,65 @@
+"""A storage replica's settings: its identity, its timers, and the limits that bound
+every queue and map it keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ReplicaSettings:
+    shard: int
+    replica: int
+    replicas: int = 2
+    max_record_bytes: int = 1 << 20
+    #: A slot of the primary whose expected arrival passed this long ago
+    #: becomes a no-op.
+    noop_timeout_ns: int = 1_000_000
+    #: How long an InsertAfter or read may wait for a future epoch/position.
+    park_timeout_ns: int = 2_000_000_000
+    #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
+    max_epochs_ahead: int = 200
+    #: The primary pushes the stable watermark to backups at least this often.
+    stable_push_ns: int = 2_000_000
+    #: The primary sends at most one FORWARD with records per interval (0: every turn).
+    forward_interval_ns: int = 0
+    #: A backup reports its prefix at most once per interval (0: after every FORWARD).
+    prefix_interval_ns: int = 0
+    #: A backup that found a gap in the forwards asks again after this long.
+    hello_retry_ns: int = 10_000_000
+    #: How often the primary re-announces its state to a backup that lags.
+    lag_probe_ns: int = 20_000_000
+    #: Subscriptions with no word from their subscriber this long are dropped.
+    subscription_lease_ns: int = 60_000_000_000
+    #: Largest SUB_BATCH payload.
+    sub_batch_bytes: int = 1 << 20
+    #: Replicas of a shard hear from each other at least this often: an idle primary
+    #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
+    heartbeat_ns: int = 50_000_000
+    #: A peer silent this long is suspected to have failed and recovery is asked for
+    #: (0: never suspect).
+    suspect_timeout_ns: int = 500_000_000
+    #: How long a primary remembers a record it refused for good, and a backup one it
+    #: will never guess: a copy of the INSERT delayed longer could be placed (see
+    #: ARCHITECTURE.md, Known limitations).
+    refusal_memory_ns: int = 20_000_000_000
+    #: How long a backup remembers who asked for a record the primary has not decided
+    #: (the client's resend finds the decision anyway).
+    route_memory_ns: int = 20_000_000_000
+    #: Those memories are pruned at most this often.
+    prune_interval_ns: int = 1_000_000_000
+    # -- bounds ----------------------------------------------------------------------
+    #: Requests waiting for an epoch or a position; more are refused (OVERLOADED).
+    max_parked: int = 10_000
+    #: Subscriptions served at once; more are refused (OVERLOADED).
+    max_subscriptions: int = 10_000
+    #: Records a backup has guessed and the primary not yet decided; beyond it the
+    #: backup guesses nothing (NO_GUESS: the primary still decides).
+    max_guesses: int = 100_000
+    #: Entries in each refusal memory and in the backup's route memory; the oldest go
+    #: first when one is full (each is also pruned by age).
+    max_remembered: int = 200_000
+
+    @property
+    def is_primary(self) -> bool:
+        return self.replica == 0

@@ -1,0 +1,121 @@
+"""The :class:`~ziplog.io.ports.Runtime` and the connecting half of the
+:class:`~ziplog.io.ports.Network` on an asyncio event loop (uvloop when installed) with
+``zmq.asyncio`` sockets: what ``ziplog.aio.AsyncClient`` runs its driver on.
+
+Each connection has one reader task; every frame it reads, every timer and every call
+from another thread is one turn, after which the turn-end hooks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from ziplog.io.ports import FrameHandler
+
+log = logging.getLogger("ziplog.io")
+
+
+class _Connection:
+    __slots__ = ("rt", "sock", "addr", "reader")
+
+    def __init__(self, rt: "AsyncioRuntime", sock: zmq.asyncio.Socket, addr: str, on_frame: FrameHandler) -> None:
+        self.rt = rt
+        self.sock = sock
+        self.addr = addr
+        self.reader = rt.loop.create_task(self._read(on_frame), name=f"ziplog-reader-{addr}")
+
+    async def _read(self, on_frame: FrameHandler) -> None:
+        sock, turn = self.sock, self.rt.turn
+        while True:
+            frame = await sock.recv()
+            turn(on_frame, frame)
+
+    def send(self, frame: bytes) -> bool:
+        try:
+            # queued at once unless the queue is full, then as soon as it has room; the
+            # future is not awaited (its only failure is a closed socket)
+            fut: Any = self.sock.send(frame, copy=len(frame) < 65536)
+            fut.add_done_callback(_quiet)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.rt._connections.discard(self)
+        self.reader.cancel()
+        self.sock.close(linger_ms)
+
+
+def _quiet(fut: Any) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _Handle:
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: asyncio.TimerHandle) -> None:
+        self.handle = handle
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class AsyncioRuntime:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        self.ctx = zmq.asyncio.Context()
+        self._turn_end: list[Callable[[], None]] = []
+        self._connections: set[_Connection] = set()
+        self.closed = False
+
+    # -- Runtime ----------------------------------------------------------------------------------
+    def now(self) -> int:
+        return time.monotonic_ns()
+
+    def turn(self, fn: Callable[..., None], *args: Any) -> None:
+        if self.closed:
+            return
+        try:
+            fn(*args)
+        finally:
+            for hook in self._turn_end:
+                hook()
+
+    def call_at(self, when_ns: int, fn: Callable[[], None]) -> _Handle:
+        delay = (when_ns - time.monotonic_ns()) / 1e9
+        return _Handle(self.loop.call_later(max(delay, 0.0), self.turn, fn))
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.turn, fn)
+        except RuntimeError:
+            pass  # the loop is closed: nothing is listening any more
+
+    def at_turn_end(self, fn: Callable[[], None]) -> None:
+        self._turn_end.append(fn)
+
+    # -- Network (connecting side) ----------------------------------------------------------------
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> _Connection:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        c = _Connection(self, sock, addr, on_frame)
+        self._connections.add(c)
+        return c
+
+    async def aclose(self) -> None:
+        """Stop every reader and close every socket."""
+        self.closed = True
+        readers = [c.reader for c in self._connections]
+        for c in list(self._connections):
+            c.close()
+        if readers:
+            await asyncio.gather(*readers, return_exceptions=True)
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,144 @@
+"""The ports every driver runs on. A driver (a server process or a client) owns a core
+and talks to the world only through these; production plugs in pyzmq
+(:mod:`ziplog.io.zmq_runtime`), segment files (:mod:`ziplog.io.segments`) and kazoo
+(:mod:`ziplog.io.zk`), and the simulation in ``tests/sim`` plugs in its simulated
+network, clock, disk and ZooKeeper under the same drivers.
+
+* :class:`Runtime`: the clock, timers, calls from other threads, and the end of a turn.
+  A *turn* is one batch of input (the frames one poll found, or a timer); drivers batch
+  their work per turn (a FORWARD per turn, say), so the runtime calls every
+  :meth:`Runtime.at_turn_end` hook after each.
+* :class:`Network`: message endpoints with ZeroMQ's socket semantics (ROUTER, DEALER,
+  PUB/SUB, PUSH/PULL); frames are bytes, one message part each. Replacing the transport
+  (a native ZMTP implementation on uvloop, say) means a new :class:`Network` and
+  :class:`Runtime`, not new drivers.
+* :class:`Disk`: a replica's decided stream on stable storage.
+* Coordination (ZooKeeper) ports are per process kind, next to their drivers'
+  needs: :class:`StorageCoordination` here, and the views of :mod:`ziplog.protocol.topology`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Protocol
+
+from ziplog.protocol.events import DiskEvent, SnapshotEvent
+from ziplog.protocol.topology import TopologyView
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Runtime(Protocol):
+    def now(self) -> int:
+        """Monotonic nanoseconds."""
+
+    def call_at(self, when_ns: int, fn: Callable[[], None]) -> Timer:
+        """Call ``fn`` on the runtime's thread at ``when_ns`` (or soon after)."""
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the runtime's thread soon; safe from any thread."""
+
+    def at_turn_end(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after every turn."""
+
+
+class Endpoint(Protocol):
+    """A connected (DEALER, SUB, PUSH) or bound (PUB, PULL) socket."""
+
+    addr: str
+
+    def send(self, frame: bytes) -> bool:
+        """Queue ``frame``; False when the queue is full and it was dropped."""
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Let go of the socket; frames still queued may leave for ``linger_ms``."""
+
+
+class Router(Protocol):
+    """A bound ROUTER: frames arrive tagged with their sender's route."""
+
+    addr: str
+
+    def send_to(self, route: bytes, frame: bytes) -> bool:
+        """Queue ``frame`` for ``route``; False when it was dropped (queue full, peer gone)."""
+
+    def close(self) -> None: ...
+
+
+#: a frame from a route (ROUTER)
+RoutedHandler = Callable[[bytes, bytes], None]
+#: a frame on a connection (DEALER, SUB, PULL)
+FrameHandler = Callable[[bytes], None]
+#: a message of more than one part from a route (never valid here)
+MultipartHandler = Callable[[bytes, int], None]
+
+
+class Connector(Protocol):
+    """The connecting half of a network (what a client needs)."""
+
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> Endpoint:
+        """Connect a DEALER to a ROUTER at ``addr``. ``label`` names what the connection is
+        for (``"replica"``, ``"subscription"``, ``"primary"``, ``"handler"``), for logs and
+        the simulation's fault model."""
+
+
+class Network(Connector, Protocol):
+    def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
+               port: int = 0) -> Router:
+        """Bind a ROUTER (port 0: any free port)."""
+
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> Endpoint:
+        """Connect a DEALER to a ROUTER at ``addr``. ``label`` names what the connection is
+        for (``"replica"``, ``"subscription"``, ``"primary"``, ``"handler"``), for logs and
+        the simulation's fault model."""
+
+    def publisher(self, host: str = "127.0.0.1") -> Endpoint:
+        """Bind a PUB."""
+
+    def subscriber(self, addr: str, on_frame: FrameHandler) -> Endpoint:
+        """Connect a SUB (every topic) to a PUB at ``addr``."""
+
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1") -> Endpoint:
+        """Bind a PULL."""
+
+    def pusher(self, addr: str) -> Endpoint:
+        """Connect a PUSH to a PULL at ``addr``."""
+
+
+class Disk(Protocol):
+    """A replica's decided stream on stable storage."""
+
+    error: BaseException | None
+
+    def load(self) -> Iterable[DiskEvent]:
+        """Every event persisted, oldest first (a torn tail cut off)."""
+
+    def start(self, snapshot: SnapshotEvent) -> None:
+        """Begin writing: a fresh segment that opens with ``snapshot``."""
+
+    def append(self, events: list[DiskEvent], snapshot: SnapshotEvent) -> None:
+        """Write a batch; ``snapshot`` is the state after it (a new segment opens with it)."""
+
+    def drop_below(self, gsn: int) -> int:
+        """Delete whole segments whose records all lie below ``gsn``."""
+
+    def close(self) -> None: ...
+
+
+class StorageCoordination(Protocol):
+    """What a storage replica needs of ZooKeeper."""
+
+    @property
+    def topology(self) -> TopologyView: ...
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (from any thread) whenever the topology view changed."""
+
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
+        """Create the shard's node if needed and this replica's ephemeral node."""
+
+    def membership_history(self) -> list[list[Any]]:
+        """The committed membership history, read fresh (synced)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,325 @@
+"""The production :class:`~ziplog.io.ports.Runtime` and :class:`~ziplog.io.ports.Network`
+on pyzmq: one thread polls every socket, runs due timers and calls handed over by other
+threads, then ends the turn.
+
+A server process runs it for good (:meth:`ZmqRuntime.run_forever`); the blocking client
+runs it only while a call waits (:meth:`ZmqRuntime.run_until`).
+
+One turn: poll (timeout: the next timer, at most 100 ms) -> each ready socket drained
+(at most 256 frames, each handed to its handler, which may send at once: an ACK leaves
+before anything else is done) -> due timers -> calls from other threads -> the turn-end
+hooks (where drivers flush their batches).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import zmq
+
+from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
+
+log = logging.getLogger("ziplog.io")
+
+# Plain ints: pyzmq's flag enums cost a Python-level enum operation per call.
+POLLIN = int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE = int(zmq.SNDMORE)
+EVENTS = int(zmq.EVENTS)
+RCVMORE = int(zmq.RCVMORE)
+#: frames read from one socket per turn, so one busy peer cannot starve the others
+DRAIN_LIMIT = 256
+#: longest poll: the loop looks at its stop flag at least this often
+MAX_WAIT_MS = 100
+#: send queue of a ROUTER or DEALER (frames); a frame to a full queue is dropped
+HWM = 100_000
+
+
+class _TimerHandle:
+    __slots__ = ("when", "fn", "cancelled")
+
+    def __init__(self, when: int, fn: Callable[[], None]) -> None:
+        self.when = when
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Socket:
+    """A socket and what to do when it is readable."""
+
+    __slots__ = ("rt", "sock", "addr", "drain")
+
+    def __init__(self, rt: "ZmqRuntime", sock: zmq.Socket, addr: str) -> None:
+        self.rt = rt
+        self.sock = sock
+        self.addr = addr
+        self.drain: Callable[[], None] | None = None
+
+    def send(self, frame: bytes) -> bool:
+        try:
+            # zero-copy only pays off for large frames
+            if len(frame) < 65536:
+                self.sock.send(frame, NOBLOCK)
+            else:
+                self.sock.send(frame, NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:
+            return False
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.rt._forget(self)
+        self.sock.close(linger_ms)
+
+
+class _Router(_Socket):
+    __slots__ = ()
+
+    def send_to(self, route: bytes, frame: bytes) -> bool:
+        try:
+            self.sock.send(route, SNDMORE | NOBLOCK)
+            self.sock.send(frame, NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("dropped a frame to a slow peer")
+            return False
+        except zmq.ZMQError:
+            return False
+
+
+class ZmqRuntime:
+    def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False) -> None:
+        #: poll's timeout is in milliseconds: by default a timer may fire up to 1 ms late;
+        #: precise timers sleep out the last millisecond instead (the membership service's
+        #: epochs), at the price of input waiting that long
+        self.precise_timers = precise_timers
+        self.ctx = ctx if ctx is not None else zmq.Context()
+        self._own_ctx = ctx is None
+        self.poller = zmq.Poller()
+        self._sockets: dict[zmq.Socket, _Socket] = {}  # the readable ones
+        self._all: set[_Socket] = set()
+        self._timers: list[tuple[int, int, _TimerHandle]] = []
+        self._seq = itertools.count()
+        self._turn_end: list[Callable[[], None]] = []
+        self._calls: deque[Callable[[], None]] = deque()
+        # Other threads only poke this PAIR (under a lock: a socket is not thread-safe).
+        self._wake_lock = threading.Lock()
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://wake-{id(self)}")
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://wake-{id(self)}")
+        self.poller.register(self._wake_rx, zmq.POLLIN)
+        self.running = True
+
+    # -- Runtime ----------------------------------------------------------------------------------
+    def now(self) -> int:
+        return time.monotonic_ns()
+
+    def call_at(self, when_ns: int, fn: Callable[[], None]) -> _TimerHandle:
+        h = _TimerHandle(when_ns, fn)
+        heapq.heappush(self._timers, (when_ns, next(self._seq), h))
+        return h
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        self._calls.append(fn)
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", NOBLOCK)
+            except zmq.ZMQError:
+                pass  # full (a wake-up is pending anyway) or closed
+
+    def at_turn_end(self, fn: Callable[[], None]) -> None:
+        self._turn_end.append(fn)
+
+    # -- Network ----------------------------------------------------------------------------------
+    def _add(self, s: _Socket, drain: Callable[[], None] | None) -> None:
+        s.drain = drain
+        self._all.add(s)
+        if drain is not None:
+            self._sockets[s.sock] = s
+            self.poller.register(s.sock, zmq.POLLIN)
+
+    def _forget(self, s: _Socket) -> None:
+        self._all.discard(s)
+        if self._sockets.pop(s.sock, None) is not None:
+            self.poller.unregister(s.sock)
+
+    def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
+               port: int = 0) -> _Router:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        r = _Router(self, sock, f"tcp://{host}:{port}")
+
+        def drain() -> None:
+            recv, getsockopt = sock.recv, sock.getsockopt
+            for _ in range(DRAIN_LIMIT):
+                # EVENTS before each recv instead of catching zmq.Again: an exception per
+                # drained socket costs more than the request itself.
+                if not int(getsockopt(EVENTS)) & POLLIN:
+                    return
+                route = recv()
+                frame = recv()
+                if getsockopt(RCVMORE):
+                    parts = 2
+                    while getsockopt(RCVMORE):
+                        recv()
+                        parts += 1
+                    on_multipart(route, parts - 1)
+                    continue
+                on_frame(route, frame)
+
+        self._add(r, drain)
+        return r
+
+    def _connected(self, kind: int, addr: str, on_frame: FrameHandler | None, hwm: int) -> _Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(addr)
+        s = _Socket(self, sock, addr)
+        self._add(s, None if on_frame is None else self._drainer(sock, on_frame))
+        return s
+
+    def _drainer(self, sock: zmq.Socket, on_frame: FrameHandler) -> Callable[[], None]:
+        def drain() -> None:
+            recv, getsockopt = sock.recv, sock.getsockopt
+            for _ in range(DRAIN_LIMIT):
+                if not int(getsockopt(EVENTS)) & POLLIN:
+                    return
+                on_frame(recv())
+        return drain
+
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> _Socket:
+        s = self._connected(zmq.DEALER, addr, on_frame, HWM)
+        s.sock.setsockopt(zmq.RCVHWM, HWM)
+        return s
+
+    def subscriber(self, addr: str, on_frame: FrameHandler) -> _Socket:
+        return self._connected(zmq.SUB, addr, on_frame, 1000)
+
+    def pusher(self, addr: str) -> _Socket:
+        return self._connected(zmq.PUSH, addr, None, 1000)
+
+    def publisher(self, host: str = "127.0.0.1") -> _Socket:
+        sock = self.ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        s = _Socket(self, sock, f"tcp://{host}:{port}")
+        self._add(s, None)
+        return s
+
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1") -> _Socket:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        s = _Socket(self, sock, f"tcp://{host}:{port}")
+        self._add(s, self._drainer(sock, on_frame))
+        return s
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _next_timer(self) -> int | None:
+        timers = self._timers
+        while timers and timers[0][2].cancelled:
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
+    def run_once(self, max_wait_ms: int = MAX_WAIT_MS) -> None:
+        """One turn: wait for input or the next timer (at most ``max_wait_ms``), handle
+        it, end the turn."""
+        wait_ms = max_wait_ms
+        sleep_ns = 0
+        if self._calls:
+            wait_ms = 0
+        else:
+            t = self._next_timer()
+            if t is not None:
+                left = t - time.monotonic_ns()
+                if left <= 0:
+                    wait_ms = 0
+                elif not self.precise_timers:
+                    wait_ms = min(wait_ms, -(-left // 1_000_000))
+                elif left < 1_000_000:
+                    wait_ms, sleep_ns = 0, left
+                else:
+                    wait_ms = min(wait_ms, left // 1_000_000)
+        ready = self.poller.poll(wait_ms)
+        if sleep_ns and not ready:
+            time.sleep(sleep_ns / 1e9)
+        sockets = self._sockets
+        for sock, _ in ready:
+            if sock is self._wake_rx:
+                while True:
+                    try:
+                        sock.recv(NOBLOCK)
+                    except zmq.Again:
+                        break
+                continue
+            s = sockets.get(sock)
+            if s is not None and s.drain is not None:
+                s.drain()
+        timers = self._timers
+        if timers:
+            now = time.monotonic_ns()
+            while timers and timers[0][0] <= now:
+                h = heapq.heappop(timers)[2]
+                if not h.cancelled:
+                    h.cancelled = True
+                    h.fn()
+        calls = self._calls
+        while calls:
+            calls.popleft()()
+        for fn in self._turn_end:
+            fn()
+
+    def run_forever(self) -> None:
+        while self.running:
+            self.run_once()
+
+    def run_until(self, done: Callable[[], bool], timeout_ns: int | None = None) -> bool:
+        """Turn until ``done()`` (True) or ``timeout_ns`` passed (False)."""
+        if done():
+            return True
+        deadline = None if timeout_ns is None else time.monotonic_ns() + timeout_ns
+        while True:
+            wait_ms = MAX_WAIT_MS
+            if deadline is not None:
+                left = deadline - time.monotonic_ns()
+                if left <= 0:
+                    return done()
+                wait_ms = min(wait_ms, -(-left // 1_000_000))
+            self.run_once(wait_ms)
+            if done():
+                return True
+
+    def stop(self) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        """Close every socket (and the context, if this runtime made it)."""
+        for s in list(self._all):
+            s.sock.close(0)
+        self._sockets.clear()
+        self._all.clear()
+        self._wake_rx.close(0)
+        self._wake_tx.close(0)
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)

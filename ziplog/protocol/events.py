@@ -1,0 +1,141 @@
+"""Decided-stream events: a primary's decisions in order, as it forwards them to its
+backups (inside FORWARD), as failure recovery installs them (inside INSTALL), and as a
+replica persists them in its segment files. ``docs/PROTOCOL.md`` section 6 is the
+reference.
+
+Every event is a msgpack array whose first element is its kind; each kind is one typed
+struct here (msgspec's tagged ``array_like`` structs put the tag first, so the bytes are
+exactly the documented arrays). The record event doubles as the decided log's record:
+one object per record, shared by the log, the forward batch and the disk batch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Iterator, Union
+
+import msgspec
+import msgpack
+
+#: A gsn, slot, id or count on the wire: msgpack's widest integer is uint64, so a
+#: lower bound is all it takes.
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+#: An epoch number that is -1 before the first epoch.
+Epoch = Annotated[int, msgspec.Meta(ge=-1)]
+Members = tuple[int, ...]
+
+EV_RECORD = 0
+EV_FRONTIER = 1
+EV_EPOCH = 2
+EV_TRIM = 3
+EV_STABLE = 4
+EV_SNAPSHOT = 5
+EV_TRUNCATE = 6
+
+
+class _Event(msgspec.Struct, array_like=True, gc=False, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class RecordEvent(_Event, tag=EV_RECORD, frozen=True):
+    """The record of ``(client_id, seq)`` is decided at ``gsn``; ``slot`` is its slot index
+    in the epoch (0 where it is not known: catch-ups and recovery)."""
+
+    gsn: U64
+    slot: U64
+    client_id: U64
+    seq: U64
+    data: bytes
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.client_id, self.seq)
+
+
+class FrontierEvent(_Event, tag=EV_FRONTIER, frozen=True):
+    """Every gsn of this shard up to ``frontier`` is decided; ``next_slot`` is the primary's
+    next slot in ``epoch`` (0 on disk)."""
+
+    frontier: U64
+    epoch: Epoch
+    next_slot: U64
+
+
+class EpochEvent(_Event, tag=EV_EPOCH, frozen=True):
+    """Epochs ``first..last`` had ``members`` (None: the same as the epoch before);
+    every gsn before ``epoch_base(first)`` is closed."""
+
+    first: U64
+    last: U64
+    members: Members | None
+
+
+class TrimEvent(_Event, tag=EV_TRIM, frozen=True):
+    """Disk only: the trim point rose to ``point`` (trim is not forwarded)."""
+
+    point: U64
+
+
+class StableEvent(_Event, tag=EV_STABLE, frozen=True):
+    """Disk only: the stable watermark at a flush."""
+
+    stable: U64
+
+
+class SnapshotEvent(_Event, tag=EV_SNAPSHOT, frozen=True):
+    """Disk only: the state a segment file opens with, so no older segment is needed."""
+
+    ranges: list[tuple[U64, U64, Members]]
+    frontier: U64
+    stable: U64
+    trim: U64
+
+
+class TruncateEvent(_Event, tag=EV_TRUNCATE, frozen=True):
+    """Disk only: failure recovery dropped every record above ``base`` (an INSTALL follows)."""
+
+    base: U64
+
+
+#: What a FORWARD carries.
+StreamEvent = Union[RecordEvent, FrontierEvent, EpochEvent]
+#: What an INSTALL carries.
+InstallEvent = Union[RecordEvent, EpochEvent]
+#: What a segment file holds.
+DiskEvent = Union[RecordEvent, FrontierEvent, EpochEvent, TrimEvent, StableEvent, SnapshotEvent, TruncateEvent]
+
+_encoder = msgspec.msgpack.Encoder()
+_disk_decoder = msgspec.msgpack.Decoder(DiskEvent)  # type: ignore[arg-type]
+
+
+def encode_events(events: list[DiskEvent]) -> bytes:
+    """Events as concatenated msgpack arrays (a segment file's body)."""
+    enc = _encoder.encode
+    return b"".join(enc(ev) for ev in events)
+
+
+def encode_event(event: DiskEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_events(blob: bytes) -> Iterator[tuple[DiskEvent, int]]:
+    """Each event of a segment file's bytes with the offset just past it. Stops at the
+    first event that is cut short or does not decode (a torn tail): what follows the last
+    offset yielded is not a whole event."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(blob), 1 << 20))
+    unpacker.feed(blob)
+    start = 0
+    view = memoryview(blob)
+    while True:
+        try:
+            unpacker.skip()
+        except msgpack.OutOfData:
+            return
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return
+        end = unpacker.tell()
+        try:
+            ev = _disk_decoder.decode(view[start:end])
+        except msgspec.MsgspecError:
+            return
+        yield ev, end
+        start = end

@@ -1,0 +1,87 @@
+"""A view of the topology held in ZooKeeper (pure): shards, their replicas' addresses,
+the latest membership, the control plane's addresses. ``ziplog.io.zk.Topology`` keeps
+one current with kazoo watches; the simulation keeps one from its model of ZooKeeper.
+Both answer the same queries with this code.
+
+Writers replace whole fields (never mutate them in place) and then call
+:meth:`TopologyView.changed`, so a reader on another thread never sees a half-built view,
+and ``generation`` tells it that something moved since it last looked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class TopologyView:
+    def __init__(self) -> None:
+        self.replicas: dict[int, dict[int, str]] = {}  # shard -> replica -> addr
+        self.replica_counts: dict[int, int] = {}
+        self.removed: frozenset[int] = frozenset()
+        self.recovering: frozenset[int] = frozenset()
+        #: failure handler replicas: name -> {"pull": addr}
+        self.fh: dict[str, dict[str, str]] = {}
+        #: the committed membership history [[first_epoch, members], ...]
+        self.history: list[list[Any]] = []
+        #: membership service replicas: id -> {"pub": addr, "pull": addr}
+        self.mms: dict[str, dict[str, str]] = {}
+        self._generation = 0
+        self._live: list[int] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- writers --------------------------------------------------------------------------------
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after every change (on the writer's thread)."""
+        self._listeners.append(fn)
+
+    def changed(self) -> None:
+        self._generation += 1
+        self._live = None
+        for fn in list(self._listeners):
+            fn()
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """Counts changes to this view: read it before reading the view, and a later
+        change shows as a different value (a writer updates the view first, then this)."""
+        return self._generation
+
+    def live_shards(self) -> list[int]:
+        """Shards in the latest membership, not removed or recovering, whose replicas are
+        all registered (cached until the next change: this is on every insert's path)."""
+        live = self._live
+        if live is None:
+            gen = self._generation
+            members = self.history[-1][1] if self.history else []
+            out = self.removed | self.recovering
+            live = [s for s in members if s not in out and self.shard_complete(s)]
+            if gen == self._generation:  # no change raced with us: safe to keep
+                self._live = live
+        return live
+
+    def shard_complete(self, shard: int) -> bool:
+        n = self.replica_counts.get(shard, 0)
+        addrs = self.replicas.get(shard, {})
+        return n > 0 and all(i in addrs for i in range(n))
+
+    def replica_addrs(self, shard: int) -> list[str] | None:
+        """Every replica's address, replica 0 (the primary) first; None unless all are up."""
+        n = self.replica_counts.get(shard, 0)
+        addrs = self.replicas.get(shard, {})
+        if n == 0 or any(i not in addrs for i in range(n)):
+            return None
+        return [addrs[i] for i in range(n)]
+
+    def shards(self) -> list[int]:
+        """Every shard ever registered (removed ones included: they stay readable)."""
+        return sorted(self.replica_counts)
+
+    def mms_pubs(self) -> list[str]:
+        return [a for info in self.mms.values() if (a := info.get("pub"))]
+
+    def mms_pulls(self) -> list[str]:
+        return [a for info in self.mms.values() if (a := info.get("pull"))]
+
+    def fh_pulls(self) -> list[str]:
+        return [a for info in self.fh.values() if (a := info.get("pull"))]
