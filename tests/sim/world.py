@@ -335,9 +335,14 @@ class SimSubscriber:
     def __init__(self, proc: SimProcess, addr: str, on_frame: Callable[[bytes], None]) -> None:
         self.proc = proc
         self.addr = addr
+        self.addrs = [addr]
         self.on_frame = on_frame
         self.closed = False
         proc.world.subscribers.setdefault(addr, []).append(self)
+
+    def connect(self, addr: str) -> None:
+        self.addrs.append(addr)
+        self.proc.world.subscribers.setdefault(addr, []).append(self)
 
     def deliver(self, frame: bytes) -> None:
         if not self.closed:
@@ -351,9 +356,10 @@ class SimSubscriber:
 
     def close(self, linger_ms: int = 0) -> None:
         self.closed = True
-        subs = self.proc.world.subscribers.get(self.addr, [])
-        if self in subs:
-            subs.remove(self)
+        for addr in self.addrs:
+            subs = self.proc.world.subscribers.get(addr, [])
+            if self in subs:
+                subs.remove(self)
 
 
 class SimPuller:

@@ -43,7 +43,9 @@ class Client:
         self._closed = False
         self._zk = zk.connect(zk_hosts)
         self.topology = zk.Topology(self._zk)
-        self._rt = ZmqRuntime()
+        # It runs only while a call waits (no wake-up socket), reading one reply per
+        # replica per turn (no batches to drain).
+        self._rt = ZmqRuntime(wake=False, drain_limit=1)
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9))
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)
@@ -101,7 +103,9 @@ class Client:
             raise ClientClosedError("client is closed")
 
     def _wait(self, call: Call) -> Any:
-        self._rt.run_until(lambda: call.done)
+        """Turn the runtime until ``call`` is done, listening to the replicas it waits on."""
+        driver = self._driver
+        self._rt.run_until(lambda: call.done, None, lambda: driver.endpoints_of(call))
         return call.result()
 
     # -- the calls --------------------------------------------------------------------------------

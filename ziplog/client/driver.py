@@ -38,6 +38,17 @@ class Record:
         return f"Record(rid={self.rid!r}, data={self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
 
 
+class _Running:
+    """The driver's bookkeeping of a call in progress: its timer and who to tell."""
+
+    __slots__ = ("timer", "at", "on_done")
+
+    def __init__(self, on_done: Callable[[], None] | None) -> None:
+        self.timer: Timer | None = None
+        self.at: int | None = None
+        self.on_done = on_done
+
+
 class ClientDriver:
     def __init__(self, rt: Runtime, net: Connector, topology: TopologyView, state: ClientState) -> None:
         self.rt = rt
@@ -47,7 +58,7 @@ class ClientDriver:
         self.conns: dict[str, Endpoint] = {}
         #: request id -> the call that sent it (calls forget theirs when done)
         self.pending: dict[int, Call] = {}
-        self.calls: dict[Call, tuple[Timer | None, int | None, Callable[[], None] | None]] = {}
+        self.calls: dict[Call, _Running] = {}
         self.subs: dict[int, "SubscriptionDriver"] = {}
         self.closed = False
 
@@ -74,34 +85,39 @@ class ClientDriver:
             if on_done is not None:
                 on_done()
             return
-        self.calls[call] = (None, None, on_done)
+        self.calls[call] = _Running(on_done)
         self._run(call, call.start(self.rt.now(), self.topology))
 
     def _run(self, call: Call, sends: Sequence[tuple[Sequence[str], wire.Frame]]) -> None:
-        encode = wire.encode
-        for addrs, msg in sends:
-            frame = encode(msg)
-            self.pending[msg.req_id] = call  # type: ignore[attr-defined]
-            for addr in addrs:
-                conn = self.conns.get(addr)
-                if conn is None:
-                    conn = self.conns[addr] = self.net.dealer(addr, self._reply_handler(addr), "replica")
-                conn.send(frame)
-        timer, at, on_done = self.calls.get(call, (None, None, None))
+        """Perform a call's step: send what it asked for, then finish it or (re)arm its timer."""
+        if sends:
+            encode, conns, pending = wire.encode, self.conns, self.pending
+            for addrs, msg in sends:
+                frame = encode(msg)
+                pending[msg.req_id] = call  # type: ignore[attr-defined]
+                for addr in addrs:
+                    conn = conns.get(addr)
+                    if conn is None:
+                        conn = conns[addr] = self.net.dealer(addr, self._reply_handler(addr), "replica")
+                    conn.send(frame)
+        running = self.calls.get(call)
+        if running is None:
+            return
         if call.done:
             for r in call.req_ids:
                 self.pending.pop(r, None)
-            if timer is not None:
-                timer.cancel()
-            self.calls.pop(call, None)
-            if on_done is not None:
-                on_done()
+            if running.timer is not None:
+                running.timer.cancel()
+            del self.calls[call]
+            if running.on_done is not None:
+                running.on_done()
             return
-        if call.wake_at != at:
-            if timer is not None:
-                timer.cancel()
-            timer = None if call.wake_at is None else self.rt.call_at(call.wake_at, lambda: self._on_timer(call))
-            self.calls[call] = (timer, call.wake_at, on_done)
+        at = call.wake_at
+        if at != running.at:
+            if running.timer is not None:
+                running.timer.cancel()
+            running.at = at
+            running.timer = None if at is None else self.rt.call_at(at, lambda: self._on_timer(call))
 
     def _reply_handler(self, addr: str) -> Callable[[bytes], None]:
         return lambda frame: self._on_reply(addr, frame)
@@ -117,11 +133,16 @@ class ClientDriver:
         self._run(call, call.on_reply(addr, msg, self.rt.now(), self.topology))
 
     def _on_timer(self, call: Call) -> None:
-        entry = self.calls.get(call)
-        if entry is None or call.done:
+        running = self.calls.get(call)
+        if running is None or call.done:
             return
-        self.calls[call] = (None, None, entry[2])
+        running.timer = running.at = None
         self._run(call, call.on_timer(self.rt.now(), self.topology))
+
+    def endpoints_of(self, call: Call) -> list[Endpoint]:
+        """The connections ``call`` waits on (the replicas it sent to)."""
+        conns = self.conns
+        return [c for a in call.waiting_on() if (c := conns.get(a)) is not None]
 
     def on_topology(self) -> None:
         """Something moved in ZooKeeper: calls and subscriptions look again; connections

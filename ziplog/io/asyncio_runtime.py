@@ -46,6 +46,9 @@ class _Connection:
         except zmq.ZMQError:
             return False
 
+    def connect(self, addr: str) -> None:
+        self.sock.connect(addr)
+
     def close(self, linger_ms: int = 0) -> None:
         self.rt._connections.discard(self)
         self.reader.cancel()

@@ -51,6 +51,9 @@ class Endpoint(Protocol):
     def send(self, frame: bytes) -> bool:
         """Queue ``frame``; False when the queue is full and it was dropped."""
 
+    def connect(self, addr: str) -> None:
+        """Connect to one more peer (a SUB to another publisher)."""
+
     def close(self, linger_ms: int = 0) -> None:
         """Let go of the socket; frames still queued may leave for ``linger_ms``."""
 
@@ -97,7 +100,7 @@ class Network(Connector, Protocol):
         """Bind a PUB."""
 
     def subscriber(self, addr: str, on_frame: FrameHandler) -> Endpoint:
-        """Connect a SUB (every topic) to a PUB at ``addr``."""
+        """Connect a SUB (every topic) to a PUB at ``addr``; ``connect`` adds more."""
 
     def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1") -> Endpoint:
         """Bind a PULL."""

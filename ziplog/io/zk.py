@@ -52,6 +52,7 @@ class Topology(TopologyView):
     def changed(self) -> None:
         self._generation += 1
         self._live = None
+        self._addrs = {}
         with self._cond:
             self._cond.notify_all()
         for fn in list(self._listeners):

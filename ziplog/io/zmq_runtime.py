@@ -19,9 +19,10 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
+from zmq import zmq_poll
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 
@@ -77,6 +78,10 @@ class _Socket:
         except zmq.ZMQError:
             return False
 
+    def connect(self, addr: str) -> None:
+        """Connect to one more peer (a SUB to another publisher)."""
+        self.sock.connect(addr)
+
     def close(self, linger_ms: int = 0) -> None:
         self.rt._forget(self)
         self.sock.close(linger_ms)
@@ -98,14 +103,21 @@ class _Router(_Socket):
 
 
 class ZmqRuntime:
-    def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False) -> None:
+    def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False, wake: bool = True,
+                 drain_limit: int = DRAIN_LIMIT) -> None:
         #: poll's timeout is in milliseconds: by default a timer may fire up to 1 ms late;
         #: precise timers sleep out the last millisecond instead (the membership service's
         #: epochs), at the price of input waiting that long
         self.precise_timers = precise_timers
+        #: frames read from a socket per turn: a server drains a batch (fewer polls under
+        #: load); a client that waits for one reply per replica reads one and polls again
+        #: (no EVENTS check after it)
+        self.drain_limit = drain_limit
         self.ctx = ctx if ctx is not None else zmq.Context()
         self._own_ctx = ctx is None
-        self.poller = zmq.Poller()
+        #: (socket, POLLIN) of every readable socket, for zmq_poll (a Poller copies its
+        #: registrations into such a list at every poll)
+        self._poll_items: list[tuple[zmq.Socket, int]] = []
         self._sockets: dict[zmq.Socket, _Socket] = {}  # the readable ones
         self._all: set[_Socket] = set()
         self._timers: list[tuple[int, int, _TimerHandle]] = []
@@ -113,12 +125,17 @@ class ZmqRuntime:
         self._turn_end: list[Callable[[], None]] = []
         self._calls: deque[Callable[[], None]] = deque()
         # Other threads only poke this PAIR (under a lock: a socket is not thread-safe).
+        # Without it (``wake=False``: a client's runtime, which runs only while a call
+        # waits), calls from other threads wait for the next turn, at most MAX_WAIT_MS.
         self._wake_lock = threading.Lock()
-        self._wake_rx = self.ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx = self.ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self.poller.register(self._wake_rx, zmq.POLLIN)
+        self._wake_rx: zmq.Socket | None = None
+        self._wake_tx: zmq.Socket | None = None
+        if wake:
+            self._wake_rx = self.ctx.socket(zmq.PAIR)
+            self._wake_rx.bind(f"inproc://wake-{id(self)}")
+            self._wake_tx = self.ctx.socket(zmq.PAIR)
+            self._wake_tx.connect(f"inproc://wake-{id(self)}")
+            self._poll_items.append((self._wake_rx, POLLIN))
         self.running = True
 
     # -- Runtime ----------------------------------------------------------------------------------
@@ -132,11 +149,12 @@ class ZmqRuntime:
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._calls.append(fn)
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", NOBLOCK)
-            except zmq.ZMQError:
-                pass  # full (a wake-up is pending anyway) or closed
+        if self._wake_tx is not None:
+            with self._wake_lock:
+                try:
+                    self._wake_tx.send(b"", NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # full (a wake-up is pending anyway) or closed
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)
@@ -147,12 +165,12 @@ class ZmqRuntime:
         self._all.add(s)
         if drain is not None:
             self._sockets[s.sock] = s
-            self.poller.register(s.sock, zmq.POLLIN)
+            self._poll_items.append((s.sock, POLLIN))
 
     def _forget(self, s: _Socket) -> None:
         self._all.discard(s)
         if self._sockets.pop(s.sock, None) is not None:
-            self.poller.unregister(s.sock)
+            self._poll_items = [item for item in self._poll_items if item[0] is not s.sock]
 
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
                port: int = 0) -> _Router:
@@ -168,10 +186,11 @@ class ZmqRuntime:
 
         def drain() -> None:
             recv, getsockopt = sock.recv, sock.getsockopt
-            for _ in range(DRAIN_LIMIT):
-                # EVENTS before each recv instead of catching zmq.Again: an exception per
-                # drained socket costs more than the request itself.
-                if not int(getsockopt(EVENTS)) & POLLIN:
+            for i in range(self.drain_limit):
+                # Poll said a message is there; after it, EVENTS before each recv instead
+                # of catching zmq.Again: an exception per drained socket costs more than
+                # the request itself.
+                if i and not int(getsockopt(EVENTS)) & POLLIN:
                     return
                 route = recv()
                 frame = recv()
@@ -201,8 +220,8 @@ class ZmqRuntime:
     def _drainer(self, sock: zmq.Socket, on_frame: FrameHandler) -> Callable[[], None]:
         def drain() -> None:
             recv, getsockopt = sock.recv, sock.getsockopt
-            for _ in range(DRAIN_LIMIT):
-                if not int(getsockopt(EVENTS)) & POLLIN:
+            for i in range(self.drain_limit):
+                if i and not int(getsockopt(EVENTS)) & POLLIN:
                     return
                 on_frame(recv())
         return drain
@@ -213,6 +232,8 @@ class ZmqRuntime:
         return s
 
     def subscriber(self, addr: str, on_frame: FrameHandler) -> _Socket:
+        """A SUB socket; ``connect`` adds publishers to it (one socket for all of them
+        keeps the poll set small)."""
         return self._connected(zmq.SUB, addr, on_frame, 1000)
 
     def pusher(self, addr: str) -> _Socket:
@@ -242,9 +263,10 @@ class ZmqRuntime:
             heapq.heappop(timers)
         return timers[0][0] if timers else None
 
-    def run_once(self, max_wait_ms: int = MAX_WAIT_MS) -> None:
+    def run_once(self, max_wait_ms: int = MAX_WAIT_MS, focus: list[Any] | None = None) -> None:
         """One turn: wait for input or the next timer (at most ``max_wait_ms``), handle
-        it, end the turn."""
+        it, end the turn. ``focus``: listen to these endpoints only this turn (what the
+        caller waits on; the others' frames wait in their queues)."""
         wait_ms = max_wait_ms
         sleep_ns = 0
         if self._calls:
@@ -261,15 +283,17 @@ class ZmqRuntime:
                     wait_ms, sleep_ns = 0, left
                 else:
                     wait_ms = min(wait_ms, left // 1_000_000)
-        ready = self.poller.poll(wait_ms)
+        items = self._poll_items if focus is None else [(ep.sock, POLLIN) for ep in focus]
+        ready = zmq_poll(items, wait_ms)
         if sleep_ns and not ready:
             time.sleep(sleep_ns / 1e9)
         sockets = self._sockets
+        wake = self._wake_rx
         for sock, _ in ready:
-            if sock is self._wake_rx:
+            if sock is wake and wake is not None:
                 while True:
                     try:
-                        sock.recv(NOBLOCK)
+                        wake.recv(NOBLOCK)
                     except zmq.Again:
                         break
                 continue
@@ -294,8 +318,10 @@ class ZmqRuntime:
         while self.running:
             self.run_once()
 
-    def run_until(self, done: Callable[[], bool], timeout_ns: int | None = None) -> bool:
-        """Turn until ``done()`` (True) or ``timeout_ns`` passed (False)."""
+    def run_until(self, done: Callable[[], bool], timeout_ns: int | None = None,
+                  focus: Callable[[], list[Any]] | None = None) -> bool:
+        """Turn until ``done()`` (True) or ``timeout_ns`` passed (False). ``focus`` (if
+        given) names, before each turn, the only endpoints worth listening to."""
         if done():
             return True
         deadline = None if timeout_ns is None else time.monotonic_ns() + timeout_ns
@@ -306,7 +332,7 @@ class ZmqRuntime:
                 if left <= 0:
                     return done()
                 wait_ms = min(wait_ms, -(-left // 1_000_000))
-            self.run_once(wait_ms)
+            self.run_once(wait_ms, None if focus is None else focus())
             if done():
                 return True
 
@@ -319,7 +345,9 @@ class ZmqRuntime:
             s.sock.close(0)
         self._sockets.clear()
         self._all.clear()
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        self._poll_items = []
+        for w in (self._wake_rx, self._wake_tx):
+            if w is not None:
+                w.close(0)
         if self._own_ctx:
             self.ctx.destroy(linger=0)

@@ -27,6 +27,8 @@ class TopologyView:
         self.mms: dict[str, dict[str, str]] = {}
         self._generation = 0
         self._live: list[int] | None = None
+        #: replica_addrs answers, until the next change (they are on every insert's path)
+        self._addrs: dict[int, tuple[str, ...] | None] = {}
         self._listeners: list[Callable[[], None]] = []
 
     # -- writers --------------------------------------------------------------------------------
@@ -37,6 +39,7 @@ class TopologyView:
     def changed(self) -> None:
         self._generation += 1
         self._live = None
+        self._addrs = {}
         for fn in list(self._listeners):
             fn()
 
@@ -65,13 +68,20 @@ class TopologyView:
         addrs = self.replicas.get(shard, {})
         return n > 0 and all(i in addrs for i in range(n))
 
-    def replica_addrs(self, shard: int) -> list[str] | None:
+    def replica_addrs(self, shard: int) -> tuple[str, ...] | None:
         """Every replica's address, replica 0 (the primary) first; None unless all are up."""
+        cache = self._addrs
+        try:
+            return cache[shard]
+        except KeyError:
+            pass
+        gen = self._generation
         n = self.replica_counts.get(shard, 0)
         addrs = self.replicas.get(shard, {})
-        if n == 0 or any(i not in addrs for i in range(n)):
-            return None
-        return [addrs[i] for i in range(n)]
+        found = None if n == 0 or any(i not in addrs for i in range(n)) else tuple(addrs[i] for i in range(n))
+        if gen == self._generation:  # no change raced with us: safe to keep
+            cache[shard] = found
+        return found
 
     def shards(self) -> list[int]:
         """Every shard ever registered (removed ones included: they stay readable)."""

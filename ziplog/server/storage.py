@@ -52,7 +52,8 @@ class StorageDriver:
         self.addr = self.router.addr
         self.primary: Endpoint | None = None
         self.primary_addr: str | None = None
-        self.epoch_subs: dict[str, Endpoint] = {}
+        self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
+        self.epoch_pubs: set[str] = set()
         self.mms_pushes: dict[str, Endpoint] = {}
         self.fh_pushes: dict[str, Endpoint] = {}
         self._disk_buf: list[DiskEvent] = []
@@ -84,8 +85,12 @@ class StorageDriver:
         topo = self.coord.topology
         net = self.net
         for pub in topo.mms_pubs():
-            if pub not in self.epoch_subs:
-                self.epoch_subs[pub] = net.subscriber(pub, self.on_epoch_frame)
+            if pub not in self.epoch_pubs:
+                self.epoch_pubs.add(pub)
+                if self.epochs is None:
+                    self.epochs = net.subscriber(pub, self.on_epoch_frame)
+                else:
+                    self.epochs.connect(pub)
         for pull in topo.mms_pulls():
             if pull not in self.mms_pushes:
                 self.mms_pushes[pull] = net.pusher(pull)
@@ -229,7 +234,7 @@ class StorageDriver:
             self._disk_buf.extend(self.core.ready().persist)
             self._flush_disk(self.rt.now())
             self.disk.close()
-        for ep in [self.router, self.primary, *self.epoch_subs.values(), *self.mms_pushes.values(),
+        for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
                    *self.fh_pushes.values()]:
             if ep is not None:
                 ep.close()

@@ -61,6 +61,10 @@ class Call:
     def on_topology(self, now: int, topo: TopologyView) -> Sends:
         return []
 
+    def waiting_on(self) -> Sequence[str]:
+        """The replica addresses whose replies this call waits for now."""
+        return ()
+
 
 class InsertState(enum.Enum):
     #: a pinned shard is not live right now: wait (within the deadline) for it to return
@@ -89,6 +93,7 @@ class InsertCall(Call):
         self.state = InsertState.WAITING_FOR_SHARD
         self.shard = -1
         self.targets: tuple[str, ...] = ()
+        self.index: dict[str, int] = {}  # target address -> replica number
         self.wait: InsertWait | None = None
         self.msg: wire.Insert | None = None
         self.retry_at = 0
@@ -116,19 +121,27 @@ class InsertCall(Call):
         self.req_ids.append(req)
         self.state = InsertState.SENT
         self.shard = shard
-        self.targets = tuple(addrs)
+        self._target(addrs)
         self.wait = InsertWait(req, len(addrs))
         self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data)
         self.retry_at = now + RETRY_AFTER_NS
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
 
+    def _target(self, addrs: Sequence[str]) -> None:
+        self.targets = tuple(addrs)
+        self.index = {a: i for i, a in enumerate(self.targets)}
+
+    def waiting_on(self) -> Sequence[str]:
+        return self.targets if self.state is InsertState.SENT else ()
+
     def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
         wait = self.wait
-        if self.state is not InsertState.SENT or wait is None or addr not in self.targets:
+        i = self.index.get(addr)
+        if i is None or wait is None or self.state is not InsertState.SENT:
             return []  # an answer on a connection we no longer wait on
         try:
-            settled = wait.feed(self.targets.index(addr), msg)
+            settled = wait.feed(i, msg)
         except Redirect:
             # The shard provably holds no copy: the same id on another shard is safe.
             self.excluded.add(self.shard)
@@ -171,7 +184,7 @@ class InsertCall(Call):
         new = topo.replica_addrs(self.shard)
         if new is not None and tuple(new) != self.targets:
             self.wait = wait = InsertWait(wait.req_id, len(new))  # answers on the old connections are gone
-            self.targets = tuple(new)
+            self._target(new)
         self.retry_at = now + (RETRY_TROUBLED_NS if wait.troubled else RETRY_AFTER_NS)
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
@@ -220,6 +233,9 @@ class ReadCall(Call):
         req = self.client.next_req()
         self.req_ids.append(req)
         return req
+
+    def waiting_on(self) -> Sequence[str]:
+        return (self.only,) if self.only is not None else self.targets
 
     def _ask_all(self) -> Sends:
         self.only = None
@@ -278,6 +294,9 @@ class EachReplicaCall(Call):
         self.req_ids.append(req)
         self.msg = self.make(req)
         return self._send_missing(now, topo)
+
+    def waiting_on(self) -> Sequence[str]:
+        return [a for targets in self.targets.values() for a in targets]
 
     def _send_missing(self, now: int, topo: TopologyView) -> Sends:
         assert self.msg is not None

@@ -55,7 +55,8 @@ class ClientState:
             self.avoided = {s: t for s, t in self.avoided.items() if t > now}
 
     def choose_shard(self, live: list[int], key: bytes | None, data: bytes, excluded: set[int], now: int) -> int | None:
-        live = [s for s in live if s not in excluded]
+        if excluded:
+            live = [s for s in live if s not in excluded]
         # Avoiding a slow shard only helps a policy that may pick another one: a fixed
         # policy keeps its shard while it is live (refusals still exclude it).
         if self.avoided and self.policy.kind != "fixed":

@@ -102,7 +102,7 @@ class InsertWait:
     @property
     def done(self) -> bool:
         d = self.decided
-        return self.final or (d is not None and all(g == d for g in self.latest))
+        return self.final or (d is not None and self.latest.count(d) == self.n)
 
     @property
     def fast(self) -> bool:
