@@ -15,8 +15,8 @@ sockets, so that is all this process reproduces, for every shard in
   PUB, and one PUSH per MMS replica's PULL (a PUSH connected to several PULLs would
   round-robin). When EPOCH ``e+1`` arrives, every owned shard that was a member of ``e``
   closes it and reports RATE ``[v, RATE, shard, e, count, duration_ns]`` to every MMS
-  replica, as ``ReplicaCore._close_epoch`` does. A full PUSH queue drops the frame, as in
-  ``StorageServer._send`` (the followers never read theirs, so theirs fill up).
+  replica, as a primary does when it closes an epoch. A full PUSH queue drops the frame, as
+  a storage server's does (the followers do not read theirs, so theirs fill up).
 
 What it does not reproduce: one TCP connection per storage replica. Here one SUB and
 one PUSH per MMS replica carry every shard's traffic, so the PUB's fan-out to N x (f+1)
@@ -48,7 +48,7 @@ from ziplog.protocol import frames as wire
 #: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
 #: request limit, and few enough round trips that 8 000 shards register in seconds.
 SHARDS_PER_TXN = 250
-#: Each storage server queues up to 1000 frames per PUSH (``StorageServer._push_socket``),
+#: Each storage server queues up to 1000 frames per PUSH (``ZmqRuntime.pusher``),
 #: so N servers can keep far more RATEs waiting for a slow leader than one socket with
 #: that bound. Ours holds this many epochs of every owned shard's reports instead, so a
 #: leader that reads slowly faces a backlog, as it would, rather than early drops.

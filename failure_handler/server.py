@@ -72,7 +72,9 @@ class FailureHandlerDriver(ElectedDriver):
         self.coord = coord
         self.settings = settings or HandlerSettings()
         self.group, self.groups = group, groups
-        self.pull = net.puller(self.on_suspect_frame, host)
+        # Only the leader reads suspicions (the replicas repeat theirs while they stay
+        # suspicious); a follower's queue fills and senders drop theirs.
+        self.pull = net.puller(self.on_suspect_frame, host, paused=True)
         self.addr = self.pull.addr
         # -- one term of leadership -----------------------------------------------------------
         self.core: RecoveryCore | None = None
@@ -100,6 +102,7 @@ class FailureHandlerDriver(ElectedDriver):
         self.queue.clear()
         self.writing = False
         self.coord.sync_records()
+        self.pull.resume(discard_queued=True)  # suspicions queued while we followed may be stale
         self.seen_generation = -1
         self.on_topology()
         self._arm()
@@ -107,6 +110,7 @@ class FailureHandlerDriver(ElectedDriver):
     def lead_end(self) -> None:
         self.term += 1
         self.core = None
+        self.pull.pause()
         self.queue.clear()
         self.writing = False
         for _, ep in self.dealers.values():

@@ -65,7 +65,9 @@ class MembershipDriver(ElectedDriver):
         self.settings = settings or PlannerSettings()
         self.epochs_per_commit = epochs_per_commit
         self.pub = net.publisher(host)
-        self.pull = net.puller(self.on_rate_frame, host)
+        # Only the leader reads rate reports: a follower's queue fills and primaries then
+        # drop theirs, at no cost to the follower.
+        self.pull = net.puller(self.on_rate_frame, host, paused=True)
         self.addrs = {"pub": self.pub.addr, "pull": self.pull.addr}
         self.encoder = wire.EpochEncoder()
         self.seq: EpochSequencer | None = None
@@ -88,6 +90,7 @@ class MembershipDriver(ElectedDriver):
         self.seq = EpochSequencer(self.coord.read_epoch_state(), self.coord.topology, self.settings,
                                   self.epochs_per_commit)
         self.broadcast_due = False
+        self.pull.resume(discard_queued=True)  # reports queued while we followed are stale
         self.next_t = self.rt.now()
         self._prepare()
         self._arm()
@@ -95,6 +98,7 @@ class MembershipDriver(ElectedDriver):
     def lead_end(self) -> None:
         self.term += 1
         self.seq = None
+        self.pull.pause()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

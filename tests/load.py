@@ -102,7 +102,9 @@ class Load:
         gsns = [r.gsn for r, _ in seqs[0]]
         assert all(a < b for a, b in zip(gsns, gsns[1:])), "gsns not strictly increasing"
         datas = [d for _, d in seqs[0] if d.startswith(self.tag.encode())]
-        assert len(datas) == len(set(datas)), "a record delivered twice"
+        twice = sorted({d for d in datas if datas.count(d) > 1})
+        assert not twice, (f"records delivered twice: "
+                           f"{[(d, [r for r, x in seqs[0] if x == d]) for d in twice[:3]]}; writers' errors {self.errors[-5:]}")
         by_rid = dict(seqs[0])
         for rid, data in self.acked:
             assert by_rid.get(rid) == data, f"acknowledged record moved or lost: {rid}"

@@ -123,3 +123,52 @@ def test_backup_crash_primary_is_source() -> None:
     assert not h.handler.active
     assert all(not isinstance(a, Persist) for a in h.handler.take_actions())
     assert DONE == "done"
+
+
+def test_a_primary_timeout_does_not_settle_an_insert_a_backup_guessed() -> None:
+    """A restarted primary that has not heard its backup yet parks an insert (it decides
+    nothing) and, 2 s later, refuses it for good (TIMEOUT); the backup had guessed and
+    acknowledged it. If the primary then fails, recovery rolls that guess forward: the
+    record is in the log. So the primary's refusal must not end the insert as an error
+    (an application that retries would store it twice): the client asks again until the
+    recovery's authority answers for good."""
+    h = Harness()
+    h.next_epoch()
+    h.insert(1, b"one")
+    h.pump()
+    # The primary restarts from its disk and never hears its backup (the HELLOs are lost).
+    disk = list(h.disk[0])
+    h.P = h.new_core(0)
+    h.P.replay(disk)
+    h.B.connect_primary(h.now)
+    h.pump(lose=("hello",))
+    h.client.clear()
+    h.insert(2, b"two")  # the primary parks it; the backup guesses it and acknowledges
+    h.pump(lose=("hello",))
+    w = InsertWait(2, 2)
+    for i, m in h.client:
+        assert not w.feed(i, m)
+    guess = w.latest[1]
+    assert guess is not None and guess > 0, "the backup guessed the record"
+    h.now += 2100 * MS  # the parked insert times out on the primary
+    h.P.tick(h.now)
+    h.pump(lose=("hello",))
+    timeouts = [m for i, m in h.client if i == 0 and isinstance(m, wire.Error) and m.code == wire.E_TIMEOUT]
+    assert timeouts, "the primary refused the record for good"
+    assert not w.feed(0, timeouts[-1]) and w.refused is not None and not w.done, \
+        "a refusal while a backup holds a guess settles nothing"
+    # The primary fails for good; the backup suspects it, recovery acquires the backup's
+    # state (the primary never qualified) and the backup answers the resend for good.
+    h.P = None
+    h.now += 400 * MS
+    h.B.tick(h.now)
+    h.pump()
+    h.auto_drop = False
+    h.handler.on_suspect(0, 1, h.now)
+    h.pump()
+    assert h.B.recovery.authority
+    h.client.clear()
+    h.insert(2, b"two", to=(1,))
+    h.pump()
+    assert any(w.feed(i, m) for i, m in h.client), "the authority settles it"
+    assert w.final and w.decided == guess

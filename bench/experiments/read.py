@@ -49,9 +49,9 @@ def _reader_main(zk_hosts: str, floor_ports: list[int], p: dict[str, Any]) -> di
         rids = [client.insert_after(payload) for _ in range(p["preload"])]
         # one more insert after a pause: its ack carries a stable watermark above the preload
         deadline = time.monotonic() + 10
-        while client._stable.get(0, 0) < rids[-1].gsn and time.monotonic() < deadline:
+        while client.known_stable(0) < rids[-1].gsn and time.monotonic() < deadline:
             client.insert_after(payload)
-        stable_upto = client._stable.get(0, 0)
+        stable_upto = client.known_stable(0)
         old = [r for r in rids if r.gsn <= stable_upto]
         assert old, "no record became stable"
         one = FloorAppender(floor_ports[:1])
@@ -72,7 +72,7 @@ def _reader_main(zk_hosts: str, floor_ports: list[int], p: dict[str, Any]) -> di
             last = ziplog.RID_GENESIS
             for _ in range(n):
                 last = client.insert_after(payload, last)
-                if last.gsn <= client._stable.get(0, 0):
+                if last.gsn <= client.known_stable(0):
                     skipped[0] += 1  # the ack already reported it stable: not a recent read
                     continue
                 t0 = clock()

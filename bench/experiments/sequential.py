@@ -57,7 +57,7 @@ import numpy as np
 from ..loadgen import stop_processes
 from ..report import Results, progress
 from . import sequential_worker as sw
-from .sequential_analyse import EpochLog, PhaseData, _capacity_choice, _step_analysis, _summary, _us, _window
+from .sequential_analyse import EpochLog, PhaseData, capacity_choice, step_analysis, summary, us, window
 from .sequential_report import NAME, PAPER_RATE, write_report
 
 
@@ -367,19 +367,19 @@ def _capacity(h: Harness, p: dict[str, Any]) -> tuple[list[dict[str, Any]], int]
     rows: list[dict[str, Any]] = []
     for rate in progress(NAME, p["probe_rates"], lambda r: f"capacity: {r} records/s per shard"):
         d = h.run_phase(_segments(p, rate, p["probe_s"]), p["probe_s"])
-        rows.append({"part": "capacity", **_summary(d, p, rate, h.epochs)})
+        rows.append({"part": "capacity", **summary(d, p, rate, h.epochs)})
         r = rows[-1]
         h.res.log(f"  achieved {r['achieved_per_shard']}/s per shard (min {r['achieved_min_shard']}), insert p50 "
                   f"{r['insert_p50_us']} us, seq p50 {r['seq_p50_us']} us, {r['cpu_cores']} cores busy")
         if r["acked_pct"] < 80.0 or r["achieved_per_shard"] < 0.8 * rate:
             break  # saturated: heavier rates only take longer to fail
-    return rows, _capacity_choice(rows, p)
+    return rows, capacity_choice(rows, p)
 
 
 def _paper_rate(h: Harness, p: dict[str, Any]) -> dict[str, Any]:
     h.res.log(f"[{h.label}] offering the paper's {PAPER_RATE} records/s per shard for {p['paper_rate_try_s']} s")
     d = h.run_phase(_segments(p, PAPER_RATE, p["paper_rate_try_s"]), p["paper_rate_try_s"])
-    row = {"part": "paper_rate", **_summary(d, dict(p, warmup_s=0.3), PAPER_RATE)}
+    row = {"part": "paper_rate", **summary(d, dict(p, warmup_s=0.3), PAPER_RATE)}
     h.res.log(f"  achieved {row['achieved_per_shard']}/s per shard of {PAPER_RATE}; {row['not_issued']} calls not "
               f"issued (at most {p['max_in_flight']} in flight per writer process)")
     return row
@@ -393,13 +393,13 @@ def _sweep(h: Harness, p: dict[str, Any], rate: int, clients: list[int],
     for n in progress(NAME, clients, lambda n: f"[{h.label}] {n} client(s) per shard, T = {n * 1e6 / rate:.0f} us"):
         d = h.run_phase(_segments(p, rate, p["sweep_s"], n), p["sweep_s"])
         row = {"part": "sweep", "stage": h.label, "T_us": round(n * 1e6 / rate), "clients_per_shard": n,
-               **_summary(d, p, rate, h.epochs)}
+               **summary(d, p, rate, h.epochs)}
         rows.append(row)
         h.res.log(f"  seq p50 {row['seq_p50_us']} / p99 {row['seq_p99_us']} us, insert p50 {row['insert_p50_us']} us, "
                   f"ratio {row['seq_over_insert']}, merge wait p50 {row['merge_wait_p50_us']} us, achieved "
                   f"{row['achieved_per_shard']}/s per shard, {row['cpu_cores']} cores busy")
         if samples is not None:
-            acks, dl, _ = _window(d, p["warmup_s"])
+            acks, dl, _ = window(d, p["warmup_s"])
             samples.append((f"T = {row['T_us']} us ({n}/shard)", dl[:, 0] - dl[:, 6], acks[:, 2] - acks[:, 1]))
     return rows
 
@@ -470,7 +470,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             variant_rows += _sweep(h, p, rate, [1], vsamples)
         health["step"] = h.health()
         step_epochs = EpochLog(list(h.epochs.entries))
-    step_rows, curves = _step_analysis(step_data, p, rate, levels, step_epochs, "step")
+    step_rows, curves = step_analysis(step_data, p, rate, levels, step_epochs, "step")
 
     fast_curves: dict[str, dict[str, Any]] | None = None
     if p["variants"]:
@@ -485,13 +485,13 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             fast_data, fast_levels = _step(h, p, rate)
             health["commit-every-epoch"] = h.health()
             fast_epochs = EpochLog(list(h.epochs.entries))
-        fast_rows, fast_curves = _step_analysis(fast_data, p, rate, fast_levels, fast_epochs, "commit-every-epoch")
+        fast_rows, fast_curves = step_analysis(fast_data, p, rate, fast_levels, fast_epochs, "commit-every-epoch")
         step_rows += fast_rows
     first_main = [dict(sweep_rows[0], stage="main")] if sweep_rows else []
     variant_rows = first_main + variant_rows
     for r in variant_rows:
         r["settings"] = settings.get(r["stage"], "")
-        r["idle_cpu_cores"] = _us(idle_by_stage.get(r["stage"]))
+        r["idle_cpu_cores"] = us(idle_by_stage.get(r["stage"]))
 
     p["health"] = health
     write_report(res, p, rate, samples, vsamples, curves, fast_curves, probe_rows, paper, sweep_rows, step_rows,

@@ -60,15 +60,15 @@ class EpochLog:
         return 100.0 * float(np.mean(cv)) if cv else None
 
 
-def _pct(a: np.ndarray, q: float) -> float | None:
+def pct(a: np.ndarray, q: float) -> float | None:
     return float(np.percentile(a, q)) / 1e3 if a.size else None
 
 
-def _us(v: float | None) -> float | None:
+def us(v: float | None) -> float | None:
     return None if v is None or not np.isfinite(v) else round(float(v), 1)
 
 
-def _window(d: PhaseData, warmup_s: float) -> tuple[np.ndarray, np.ndarray, float]:
+def window(d: PhaseData, warmup_s: float) -> tuple[np.ndarray, np.ndarray, float]:
     """Acks and deliveries of calls made after the warm-up, and the window's length (s)."""
     t_from = d.start_ns + int(warmup_s * 1e9)
     t_to = d.start_ns + int(d.duration_s * 1e9)
@@ -77,7 +77,7 @@ def _window(d: PhaseData, warmup_s: float) -> tuple[np.ndarray, np.ndarray, floa
     return a, v, max((t_to - t_from) / 1e9, 1e-9)
 
 
-def _slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
+def slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
     """Per delivered record: when its slot was *expected* (the epoch's broadcast, as heard
     here, plus the slot's place in the schedule of 4.2.3) minus when InsertAfter was called,
     in ns; NaN where the epoch was not heard. Positive: the record got a slot in the future
@@ -97,10 +97,10 @@ def _slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
     return out
 
 
-def _summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | None = None) -> dict[str, Any]:
+def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | None = None) -> dict[str, Any]:
     """One row: latencies (us) from the call, where the sequential latency went, rates."""
     from ziplog.protocol.gsna import EPOCH_SPAN
-    acks, dl, span = _window(d, p["warmup_s"])
+    acks, dl, span = window(d, p["warmup_s"])
     empty = np.empty(0)
     ins = acks[:, 2] - acks[:, 1] if len(acks) else empty
     seq = dl[:, 0] - dl[:, 6] if len(dl) else empty
@@ -112,8 +112,8 @@ def _summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | No
     per_shard = [int(np.count_nonzero(acks[:, 4] == s)) / span for s in range(p["shards"])] if len(acks) else []
     fast = d.client_stats.get("fast_path", 0)
     slow = d.client_stats.get("slow_path", 0)
-    seq50, ins50 = _pct(seq, 50), _pct(ins, 50)
-    lead = _slot_lead(dl, epochs) if epochs is not None and len(dl) else np.empty(0)
+    seq50, ins50 = pct(seq, 50), pct(ins, 50)
+    lead = slot_lead(dl, epochs) if epochs is not None and len(dl) else np.empty(0)
     known = np.isfinite(lead)
     ahead = known & (lead > 0)
     behind = known & (lead <= 0)
@@ -121,25 +121,25 @@ def _summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | No
         "rate_per_shard": round(rate, 1),
         "achieved_per_shard": round(float(np.mean(per_shard)), 1) if per_shard else 0.0,
         "achieved_min_shard": round(float(np.min(per_shard)), 1) if per_shard else 0.0,
-        "announced_rate": _us(d.announced),
-        "announced_spread_pct": _us(d.announced_spread),
-        "seq_p50_us": _us(seq50), "seq_p90_us": _us(_pct(seq, 90)), "seq_p99_us": _us(_pct(seq, 99)),
-        "seq_p999_us": _us(_pct(seq, 99.9)), "seq_max_us": _us(float(seq.max()) / 1e3 if seq.size else None),
-        "seq_from_intended_p50_us": _us(_pct(seq_int, 50)), "seq_from_intended_p99_us": _us(_pct(seq_int, 99)),
-        "insert_p50_us": _us(ins50), "insert_p99_us": _us(_pct(ins, 99)),
+        "announced_rate": us(d.announced),
+        "announced_spread_pct": us(d.announced_spread),
+        "seq_p50_us": us(seq50), "seq_p90_us": us(pct(seq, 90)), "seq_p99_us": us(pct(seq, 99)),
+        "seq_p999_us": us(pct(seq, 99.9)), "seq_max_us": us(float(seq.max()) / 1e3 if seq.size else None),
+        "seq_from_intended_p50_us": us(pct(seq_int, 50)), "seq_from_intended_p99_us": us(pct(seq_int, 99)),
+        "insert_p50_us": us(ins50), "insert_p99_us": us(pct(ins, 99)),
         "seq_over_insert": round(seq50 / ins50, 2) if seq50 and ins50 else None,
-        "own_path_p50_us": _us(_pct(own, 50)), "own_path_p99_us": _us(_pct(own, 99)),
-        "merge_wait_p50_us": _us(_pct(wait, 50)), "merge_wait_p99_us": _us(_pct(wait, 99)),
+        "own_path_p50_us": us(pct(own, 50)), "own_path_p99_us": us(pct(own, 99)),
+        "merge_wait_p50_us": us(pct(wait, 50)), "merge_wait_p99_us": us(pct(wait, 99)),
         "held_by_other_pct": round(100.0 * float(np.mean(held)), 1) if held.size else None,
         "held_by_shard": {int(s): int(c) for s, c in zip(*np.unique(dl[held][:, 10], return_counts=True))}
         if held.size and held.any() else {},
         "released_at_epoch_end_pct": round(100.0 * float(np.mean(at_end)), 1) if at_end.size else None,
         "slot_ahead_pct": round(100.0 * float(np.count_nonzero(ahead)) / max(int(np.count_nonzero(known)), 1), 1)
         if known.any() else None,
-        "slot_lead_p50_us": _us(float(np.median(lead[known])) / 1e3) if known.any() else None,
-        "merge_wait_ahead_p50_us": _us(_pct(wait[ahead], 50)) if ahead.any() else None,
-        "merge_wait_behind_p50_us": _us(_pct(wait[behind], 50)) if behind.any() else None,
-        "issue_lag_p50_us": _us(_pct(d.lag_ns, 50)), "issue_lag_p99_us": _us(_pct(d.lag_ns, 99)),
+        "slot_lead_p50_us": us(float(np.median(lead[known])) / 1e3) if known.any() else None,
+        "merge_wait_ahead_p50_us": us(pct(wait[ahead], 50)) if ahead.any() else None,
+        "merge_wait_behind_p50_us": us(pct(wait[behind], 50)) if behind.any() else None,
+        "issue_lag_p50_us": us(pct(d.lag_ns, 50)), "issue_lag_p99_us": us(pct(d.lag_ns, 99)),
         "fast_path_pct": round(100.0 * fast / (fast + slow), 1) if fast + slow else None,
         "cpu_cores": round(d.cpu_cores, 2),
         "records": int(len(dl)), "acked": int(len(d.acks)), "undelivered": d.undelivered,
@@ -151,7 +151,7 @@ def _summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | No
     }
 
 
-def _capacity_choice(rows: list[dict[str, Any]], p: dict[str, Any]) -> int:
+def capacity_choice(rows: list[dict[str, Any]], p: dict[str, Any]) -> int:
     """The rate the capacity probe chooses from its ``rows`` (``p["rate_per_shard"]`` when
     there are none): see :func:`bench.experiments.sequential._capacity`."""
     chosen = int(p["rate_per_shard"])
@@ -165,12 +165,12 @@ def _capacity_choice(rows: list[dict[str, Any]], p: dict[str, Any]) -> int:
     return chosen
 
 
-def _pooled(bins: list[list[np.ndarray]], b: int, half: int) -> np.ndarray:
+def pooled(bins: list[list[np.ndarray]], b: int, half: int) -> np.ndarray:
     parts = [x for bb in range(max(b - half, 0), min(b + half + 1, len(bins))) for x in bins[bb]]
     return np.concatenate(parts) if parts else np.empty(0)
 
 
-def _step_analysis(d: PhaseData, p: dict[str, Any], rate: int, levels: list[float], epochs: EpochLog,
+def step_analysis(d: PhaseData, p: dict[str, Any], rate: int, levels: list[float], epochs: EpochLog,
                    label: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Superpose every step of one kind on its instant t0 and bin S1's and the other
     shards' sequential latency by call time (``bin_ms``). Returns a row per kind and the
@@ -227,7 +227,7 @@ def _step_analysis(d: PhaseData, p: dict[str, Any], rate: int, levels: list[floa
         def stat(bins: list[list[np.ndarray]], fn: Any, half: int = 0) -> np.ndarray:
             out = np.full(len(bins), np.nan)
             for b in range(len(bins)):
-                v = _pooled(bins, b, half)
+                v = pooled(bins, b, half)
                 if v.size:
                     out[b] = fn(v) / 1e3
             return out
@@ -263,12 +263,12 @@ def _step_analysis(d: PhaseData, p: dict[str, Any], rate: int, levels: list[floa
         ot_after = ot_p50_w[nb_pre:]
         rows.append({
             "part": "step", "stage": label, "step": kind, "from_rate": rate, "to_rate": round(rate * factor),
-            "steps": len(t0s), "base_p50_us": _us(base),
-            "peak_p50_us": _us(float(after_p50[peak_i]) if peak_i is not None else None),
+            "steps": len(t0s), "base_p50_us": us(base),
+            "peak_p50_us": us(float(after_p50[peak_i]) if peak_i is not None else None),
             "peak_at_ms": None if peak_i is None else float(x_ms[nb_pre + peak_i]),
-            "rises_at_ms": rises, "elevated_for_ms": elevated, "threshold_us": _us(thr),
-            "others_base_p50_us": _us(ot_base),
-            "others_peak_p50_us": _us(float(np.nanmax(ot_after)) if np.isfinite(ot_after).any() else None),
+            "rises_at_ms": rises, "elevated_for_ms": elevated, "threshold_us": us(thr),
+            "others_base_p50_us": us(ot_base),
+            "others_peak_p50_us": us(float(np.nanmax(ot_after)) if np.isfinite(ot_after).any() else None),
             "mms_update_ms": round(float(np.mean(updates)), 1) if updates else None,
             "mms_first_change_ms": round(float(np.mean(changes)), 1) if changes else None,
             "mms_update_each_ms": [round(u, 1) for u in updates],

@@ -23,17 +23,15 @@ from typing import Any, Callable
 import numpy as np
 
 
-# private access: to be replaced by a public Subscription hook
-def _attach_release_tracker(sub: Any) -> _ReleaseTracker:
-    merge = sub._merge
-    tracker = _ReleaseTracker(merge)
-    merge.on_batch = tracker.on_batch
+def _attach_release_tracker(sub: Any) -> "_ReleaseTracker":
+    """Watch ``sub``'s batches through its documented diagnostic hook."""
+    tracker = _ReleaseTracker()
+    sub.observe_batches(tracker.on_batch)
     return tracker
 
 
-# private access: to be replaced by a public Subscription hook
 def _buffered_records(sub: Any) -> int:
-    return len(sub._merge)
+    return int(sub.buffered)
 
 
 MAGIC = b"ZLSQ"
@@ -226,27 +224,22 @@ async def _run_phase(spec: PhaseSpec, shards: list[int], clients: dict[int, Any]
 # -- subscriber -----------------------------------------------------------------------------------
 
 class _ReleaseTracker:
-    """Wraps a subscription's merge to learn, per record, when its own batch arrived and
-    which shard's batch finally let the merge deliver it (the shard it waited for).
-    :func:`_attach_release_tracker` puts it in place of the merge's ``on_batch``."""
+    """Learns from a subscription's batches, per record, when its own batch arrived and
+    which shard's batch finally let the merge deliver it (the shard it waited for)."""
 
-    def __init__(self, merge: Any) -> None:
-        self.merge = merge
+    def __init__(self) -> None:
         self.arrive: dict[int, int] = {}  # gsn -> arrival time of its batch
         #: (t, shard, delivered up to, records in the batch), in arrival order
         self.releases: list[tuple[int, int, int, int]] = []
         self._next = 0
-        self._orig: Callable[..., None] = merge.on_batch
 
-    def on_batch(self, shard: int, records: list[Any], epochs: list[Any], progress: int) -> None:
+    def on_batch(self, shard: int, gsns: list[int], before: int, delivered: int) -> None:
         t = time.monotonic_ns()
-        before = self.merge.delivered
-        self._orig(shard, records, epochs, progress)
         arrive = self.arrive
-        for rec in records:
-            arrive[rec[0]] = t
-        if self.merge.delivered > before:
-            self.releases.append((t, shard, self.merge.delivered, len(records)))
+        for g in gsns:
+            arrive[g] = t
+        if delivered > before:
+            self.releases.append((t, shard, delivered, len(gsns)))
 
     def release_of(self, gsn: int) -> tuple[int, int, int, int]:
         """The first release whose delivery point covers ``gsn`` (deliveries come in gsn

@@ -82,7 +82,7 @@ class Outcome:
     retries: int = 0
     no_shard: int = 0  # insert_after calls that found no live shard (the app tried again)
     no_shard_excluded: int = 0  # ... while some shard was live, but excluded by an earlier redirect of the call
-    timeouts: int = 0  # parked-insert TIMEOUTs (the app tried again under a new seq)
+    timeouts: int = 0  # inserts every shard refused on a parked-insert TIMEOUT (the app tried again)
     crashes_primary: int = 0
     crashes_backup: int = 0
     crashes_handler: int = 0
@@ -210,7 +210,6 @@ class App:
         self.acked: list[tuple[int, int, int, int, bytes]] = []  # (seq, gsn, shard, after, data)
         self.issued: dict[int, bytes] = {}
         self.abandoned: set[int] = set()  # seqs given up before any shard could hold them
-        self.ambiguous: set[int] = set()  # seqs given up on a TIMEOUT (may or may not be in the log)
         self.done = inserts == 0
 
     def next_record(self) -> None:
@@ -258,11 +257,11 @@ class App:
             if now >= call.deadline_ns:
                 raise AssertionError(f"client {self.cid} seq {call.seq}: insert not acknowledged within the client "
                                      f"timeout") from None
-            # A parked insert timed out: the app does not know whether it is in; it inserts
-            # the record again under a new seq.
+            # Every shard it tried refused it for good (a parked insert timed out) and held
+            # no copy: it is nowhere. The app inserts the record again under a new seq.
             out.timeouts += 1
             sim.tr(f"client {self.cid} seq {call.seq}: TIMEOUT from shard {call.shard}")
-            self.ambiguous.add(call.seq)
+            self.abandoned.add(call.seq)
             self.proc.call_at(now + sim.rng.randint(1, 5) * MS, self.insert)
             return
         except ZiplogError as exc:

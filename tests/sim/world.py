@@ -228,8 +228,8 @@ class SimProcess:
         self._endpoints.append(s)
         return s
 
-    def puller(self, on_frame: Callable[[bytes], None], host: str = "") -> "SimPuller":
-        p = SimPuller(self, self._addr("pull"), on_frame)
+    def puller(self, on_frame: Callable[[bytes], None], host: str = "", paused: bool = False) -> "SimPuller":
+        p = SimPuller(self, self._addr("pull"), on_frame, paused)
         self._endpoints.append(p)
         return p
 
@@ -363,15 +363,22 @@ class SimSubscriber:
 
 
 class SimPuller:
-    def __init__(self, proc: SimProcess, addr: str, on_frame: Callable[[bytes], None]) -> None:
+    def __init__(self, proc: SimProcess, addr: str, on_frame: Callable[[bytes], None], paused: bool = False) -> None:
         self.proc = proc
         self.addr = addr
         self.on_frame = on_frame
         self.closed = False
+        self.paused = paused
         proc.world.bound[addr] = self
 
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self, discard_queued: bool = False) -> None:
+        self.paused = False  # (nothing queues while paused: frames are dropped)
+
     def deliver(self, frame: bytes) -> None:
-        if not self.closed:
+        if not self.closed and not self.paused:
             self.proc.world.tap("pull", self, frame)
             self.proc.run(self.on_frame, frame)
 

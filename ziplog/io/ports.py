@@ -69,6 +69,16 @@ class Router(Protocol):
     def close(self) -> None: ...
 
 
+class Puller(Endpoint, Protocol):
+    """A bound PULL that may stop reading for a while: frames then wait in its queue (and,
+    once that is full, senders drop theirs)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self, discard_queued: bool = False) -> None:
+        """Read again; ``discard_queued`` drops what arrived while paused first."""
+
+
 #: a frame from a route (ROUTER)
 RoutedHandler = Callable[[bytes, bytes], None]
 #: a frame on a connection (DEALER, SUB, PULL)
@@ -102,8 +112,8 @@ class Network(Connector, Protocol):
     def subscriber(self, addr: str, on_frame: FrameHandler) -> Endpoint:
         """Connect a SUB (every topic) to a PUB at ``addr``; ``connect`` adds more."""
 
-    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1") -> Endpoint:
-        """Bind a PULL."""
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False) -> Puller:
+        """Bind a PULL (``paused``: not read until resumed)."""
 
     def pusher(self, addr: str) -> Endpoint:
         """Connect a PUSH to a PULL at ``addr``."""

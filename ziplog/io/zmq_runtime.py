@@ -87,6 +87,27 @@ class _Socket:
         self.sock.close(linger_ms)
 
 
+class _Puller(_Socket):
+    __slots__ = ("reader",)
+
+    def pause(self) -> None:
+        if self.drain is not None:
+            self.reader = self.drain
+            self.rt._forget(self)
+            self.rt._all.add(self)
+            self.drain = None
+
+    def resume(self, discard_queued: bool = False) -> None:
+        if self.drain is None:
+            if discard_queued:
+                while True:
+                    try:
+                        self.sock.recv(NOBLOCK)
+                    except zmq.Again:
+                        break
+            self.rt._add(self, self.reader)
+
+
 class _Router(_Socket):
     __slots__ = ()
 
@@ -248,12 +269,13 @@ class ZmqRuntime:
         self._add(s, None)
         return s
 
-    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1") -> _Socket:
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False) -> _Puller:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port(f"tcp://{host}")
-        s = _Socket(self, sock, f"tcp://{host}:{port}")
-        self._add(s, self._drainer(sock, on_frame))
+        s = _Puller(self, sock, f"tcp://{host}:{port}")
+        s.reader = self._drainer(sock, on_frame)
+        self._add(s, None if paused else s.reader)
         return s
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from ziplog.cores.client.state import RETRY_AFTER_NS, RETRY_TROUBLED_NS, STABLE_READ_WAIT_NS, ClientState
 from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirect
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import (NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
+from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError, from_reply
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import RecordId
 
@@ -90,6 +90,8 @@ class InsertCall(Call):
         self.key = key
         self.seq = client.next_seq()
         self.excluded: set[int] = set()
+        #: the last final refusal a primary gave (what to say if no shard is left)
+        self.refusal: wire.Error | None = None
         self.state = InsertState.WAITING_FOR_SHARD
         self.shard = -1
         self.targets: tuple[str, ...] = ()
@@ -111,6 +113,10 @@ class InsertCall(Call):
                 self.state = InsertState.WAITING_FOR_SHARD
                 self.wake_at = self.deadline_ns
                 return []
+            if self.refusal is not None and self.refusal.code in (wire.E_TIMEOUT, wire.E_OVERLOADED):
+                # Every shard tried refused it for good and holds no copy: the record is
+                # nowhere, and what stopped it is the answer.
+                return self.fail(from_reply(self.refusal.code, self.refusal.message))
             if client.policy.kind == "fixed":
                 return self.fail(NoShardAvailableError(f"shard {client.policy.shard} is not live"))
             return self.fail(NoShardAvailableError("no live shard accepts inserts"))
@@ -142,8 +148,10 @@ class InsertCall(Call):
             return []  # an answer on a connection we no longer wait on
         try:
             settled = wait.feed(i, msg)
-        except Redirect:
+        except Redirect as r:
             # The shard provably holds no copy: the same id on another shard is safe.
+            if r.refusal is not None:
+                self.refusal = r.refusal
             self.excluded.add(self.shard)
             self.client.avoid(self.shard, now)
             self.client.stats["redirects"] += 1

@@ -9,9 +9,23 @@ from ziplog.protocol.errors import ZiplogError, from_reply
 
 class Redirect(Exception):
     """The shard will not hold this record and holds no copy of it: the primary refused it
-    (not a member, or blocked awaiting recovery) and every backup said it has no copy, or
-    the recovering shard's authority said it will not hold it. Another shard may take it
-    under the same client id and sequence number, and it still appears once."""
+    for good (not a member, blocked awaiting recovery, its rid's epoch did not come in
+    time, too many requests waiting) and every backup said it has no copy, or the
+    recovering shard's authority said it will not hold it. Another shard may take it
+    under the same client id and sequence number, and it still appears once.
+    ``refusal`` is the primary's error, if it refused."""
+
+    def __init__(self, refusal: wire.Error | None = None) -> None:
+        super().__init__(refusal.message if refusal is not None else "the shard holds no copy")
+        self.refusal = refusal
+
+
+#: A primary's refusals are final: it will never decide the record (it remembers it). A
+#: backup may still hold an acknowledged guess of it, which a failure recovery would roll
+#: forward, so a refusal alone does not settle the insert: the client asks again until
+#: every backup says it holds no copy (then the record may go elsewhere) or a recovery's
+#: authority answers for good.
+PRIMARY_REFUSALS = frozenset((wire.E_NOT_MEMBER, wire.E_NOT_READY, wire.E_TIMEOUT, wire.E_OVERLOADED))
 
 
 #: A backup's latest answer when it holds no copy of the record (E_NO_GUESS).
@@ -33,6 +47,8 @@ class InsertWait:
 
     __slots__ = ("req_id", "n", "decided", "latest", "first", "stable", "refused", "frozen", "final")
 
+    refused: wire.Error | None
+
     def __init__(self, req_id: int, replicas: int) -> None:
         self.req_id = req_id
         self.n = replicas
@@ -40,7 +56,7 @@ class InsertWait:
         self.latest: list[int | None] = [None] * replicas
         self.first: list[int | None] = [None] * replicas
         self.stable = 0
-        self.refused = False  # the primary refused for good
+        self.refused = None  # the primary's final refusal
         self.frozen = False  # a replica said the shard is frozen for recovery
         self.final = False
 
@@ -58,15 +74,15 @@ class InsertWait:
                 if self.first[replica] is None:
                     self.first[replica] = NO_COPY
             elif code == wire.E_NOT_HELD:
-                raise Redirect()
+                raise Redirect(self.refused)
             elif code == wire.E_FROZEN:
                 self.frozen = True
-            elif code in (wire.E_NOT_MEMBER, wire.E_NOT_READY) and replica == 0:
-                self.refused = True
+            elif code in PRIMARY_REFUSALS and replica == 0:
+                self.refused = msg
             else:
                 raise from_reply(code, msg.message)
-            if self.refused and all(self.latest[i] == NO_COPY for i in range(1, self.n)):
-                raise Redirect()
+            if self.refused is not None and all(self.latest[i] == NO_COPY for i in range(1, self.n)):
+                raise Redirect(self.refused)
             return False
         if t is not wire.Ack:
             return False
@@ -96,7 +112,7 @@ class InsertWait:
         if self.final:
             return True
         if replica == 0:
-            return self.decided is not None or self.refused or self.frozen
+            return self.decided is not None or self.refused is not None or self.frozen
         return (self.decided is not None and self.latest[replica] == self.decided) or self.latest[replica] == NO_COPY
 
     @property
@@ -111,7 +127,7 @@ class InsertWait:
     @property
     def troubled(self) -> bool:
         """The shard is refusing or recovering: ask again soon, and send new records elsewhere."""
-        return self.frozen or self.refused
+        return self.frozen or self.refused is not None
 
 
 class ReadWait:
