@@ -58,7 +58,9 @@ class ShardApp:
         self.cid = cid
         self.proc = SimProcess(sim.world, f"client{cid}")
         self.topology = SimTopology(sim.zk, self.proc)
-        self.state = ClientState(cid, Policy.fixed(SHARD), random.Random(sim.rng.getrandbits(64)), CLIENT_TIMEOUT_NS)
+        # resends every 30 ms (the library's default is 250 ms): more of them, in less time
+        self.state = ClientState(cid, Policy.fixed(SHARD), random.Random(sim.rng.getrandbits(64)), CLIENT_TIMEOUT_NS,
+                                 retry_after_ns=30 * MS, retry_troubled_ns=10 * MS)
         self.driver = ClientDriver(self.proc, self.proc, self.topology, self.state)
         self.topology.on_change(lambda: self.proc.call_soon_threadsafe(self.driver.on_topology))
         self.left = inserts
@@ -162,6 +164,7 @@ class ShardSim:
         self.apps = [ShardApp(self, i, inserts) for i in range(1, clients + 1)]
         self.readers = [ShardReader(self, 0), ShardReader(self, 1)]
         self.quiet_until: int | None = None
+        self.final_epoch: int | None = None
         self.stop_at: int | None = None
 
     @property
@@ -176,7 +179,7 @@ class ShardSim:
     def broadcast_epoch(self) -> None:
         now = self.world.now
         self.epoch += 1
-        final = self.quiet_until is not None and now >= self.quiet_until - 100 * MS
+        final = self.quiet_until is not None and now >= self.quiet_until
         if final:
             # The last epoch leaves the shard out, so its frontier stops moving and the
             # replicas can be compared at rest (written to the history first, as the MMS does).
@@ -188,16 +191,33 @@ class ShardSim:
         self.configs[cfg.epoch] = cfg
         self.pub.send(wire.EpochEncoder().encode(cfg.epoch, cfg.shards, cfg.rates))
         if final:
-            self.stop_at = now + 100 * MS
+            self.final_epoch = cfg.epoch
+            self.mms.call_at(now + 5 * MS, self.settle_check)
         else:
             self.mms.call_at(now + self.epoch_ms * MS, self.broadcast_epoch)
+
+    def settled(self) -> bool:
+        """Both replicas decided the final epoch, everything is stable, and both
+        subscribers delivered every record."""
+        P, B = self.P, self.B
+        if self.final_epoch is None or P.last_epoch < self.final_epoch or B.last_epoch < self.final_epoch:
+            return False
+        if P.frontier != B.frontier or P.stable != P.frontier or B.stable != B.frontier:
+            return False
+        return all(len(rd.delivered) == len(P.log.gsns) for rd in self.readers)
+
+    def settle_check(self) -> None:
+        if self.settled():
+            self.stop_at = self.world.now
+        else:
+            self.mms.call_at(self.world.now + 5 * MS, self.settle_check)
 
     def done(self) -> bool:
         return all(a.left == 0 and not a.busy for a in self.apps)
 
     def watch_done(self) -> None:
         if self.quiet_until is None and self.done():
-            self.quiet_until = self.world.now + 200 * MS  # let stability and subscribers catch up
+            self.quiet_until = self.world.now + 20 * MS  # the last records on their way
 
     # -- run --------------------------------------------------------------------------------------
     def run(self, limit_ms: int = 60_000, until_ms: int | None = None) -> Outcome:
@@ -221,7 +241,7 @@ class ShardSim:
             while self.stop_at is None or world.now < self.stop_at:
                 t = world.next_time()
                 if t is None or t > limit_ms * MS:
-                    raise AssertionError(f"seed {self.seed}: did not finish in {limit_ms} ms of simulated time")
+                    raise AssertionError(f"seed {self.seed}: did not settle in {limit_ms} ms of simulated time")
                 world.step()
         self.check()
         return self.outcome

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Sequence
 
-from ziplog.cores.client.state import RETRY_AFTER_NS, RETRY_TROUBLED_NS, STABLE_READ_WAIT_NS, ClientState
+from ziplog.cores.client.state import STABLE_READ_WAIT_NS, ClientState
 from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirect
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError, from_reply
@@ -130,7 +130,7 @@ class InsertCall(Call):
         self._target(addrs)
         self.wait = InsertWait(req, len(addrs))
         self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data)
-        self.retry_at = now + RETRY_AFTER_NS
+        self.retry_at = now + client.retry_after_ns
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
 
@@ -193,7 +193,7 @@ class InsertCall(Call):
         if new is not None and tuple(new) != self.targets:
             self.wait = wait = InsertWait(wait.req_id, len(new))  # answers on the old connections are gone
             self._target(new)
-        self.retry_at = now + (RETRY_TROUBLED_NS if wait.troubled else RETRY_AFTER_NS)
+        self.retry_at = now + (self.client.retry_troubled_ns if wait.troubled else self.client.retry_after_ns)
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
 
@@ -320,7 +320,7 @@ class EachReplicaCall(Call):
                 self.targets[s] = tuple(addrs)
                 self.waits[s] = EachReplica(self.msg.req_id, len(addrs))  # type: ignore[attr-defined]
             out.append((self.targets[s], self.msg))
-        self.retry_at = now + RETRY_AFTER_NS
+        self.retry_at = now + self.client.retry_after_ns
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return out
 

@@ -9,8 +9,8 @@ import random
 from ziplog.protocol.types import Policy
 
 NS_PER_S = 1_000_000_000
-#: How long new records avoid a shard that answered FROZEN or refused (ZooKeeper says
-#: the same a little later, through the shard's recovering flag).
+#: How long new records avoid a shard an insert had to be resent to or moved away from
+#: (a shard that recovers says the same a little later, through its recovering flag).
 AVOID_NS = 1_000_000_000
 #: Resend an unanswered insert (same client id and sequence number) after this long...
 RETRY_AFTER_NS = 250_000_000
@@ -24,11 +24,14 @@ MAX_SHARDS_REMEMBERED = 1_000_000
 
 
 class ClientState:
-    def __init__(self, client_id: int, policy: Policy | None, rng: random.Random, timeout_ns: int) -> None:
+    def __init__(self, client_id: int, policy: Policy | None, rng: random.Random, timeout_ns: int,
+                 retry_after_ns: int = RETRY_AFTER_NS, retry_troubled_ns: int = RETRY_TROUBLED_NS) -> None:
         self.client_id = client_id
         self.policy = policy or Policy.random()
         self.rng = rng
         self.timeout_ns = timeout_ns
+        self.retry_after_ns = retry_after_ns
+        self.retry_troubled_ns = retry_troubled_ns
         self._seq = 0
         self._req = 0
         self.stable: dict[int, int] = {}  # shard -> highest stable watermark a reply reported

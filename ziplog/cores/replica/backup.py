@@ -306,17 +306,22 @@ class BackupFollower:
 
     def next_deadline(self, now: int) -> int | None:
         s = self.s
-        times: list[int] = []
-        if self.link is Link.IN_STEP:
-            times.append(self.last_prefix_ns + s.heartbeat_ns)
-        if self.prefix_dirty:
-            times.append(self.last_prefix_ns + s.prefix_interval_ns)
-        if self.link is Link.CONNECTING and self.hello_sent_at is not None:
-            times.append(self.hello_sent_at + s.hello_retry_ns)
-        for m in (self.pending_routes.next_prune(), self.no_guess.next_prune()):
-            if m is not None:
-                times.append(m)
-        return min(times) if times else None
+        best = self.pending_routes.next_prune()
+        t = self.no_guess.next_prune()
+        if t is not None and (best is None or t < best):
+            best = t
+        link = self.link
+        if self.prefix_dirty or link is Link.IN_STEP:
+            t = self.last_prefix_ns + (min(s.prefix_interval_ns, s.heartbeat_ns) if self.prefix_dirty
+                                       and link is Link.IN_STEP else s.prefix_interval_ns if self.prefix_dirty
+                                       else s.heartbeat_ns)
+            if best is None or t < best:
+                best = t
+        if link is Link.CONNECTING and self.hello_sent_at is not None:
+            t = self.hello_sent_at + s.hello_retry_ns
+            if best is None or t < best:
+                best = t
+        return best
 
     def parked_insert_expired(self, p: object, now: int) -> None:
         pass  # a backup parks no inserts

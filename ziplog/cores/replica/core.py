@@ -29,7 +29,7 @@ from ziplog.cores.replica.liveness import Liveness
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.parking import Parking
 from ziplog.cores.replica.primary import PrimarySequencer
-from ziplog.cores.replica.recovery import RecoveryParticipant
+from ziplog.cores.replica.recovery import RecoveryParticipant, RecoveryPhase
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
 from ziplog.protocol.events import DiskEvent, Members, SnapshotEvent
@@ -232,13 +232,16 @@ class ReplicaCore:
 
     def next_deadline(self, now: int) -> int | None:
         """Earliest time :meth:`tick` has work; None when only events can make progress."""
-        times = []
-        if not self.recovery.frozen:
-            times.append(self.role.next_deadline(now))
-            times.append(self.liveness.next_deadline())
-        times.append(self.parking.next_deadline())
-        times.append(self.fanout.next_lease_expiry())
-        return min((t for t in times if t is not None), default=None)
+        best = self.fanout.next_lease_check
+        if self.parking.waiting:
+            t = self.parking.next_deadline()
+            if t is not None and (best is None or t < best):
+                best = t
+        if self.recovery.phase is RecoveryPhase.NORMAL:
+            for t in (self.role.next_deadline(now), self.liveness.next_deadline()):
+                if t is not None and (best is None or t < best):
+                    best = t
+        return best
 
     # -- disk -----------------------------------------------------------------------------------
     def replay(self, events: Iterable[DiskEvent]) -> None:

@@ -23,6 +23,8 @@ from ziplog.protocol import frames as f
 from ziplog.protocol.gsna import epoch_of
 
 ErrorReply = Callable[[bytes, "int | None", str, str], None]
+#: leases are looked at this many times per lease
+LEASE_CHECKS = 4
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class Fanout:
         self.subs: dict[tuple[bytes, int], Subscription] = {}
         #: something subscriptions may not have seen yet (stable, trim, an epoch)
         self.dirty = False
+        #: when to look for subscriptions whose lease ran out (None: there are none)
+        self.next_lease_check: int | None = None
         log.stable_listeners.append(self.mark_dirty)
 
     def mark_dirty(self) -> None:
@@ -95,6 +99,8 @@ class Fanout:
         start = max(msg.from_gsn, 1)
         sub = Subscription(route, msg.sub_id, start, msg.credit, start - 1, epoch_of(start) - 1, now)
         self.subs[key] = sub
+        if self.next_lease_check is None:
+            self.next_lease_check = now + self.s.subscription_lease_ns // LEASE_CHECKS
         self.serve(sub)
 
     def on_credit(self, route: bytes, msg: f.Credit, now: int) -> None:
@@ -157,12 +163,12 @@ class Fanout:
                 self.serve(sub)
 
     def expire_leases(self, now: int) -> None:
-        if self.subs:
-            lease = self.s.subscription_lease_ns
-            for key in [k for k, sub in self.subs.items() if now - sub.last_heard_ns > lease]:
-                del self.subs[key]
-
-    def next_lease_expiry(self) -> int | None:
-        if not self.subs:
-            return None
-        return min(sub.last_heard_ns for sub in self.subs.values()) + self.s.subscription_lease_ns + 1
+        """Drop subscriptions not heard from for the lease (looked for a few times per
+        lease, so one may outlive it by a fraction of it)."""
+        check = self.next_lease_check
+        if check is None or now < check:
+            return
+        lease = self.s.subscription_lease_ns
+        for key in [k for k, sub in self.subs.items() if now - sub.last_heard_ns > lease]:
+            del self.subs[key]
+        self.next_lease_check = now + lease // LEASE_CHECKS if self.subs else None

@@ -33,6 +33,8 @@ class Liveness:
         if self.timeout_ns <= 0:
             return
         limit = now - self.timeout_ns
+        if blocked is None and all(t >= limit for t in self.heard.values()):
+            return
         silent = sorted(r for r, t in self.heard.items() if t < limit)
         if not silent and blocked is None:
             return

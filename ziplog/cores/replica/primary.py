@@ -392,22 +392,26 @@ class PrimarySequencer:
 
     def next_deadline(self, now: int) -> int | None:
         s, log = self.s, self.log
-        times: list[int] = []
+        last = self.last_forward_ns
+        best = self.refused.next_prune()
         if self.backup_routes:
-            times.append(self.last_forward_ns + s.heartbeat_ns)
-            if log.stable < log.frontier:
-                times.append(self.last_forward_ns + s.lag_probe_ns)
+            t = last + (s.lag_probe_ns if log.stable < log.frontier and s.lag_probe_ns < s.heartbeat_ns else s.heartbeat_ns)
+            if best is None or t < best:
+                best = t
         cur = self.cursor
         if cur is not None and self.next_slot < cur.count:
-            times.append(self.epoch_start_ns + cur.schedule.expected_ns(self.shard, self.next_slot) + s.noop_timeout_ns)
+            t = self.epoch_start_ns + cur.schedule.expected_ns(self.shard, self.next_slot) + s.noop_timeout_ns
+            if best is None or t < best:
+                best = t
         if log.stable > self.stable_sent:
-            times.append(self.last_forward_ns + s.stable_push_ns)
+            t = last + s.stable_push_ns
+            if best is None or t < best:
+                best = t
         if self.fwd_events:
-            times.append(self.last_forward_ns + s.forward_interval_ns)
-        prune = self.refused.next_prune()
-        if prune is not None:
-            times.append(prune)
-        return min(times) if times else None
+            t = last + s.forward_interval_ns
+            if best is None or t < best:
+                best = t
+        return best
 
     # -- failure recovery -------------------------------------------------------------------------
     def frozen(self) -> None:

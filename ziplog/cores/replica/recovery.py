@@ -180,6 +180,12 @@ class RecoveryParticipant:
         if base > end:
             return f"install base {base} above its end {end}"
         log = self.log
+        # The epochs the log will know afterwards: those it keeps up to the epoch of base,
+        # and those the stream brings. Refused before anything changes.
+        keep = min(log.last_epoch, epoch_of(base) if base > 0 else -1)
+        last = max([keep] + [ev.last for ev in events if type(ev) is EpochEvent])  # type: ignore[union-attr]
+        if end > 0 and epoch_of(end) > last:
+            return f"install ends at {end}, beyond its epochs (last {last})"
         self.role.installing()
         log.truncate(base)
         self.out.persist.append(TruncateEvent(base))
@@ -191,8 +197,7 @@ class RecoveryParticipant:
                 assert isinstance(ev, EpochEvent)
                 log.apply_epochs(ev.first, ev.last, ev.members)
         if end > log.frontier:
-            if epoch_of(end) > log.last_epoch:
-                return f"install ends at {end}, beyond its epochs (last {log.last_epoch})"
+            assert epoch_of(end) <= log.last_epoch, ("install ends beyond its epochs", end, log.last_epoch)
             log.frontier = end
         self.out.persist.extend(log.flush_marks()[:1])
         self.installed_gen = self.gen
