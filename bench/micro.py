@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from ziplog.protocol import frames as wire
-from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base
 from ziplog.cores.merge import SubscriberMerge
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base
 
 V = wire.PROTOCOL_VERSION
 DATA = b"x" * 4096

@@ -44,6 +44,7 @@ from kazoo.client import KazooClient
 
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
+from ziplog.protocol import layout
 
 #: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
 #: request limit, and few enough round trips that 8 000 shards register in seconds.
@@ -98,16 +99,16 @@ def rate_frame_tail(epoch: int, count: int, duration_ns: int) -> bytes:
 def register_shards(zk: KazooClient, shards: range, replicas: int, addr: str) -> None:
     """Create every shard's node and its replicas' ephemeral nodes, as storage servers
     do, in pipelined transactions."""
-    zk.ensure_path(discovery.SHARDS)
-    meta = discovery.enc({"replicas": replicas})
-    replica_info = discovery.enc({"addr": addr, "pid": os.getpid()})
+    zk.ensure_path(layout.SHARDS)
+    meta = layout.enc({"replicas": replicas})
+    replica_info = layout.enc({"addr": addr, "pid": os.getpid()})
     pending = []
     for lo in range(shards.start, shards.stop, SHARDS_PER_TXN):
         txn = zk.transaction()
         for s in range(lo, min(lo + SHARDS_PER_TXN, shards.stop)):
-            txn.create(f"{discovery.SHARDS}/{s}", meta)
+            txn.create(f"{layout.SHARDS}/{s}", meta)
             for r in range(replicas):
-                txn.create(f"{discovery.SHARDS}/{s}/{r}", replica_info, ephemeral=True)
+                txn.create(f"{layout.SHARDS}/{s}/{r}", replica_info, ephemeral=True)
         pending.append(txn.commit_async())
     for result in pending:
         outcome = result.get(timeout=60)
@@ -157,8 +158,8 @@ class ShardSwarm:
         register_shards(self.zk, self.shards, self.replicas, self.addr)
         self.counters.register_s = round(time.monotonic() - t0, 3)
         self.counters.registered = True
-        self.zk.ensure_path(discovery.MMS_REPLICAS)
-        self.zk.ChildrenWatch(discovery.MMS_REPLICAS, self._on_mms)
+        self.zk.ensure_path(layout.MMS_REPLICAS)
+        self.zk.ChildrenWatch(layout.MMS_REPLICAS, self._on_mms)
         self.write_status()
 
     def _on_mms(self, children: list[str]) -> None:
@@ -166,10 +167,10 @@ class ShardSwarm:
         found = []
         for c in children:
             try:
-                data, _ = self.zk.get(f"{discovery.MMS_REPLICAS}/{c}")
+                data, _ = self.zk.get(f"{layout.MMS_REPLICAS}/{c}")
             except Exception:
                 continue
-            found.append(discovery.dec(data) or {})
+            found.append(layout.dec(data) or {})
         with self._mms_lock:
             self._mms_seen = found
 

@@ -9,14 +9,13 @@ limits a request to about 1 MiB, so a large record is split into chunk nodes.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, NoNodeError, NodeExistsError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ziplog.io import zk as discovery
-from ziplog.io.ports import Runtime
+from ziplog.protocol import layout
 
 #: ZooKeeper's default limit on a request is 1 MiB: larger records are split.
 CHUNK_BYTES = 512 * 1024
@@ -24,17 +23,17 @@ CHUNK_BYTES = 512 * 1024
 
 def read_record(zk: KazooClient, shard: int) -> tuple[dict[str, Any] | None, int]:
     """The shard's recovery record and the version of its node (-1: none yet)."""
-    path = f"{discovery.RECOVERY}/{shard}"
+    path = f"{layout.RECOVERY}/{shard}"
     try:
         data, stat = zk.get(path)
     except NoNodeError:
         return None, -1
-    head = discovery.dec(data)
+    head = layout.dec(data)
     if not head:
         return None, stat.version
     if "chunks" in head:
         blob = b"".join(zk.get(f"{path}/{name}")[0] for name in head["chunks"])
-        return discovery.dec(blob), stat.version
+        return layout.dec(blob), stat.version
     return head, stat.version
 
 
@@ -46,9 +45,9 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
     ZooKeeper limits a whole request (a transaction included) to about 1 MiB, so a large
     record goes first into chunk nodes no reader looks at yet; one transaction then
     points the record node at them and sets the flag; chunks of earlier versions go last."""
-    path = f"{discovery.RECOVERY}/{shard}"
-    meta_path = f"{discovery.SHARDS}/{shard}"
-    blob = discovery.enc(record)
+    path = f"{layout.RECOVERY}/{shard}"
+    meta_path = f"{layout.SHARDS}/{shard}"
+    blob = layout.enc(record)
     if version < 0:
         try:
             zk.create(path, b"")
@@ -66,17 +65,17 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
             except NodeExistsError:  # left by a writer that failed before committing
                 zk.set(f"{path}/{name}", blob[i:i + CHUNK_BYTES])
             names.append(name)
-        head = discovery.enc({"gen": record["gen"], "phase": record["phase"], "chunks": names})
+        head = layout.enc({"gen": record["gen"], "phase": record["phase"], "chunks": names})
     for _attempt in range(10):
         meta_data, meta_stat = zk.get(meta_path)
-        meta = discovery.dec(meta_data) or {}
+        meta = layout.dec(meta_data) or {}
         if recovering:
             meta["recovering"] = record["gen"]
         else:
             meta.pop("recovering", None)
         txn = zk.transaction()
         txn.set_data(path, head, version=version)
-        txn.set_data(meta_path, discovery.enc(meta), version=meta_stat.version)
+        txn.set_data(meta_path, layout.enc(meta), version=meta_stat.version)
         results = txn.commit()
         if not any(isinstance(r, Exception) for r in results):
             for child in zk.get_children(path):
@@ -89,31 +88,17 @@ def write_record(zk: KazooClient, shard: int, record: dict[str, Any], recovering
     raise RuntimeError(f"could not write the recovery record of shard {shard}")
 
 
-class KazooHandlerCoordination:
+class KazooHandlerCoordination(discovery.ElectedSession):
     """The ``HandlerCoordination`` port on kazoo. Writes are synchronous (the handler
     does nothing else meanwhile, as before): ``on_done`` is called before
     :meth:`write_record` returns."""
 
-    def __init__(self, zk_hosts: str, rt: Runtime) -> None:
-        self.zk = discovery.connect(zk_hosts)
-        self.topology = discovery.Topology(self.zk)
-        self.election = discovery.Election(self.zk, rt)
-
-    def on_change(self, fn: Callable[[], None]) -> None:
-        self.topology.on_change(fn)
-
     def register_fh(self, group: int, replica_id: int, addr: str) -> None:
-        self.zk.ensure_path(discovery.FH_REPLICAS)
-        self.zk.ensure_path(discovery.RECOVERY)
-        node = f"{discovery.FH_REPLICAS}/{group}-{replica_id}"
-        try:
-            self.zk.delete(node)
-        except NoNodeError:
-            pass
-        self.zk.create(node, discovery.enc({"pull": addr, "pid": os.getpid()}), ephemeral=True)
+        self.zk.ensure_path(layout.RECOVERY)
+        discovery.register(self.zk, f"{layout.FH_REPLICAS}/{group}-{replica_id}", {"pull": addr})
 
     def sync_records(self) -> None:
-        self.zk.sync(discovery.RECOVERY)
+        self.zk.sync(layout.RECOVERY)
 
     def read_record(self, shard: int) -> tuple[dict[str, Any] | None, int]:
         return read_record(self.zk, shard)
@@ -126,7 +111,3 @@ class KazooHandlerCoordination:
             on_done(None)
             return
         on_done(new)
-
-    def close(self) -> None:
-        self.election.close()
-        discovery.stop(self.zk)

@@ -22,13 +22,13 @@ import sys
 from collections import deque
 from typing import Any, Callable, Protocol
 
+from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.elected import ElectedDriver, ElectionPort, serve_forever
-
-from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
+from ziplog.server.elected import ElectedDriver, ElectionPort
+from ziplog.server.process import serve_forever
 
 log = logging.getLogger("failure_handler")
 
@@ -241,9 +241,8 @@ class FailureHandlerDriver(ElectedDriver):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.io.zmq_runtime import ZmqRuntime
-
     from failure_handler.records import KazooHandlerCoordination
+    from ziplog.io.zmq_runtime import ZmqRuntime
 
     ap = argparse.ArgumentParser(prog="failure_handler.server", description="ziplog failure handler replica")
     ap.add_argument("--zk", required=True)
@@ -259,13 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id,
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.host)
     driver.start()
-
-    def close() -> None:
-        driver.close()
-        coord.close()
-        rt.close()
-
-    return serve_forever(rt.run_forever, rt.stop, close)
+    return serve_forever(rt, driver, coord)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from mms.planner import EpochPlanner, PlannerSettings
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.topology import TopologyView
-
-from mms.planner import EpochPlanner, PlannerSettings
 
 
 class Block(NamedTuple):

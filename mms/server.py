@@ -23,14 +23,15 @@ import logging
 import sys
 from typing import Any, Callable, Protocol
 
+from mms.planner import PlannerSettings
+from mms.sequencer import CommitBlock, EpochSequencer, EpochState
 from ziplog.io.ports import Network, Runtime, Timer
+from ziplog.io.zk import ElectedSession, register
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.elected import ElectedDriver, ElectionPort, serve_forever
-
-from mms.planner import PlannerSettings
-from mms.sequencer import CommitBlock, EpochSequencer, EpochState
+from ziplog.server.elected import ElectedDriver, ElectionPort
+from ziplog.server.process import serve_forever
 
 log = logging.getLogger("mms")
 
@@ -169,32 +170,22 @@ class MembershipDriver(ElectedDriver):
         self.pull.close()
 
 
-class KazooMembershipCoordination:
+class KazooMembershipCoordination(ElectedSession):
     """The ``MembershipCoordination`` port on kazoo."""
 
     def __init__(self, zk_hosts: str, rt: Runtime) -> None:
-        from ziplog.io import zk
-
+        super().__init__(zk_hosts, rt)
         self.rt = rt
-        self.zk = zk.connect(zk_hosts)
-        self.topology = zk.Topology(self.zk)
-        self.election = zk.Election(self.zk, rt)
 
     def register_mms(self, replica_id: int, addrs: dict[str, str]) -> None:
-        from kazoo.exceptions import NodeExistsError, NoNodeError
+        from kazoo.exceptions import NodeExistsError
 
         for path in (layout.EPOCH_PATH, layout.MEMBERSHIP_PATH):
             try:
                 self.zk.create(path, b"", makepath=True)
             except NodeExistsError:
                 pass
-        self.zk.ensure_path(layout.MMS_REPLICAS)
-        node = f"{layout.MMS_REPLICAS}/{replica_id}"
-        try:
-            self.zk.delete(node)
-        except NoNodeError:
-            pass
-        self.zk.create(node, layout.enc(addrs), ephemeral=True)
+        register(self.zk, f"{layout.MMS_REPLICAS}/{replica_id}", addrs)
 
     def read_epoch_state(self) -> EpochState:
         return read_epoch_state(self.zk)
@@ -212,12 +203,6 @@ class KazooMembershipCoordination:
             self.rt.call_soon_threadsafe(lambda: on_done(ok))
 
         reply.rawlink(answered)
-
-    def close(self) -> None:
-        from ziplog.io import zk
-
-        self.election.close()
-        zk.stop(self.zk)
 
 
 def read_epoch_state(zk: Any) -> EpochState:
@@ -255,13 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                               args.epochs_per_commit, args.host)
     driver.start()
-
-    def close() -> None:
-        driver.close()
-        coord.close()
-        rt.close()
-
-    return serve_forever(rt.run_forever, rt.stop, close)
+    return serve_forever(rt, driver, coord)
 
 
 if __name__ == "__main__":

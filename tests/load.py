@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 import ziplog
-from ziplog.io import zk as discovery
+from ziplog.protocol import layout
 from ziplog.protocol.types import RecordId
 
 
@@ -125,19 +125,19 @@ def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen:
                   timeout: float = 60.0) -> dict[str, Any]:
     """Until the shard's durable recovery record reaches ``phase`` (a ZooKeeper watch)."""
     zk = cluster._zkc
-    path = f"{discovery.RECOVERY}/{shard}"
+    path = f"{layout.RECOVERY}/{shard}"
     done = threading.Event()
     seen: dict[str, Any] = {}
 
     def watch(data: bytes | None, stat: Any) -> bool:
-        rec = discovery.dec(data) or {}
+        rec = layout.dec(data) or {}
         if rec.get("phase") == phase and int(rec.get("gen", -1)) >= min_gen:
             seen.update(rec)
             done.set()
             return False  # stop watching
         return True
 
-    zk.ensure_path(discovery.RECOVERY)
+    zk.ensure_path(layout.RECOVERY)
     zk.DataWatch(path, watch)
     assert done.wait(timeout), f"shard {shard}: recovery did not reach {phase} (record {recovery_record(cluster, shard)})"
     return seen

@@ -13,9 +13,9 @@ import pytest
 
 from bench.loadgen import ClientPool, ClosedLoopClient, _uniform_schedule
 from bench.report import histogram
-from ziplog.tools.stats import summarize
 from bench.systems import make
 from bench.systems.base import ClientSpec, Unavailable
+from ziplog.tools.stats import summarize
 
 
 def test_uniform_schedule_offers_the_rate_within_each_second() -> None:

@@ -15,9 +15,15 @@ import zmq
 from bench.experiments import mms as experiment
 from bench.shard_swarm import rate_frame_head, rate_frame_tail
 from ziplog.io import zk as discovery
-from ziplog.tools import procs
 from ziplog.protocol import frames as wire
-from ziplog.tools.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath
+from ziplog.protocol import layout
+from ziplog.tools import procs
+from ziplog.tools.zk_ensemble import (
+    ZooKeeperEnsemble,
+    ZooKeeperNotInstalled,
+    find_java,
+    find_zookeeper_classpath,
+)
 
 try:
     find_zookeeper_classpath()
@@ -61,14 +67,14 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
                                      "--status", str(status)], tmp_path / "swarm.log"))
         children.append(procs.spawn([sys.executable, "-m", "mms.server", "--zk", hosts, "--id", "0",
                                      "--interval-ms", "10"], tmp_path / "mms0.log"))
-        path = "/swarm-test" + discovery.MMS_REPLICAS
+        path = "/swarm-test" + layout.MMS_REPLICAS
         deadline = time.monotonic() + 20
         while not (zk.exists(path) and zk.get_children(path)):
             assert time.monotonic() < deadline, "MMS did not register"
             time.sleep(0.05)
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(discovery.dec(zk.get(f"{path}/{zk.get_children(path)[0]}")[0])["pub"])
+        sub.connect(layout.dec(zk.get(f"{path}/{zk.get_children(path)[0]}")[0])["pub"])
         members: list[int] = []
         rates: list[int] = []
         deadline = time.monotonic() + 20

@@ -99,17 +99,17 @@ def test_add_and_remove_shard_under_load(cluster: ziplog.LocalCluster) -> None:
 
 def test_recovery_record_is_chunked_when_large(cluster: ziplog.LocalCluster) -> None:
     from failure_handler.records import CHUNK_BYTES, read_record, write_record
-    from ziplog.io import zk as discovery
+    from ziplog.protocol import layout
     zk = cluster._zkc
     shard = 990  # a shard id no replica uses
-    zk.create(f"{discovery.SHARDS}/{shard}", discovery.enc({"replicas": 0}), makepath=True)
+    zk.create(f"{layout.SHARDS}/{shard}", layout.enc({"replicas": 0}), makepath=True)
     big = {"gen": 3, "phase": "acquired", "records": [[i, 1, i, bytes(4096)] for i in range(400)]}
     v = write_record(zk, shard, big, True, -1)
-    assert len(zk.get_children(f"{discovery.RECOVERY}/{shard}")) >= 1600_000 // CHUNK_BYTES
+    assert len(zk.get_children(f"{layout.RECOVERY}/{shard}")) >= 1600_000 // CHUNK_BYTES
     assert read_record(zk, shard) == (big, v)
-    assert discovery.dec(zk.get(f"{discovery.SHARDS}/{shard}")[0])["recovering"] == 3
+    assert layout.dec(zk.get(f"{layout.SHARDS}/{shard}")[0])["recovering"] == 3
     small = {"gen": 3, "phase": "done"}
     v = write_record(zk, shard, small, False, v)
     assert read_record(zk, shard) == (small, v)
-    assert zk.get_children(f"{discovery.RECOVERY}/{shard}") == []  # old chunks gone
-    assert "recovering" not in discovery.dec(zk.get(f"{discovery.SHARDS}/{shard}")[0])
+    assert zk.get_children(f"{layout.RECOVERY}/{shard}") == []  # old chunks gone
+    assert "recovering" not in layout.dec(zk.get(f"{layout.SHARDS}/{shard}")[0])

@@ -8,7 +8,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_base, epoch_end, epoch_of
+from ziplog.protocol.gsna import (
+    EpochConfig,
+    EpochSchedule,
+    SlotCursor,
+    epoch_base,
+    epoch_end,
+    epoch_of,
+)
 
 
 def configs(max_shards: int = 1000, max_rate: int = 1_000_000) -> st.SearchStrategy[EpochConfig]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ziplog.protocol.gsna import epoch_base, epoch_end
 from ziplog.cores.merge import MergeError, SubscriberMerge
+from ziplog.protocol.gsna import epoch_base, epoch_end
 
 B0, B1 = epoch_base(0), epoch_base(1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import types
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -13,14 +12,14 @@ import zmq
 from kazoo.client import KazooClient
 
 import ziplog
-from ziplog.io import zk as discovery
-from ziplog.tools import procs
-from ziplog.protocol import frames as wire
-from ziplog.protocol.gsna import EpochConfig
-
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.sequencer import EpochSequencer
 from mms.server import block_transaction, read_epoch_state
+from ziplog.io import zk as discovery
+from ziplog.protocol import frames as wire
+from ziplog.protocol import layout, membership
+from ziplog.protocol.gsna import EpochConfig
+from ziplog.tools import procs
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ class Listener:
 
 def leader_id(cluster: ziplog.LocalCluster) -> int:
     zk = cluster._zkc
-    contenders = zk.Election(discovery.MMS_ELECTION).contenders()
+    contenders = zk.Election(layout.MMS_ELECTION).contenders()
     assert contenders
     return int(contenders[0])
 
@@ -65,8 +64,8 @@ def test_broadcast_epochs_are_committed_first(cluster: ziplog.LocalCluster) -> N
     try:
         lis.pump(time.monotonic() + 1.0)
         assert len(lis.order) > 10
-        data, _ = cluster._zkc.get(discovery.EPOCH_PATH)
-        block = discovery.dec(data)
+        data, _ = cluster._zkc.get(layout.EPOCH_PATH)
+        block = layout.dec(data)
         # every broadcast epoch so far is at or below the committed block's end
         assert max(lis.order) <= block["last"]
         assert all(b > a for a, b in zip(lis.order, lis.order[1:])), "epochs strictly increase"
@@ -181,7 +180,7 @@ def zk_ns(cluster: ziplog.LocalCluster) -> Iterator[KazooClient]:
     root = f"/mms-sequencer-{next(_namespaces)}"
     cluster._zkc.ensure_path(root)
     zk = discovery.connect(cluster.zk_hosts + root)
-    for path in (discovery.EPOCH_PATH, discovery.MEMBERSHIP_PATH):
+    for path in (layout.EPOCH_PATH, layout.MEMBERSHIP_PATH):
         zk.create(path, b"", makepath=True)
     try:
         yield zk
@@ -192,15 +191,15 @@ def zk_ns(cluster: ziplog.LocalCluster) -> Iterator[KazooClient]:
 
 def register_shard(zk: KazooClient, shard: int) -> None:
     """As a one-replica storage server registers (one transaction: no half-registered view)."""
-    zk.ensure_path(discovery.SHARDS)
+    zk.ensure_path(layout.SHARDS)
     txn = zk.transaction()
-    txn.create(f"{discovery.SHARDS}/{shard}", discovery.enc({"replicas": 1}))
-    txn.create(f"{discovery.SHARDS}/{shard}/0", discovery.enc({"addr": "tcp://127.0.0.1:1", "pid": 0}), ephemeral=True)
+    txn.create(f"{layout.SHARDS}/{shard}", layout.enc({"replicas": 1}))
+    txn.create(f"{layout.SHARDS}/{shard}/0", layout.enc({"addr": "tcp://127.0.0.1:1", "pid": 0}), ephemeral=True)
     assert not any(isinstance(r, Exception) for r in txn.commit())
 
 
 def set_shard_meta(zk: KazooClient, shard: int, **extra: Any) -> None:
-    zk.set(f"{discovery.SHARDS}/{shard}", discovery.enc({"replicas": 1, **extra}))
+    zk.set(f"{layout.SHARDS}/{shard}", layout.enc({"replicas": 1, **extra}))
 
 
 def await_view(topo: discovery.Topology, predicate: Callable[[], bool]) -> None:
@@ -241,11 +240,11 @@ class SteppedLeader:
         msg = wire.decode_epoch(wire.EpochEncoder().encode(cfg.epoch, cfg.shards, cfg.rates))
         assert msg.epoch == e
         # The invariant: what is broadcast is already committed, block and history.
-        block = discovery.dec(self.zk.get(discovery.EPOCH_PATH)[0])
+        block = layout.dec(self.zk.get(layout.EPOCH_PATH)[0])
         assert block["epoch"] <= e <= block["last"], (e, block)
         assert (block["shards"], block["rates"]) == (list(msg.shards), list(msg.rates)), (e, block, msg)
-        history = discovery.dec(self.zk.get(discovery.MEMBERSHIP_PATH)[0])
-        assert discovery.members_in_history(history, e) == tuple(msg.shards)
+        history = layout.dec(self.zk.get(layout.MEMBERSHIP_PATH)[0])
+        assert membership.members_in_history(history, e) == tuple(msg.shards)
         self.seq.advance()
         return e, tuple(msg.shards)
 
@@ -296,7 +295,7 @@ def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None
     await_view(topo, lambda: topo.shard_complete(2))
     del lead.planned_at[:]
     assert lead.step() == (35, (0, 1, 2))
-    assert discovery.dec(zk_ns.get(discovery.EPOCH_PATH)[0])["epoch"] == 35, "a new block from epoch 35"
+    assert layout.dec(zk_ns.get(layout.EPOCH_PATH)[0])["epoch"] == 35, "a new block from epoch 35"
     lead.own_commit_seen()
     assert set(lead.run_to(50).values()) == {(0, 1, 2)}
     assert lead.planned_at == [35, 36, 45]
@@ -333,7 +332,7 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     await_view(topo, lambda: topo.shard_complete(0))
     old = SteppedLeader(zk_ns, topo)
     old.run_to(13)  # block 10..19 committed, 13 not yet broadcast
-    version = zk_ns.exists(discovery.EPOCH_PATH).version
+    version = zk_ns.exists(layout.EPOCH_PATH).version
 
     # Meanwhile a shard registers; a new leader takes over from ZooKeeper.
     register_shard(zk_ns, 1)
@@ -343,7 +342,7 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     # It broadcasts the block's last epoch as committed: the change cannot cut a block
     # that another leader may have broadcast in part ...
     assert new.step() == (19, (0,))
-    assert zk_ns.exists(discovery.EPOCH_PATH).version == version
+    assert zk_ns.exists(layout.EPOCH_PATH).version == version
     assert new.seq.change_pending
     # ... and takes it up at the first epoch after it.
     assert new.step() == (20, (0, 1))
@@ -382,7 +381,7 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
     # though the topology does not move again.
     assert lead.seq.block_due()
     lead.prepare()
-    assert discovery.dec(zk_ns.get(discovery.EPOCH_PATH)[0])["epoch"] == 23
+    assert layout.dec(zk_ns.get(layout.EPOCH_PATH)[0])["epoch"] == 23
     register_shard(zk_ns, 2)
     await_view(topo, lambda: topo.shard_complete(2))
     assert lead.seq.topology_moved()

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
 
 import pytest
 
 from failure_handler.recovery import ACQUIRED
 from tests.harness import ShardHarness
-from tests.sim.system import KNOWN_BUGS, KnownBug, NetParams, Outcome, SystemSim, corrupt, run
+from tests.sim.system import KnownBug, NetParams, Outcome, SystemSim, corrupt, run
 from ziplog.cores.client.waits import InsertWait, Redirect
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire

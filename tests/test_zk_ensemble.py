@@ -17,7 +17,12 @@ kazoo_client = pytest.importorskip("kazoo.client")
 from kazoo.exceptions import NodeExistsError  # noqa: E402
 from kazoo.retry import KazooRetry  # noqa: E402
 
-from ziplog.tools.zk_ensemble import ZooKeeperEnsemble, ZooKeeperNotInstalled, find_java, find_zookeeper_classpath  # noqa: E402
+from ziplog.tools.zk_ensemble import (  # noqa: E402
+    ZooKeeperEnsemble,
+    ZooKeeperNotInstalled,
+    find_java,
+    find_zookeeper_classpath,
+)
 
 KazooClient = kazoo_client.KazooClient
 T = TypeVar("T")

@@ -9,8 +9,17 @@ in two message delays.
             print(rec.rid, rec.data)
 """
 
-from ziplog.protocol.errors import (ClientClosedError, NoShardAvailableError, NotFoundError, RecordTooLargeError,
-                                    ServerError, TrimmedError, UnknownRecordError, ZiplogError, ZiplogTimeoutError)
+from ziplog.protocol.errors import (
+    ClientClosedError,
+    NoShardAvailableError,
+    NotFoundError,
+    RecordTooLargeError,
+    ServerError,
+    TrimmedError,
+    UnknownRecordError,
+    ZiplogError,
+    ZiplogTimeoutError,
+)
 from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
 

@@ -48,7 +48,14 @@ import msgpack
 import zmq
 
 from . import MAX_BLOCK_MS, OneShotTimer, RecordFile, StopFlag, announce_ready
-from .scalog_cuts import SegmentOrder, check_advance, combine, flatten, unflatten, zero_cut
+from .scalog_cuts import (
+    SegmentOrder,
+    check_advance,
+    combine,
+    flatten,
+    unflatten,
+    zero_cut,
+)
 
 # client -> storage server
 APPEND = 1  # [APPEND, req_id, data]      -> [req_id, gsn]

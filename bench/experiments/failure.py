@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..loadgen import stop_processes
-from ..machine import machine_info
 from ziplog.tools.stats import summarize
 
+from ..loadgen import stop_processes
+from ..machine import machine_info
 from ..stats import format_table
 
 #: Storage servers' failure suspicion timeout (``--suspect-timeout-ms``), in ms.

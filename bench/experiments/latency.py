@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ziplog.tools.stats import summarize
+
 from .. import systems as sysreg
 from ..loadgen import ClientPool, ClosedLoopClient
 from ..report import Results, histogram, progress
-from ziplog.tools.stats import summarize
 from ..systems.base import System, Unavailable
 
 ALL_SYSTEMS = ["ziplog", "floor", "nopaxos", "scalog", "zookeeper", "nats", "redis"]

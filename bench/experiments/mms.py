@@ -52,10 +52,11 @@ from kazoo.client import KazooClient
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.sequencer import EpochState
 from mms.server import MembershipDriver
-from ziplog.protocol.topology import TopologyView
 from ziplog.io import zk as discovery
-from ziplog.tools import procs
 from ziplog.protocol import frames as wire
+from ziplog.protocol import layout
+from ziplog.protocol.topology import TopologyView
+from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 from ..report import Results, progress
@@ -259,16 +260,16 @@ def measure(ens: ZooKeeperEnsemble, root_zk: KazooClient, n: int, params: dict[s
                                   "--epochs-per-commit", str(params["epochs_per_commit"])],
                                  logs / f"{label}-mms{i}.log")
             children.append(mms[i])
-        replicas_path = chroot + discovery.MMS_REPLICAS
+        replicas_path = chroot + layout.MMS_REPLICAS
         _wait(lambda: root_zk.exists(replicas_path) is not None
               and len(root_zk.get_children(replicas_path)) == params["mms_replicas"],
               60, "the MMS replicas to register", children, logs)
-        pubs = [discovery.dec(root_zk.get(f"{replicas_path}/{c}")[0])["pub"] for c in root_zk.get_children(replicas_path)]
+        pubs = [layout.dec(root_zk.get(f"{replicas_path}/{c}")[0])["pub"] for c in root_zk.get_children(replicas_path)]
         probe = EpochProbe(pubs)
         # Every replica loads the whole topology (a watch and a read per shard and
         # replica) before it joins the election, so large N take a while to start, and
         # the followers must be done with it before we measure: wait for all contenders.
-        election = root_zk.Election(chroot + discovery.MMS_ELECTION)
+        election = root_zk.Election(chroot + layout.MMS_ELECTION)
         _wait(lambda: len(election.contenders()) == params["mms_replicas"], 60 + n * 0.03,
               "every MMS replica to load the topology", children, logs)
         if not probe.wait_for(n, 60):
@@ -300,8 +301,8 @@ def measure(ens: ZooKeeperEnsemble, root_zk: KazooClient, n: int, params: dict[s
 
 
 def _leader_pull(root_zk: KazooClient, chroot: str, leader_id: str) -> str | None:
-    data, _ = root_zk.get(f"{chroot}{discovery.MMS_REPLICAS}/{leader_id}")
-    pull = (discovery.dec(data) or {}).get("pull")
+    data, _ = root_zk.get(f"{chroot}{layout.MMS_REPLICAS}/{leader_id}")
+    pull = (layout.dec(data) or {}).get("pull")
     return str(pull) if pull else None
 
 

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ziplog.tools.stats import summarize
+
 from .. import systems as sysreg
 from ..report import Results, histogram, progress
-from ziplog.tools.stats import summarize
 from ..systems.base import Unavailable
 
 COLUMNS = ["kind", "replicas_asked", "count", "p50_us", "p99_us", "p999_us", "mean_us", "ratio_to_floor"]
@@ -39,6 +40,7 @@ def params_for(quick: bool) -> dict[str, Any]:
 def _reader_main(zk_hosts: str, floor_ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
     """Runs in a worker process: preload, then alternate the four kinds of reads."""
     import ziplog
+
     from ..systems.floor import FloorAppender
 
     payload = os.urandom(p["record_bytes"])

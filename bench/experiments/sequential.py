@@ -57,7 +57,15 @@ import numpy as np
 from ..loadgen import stop_processes
 from ..report import Results, progress
 from . import sequential_worker as sw
-from .sequential_analyse import EpochLog, PhaseData, capacity_choice, step_analysis, summary, us, window
+from .sequential_analyse import (
+    EpochLog,
+    PhaseData,
+    capacity_choice,
+    step_analysis,
+    summary,
+    us,
+    window,
+)
 from .sequential_report import NAME, PAPER_RATE, write_report
 
 

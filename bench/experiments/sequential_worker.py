@@ -18,7 +18,7 @@ import queue
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ziplog.tools.stats import summarize
+
 from .. import systems as sysreg
 from ..cpu import CpuMeter, disk_written_bytes
 from ..loadgen import ClientPool, LoadResult
 from ..report import Results, progress
-from ziplog.tools.stats import summarize
 from ..systems.base import Unavailable
 
 COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "total_rate", "p50_us", "p99_us",

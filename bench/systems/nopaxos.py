@@ -16,13 +16,18 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from bench.baselines import check_alive, new_client_id, python_module_argv, start_server, wait_ready
+from bench.baselines import (
+    check_alive,
+    new_client_id,
+    python_module_argv,
+    start_server,
+    wait_ready,
+)
 from bench.baselines.nopaxos import HELLO, HELLO_REQ_ID
 from ziplog.tools import procs
 
 from .base import ClientSpec, System, read_replies
 from .servers import make_temp_dir, remove_temp_dir
-
 
 
 class NOPaxosSystem(System):

@@ -25,7 +25,6 @@ from .base import ClientSpec, System, read_replies
 from .servers import make_temp_dir, remove_temp_dir
 
 
-
 class ScalogSystem(System):
     name = "Scalog-style"
 

@@ -31,7 +31,17 @@ from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.protocol.types import RID_GENESIS, Policy
 from ziplog.server.storage import StorageDriver
 
-from .world import MS, US, NetParams, SimDisk, SimProcess, SimStorageCoordination, SimTopology, World, ZooKeeper
+from .world import (
+    MS,
+    US,
+    NetParams,
+    SimDisk,
+    SimProcess,
+    SimStorageCoordination,
+    SimTopology,
+    World,
+    ZooKeeper,
+)
 
 SHARD = 0
 CLIENT_TIMEOUT_NS = 30_000_000_000

@@ -48,15 +48,32 @@ from ziplog.cores.merge import MergeError
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
-from ziplog.protocol.errors import NoShardAvailableError, ZiplogError, ZiplogTimeoutError
+from ziplog.protocol.errors import (
+    NoShardAvailableError,
+    ZiplogError,
+    ZiplogTimeoutError,
+)
 from ziplog.protocol.events import EpochEvent
 from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.protocol.types import RID_GENESIS, Policy
 from ziplog.server.storage import StorageDriver
 
-from .world import (MS, US, NetParams, Session, SimDisk, SimElection, SimHandlerCoordination, SimMembershipCoordination,
-                    SimProcess, SimStorageCoordination, SimTopology, World, ZooKeeper)
+from .world import (
+    MS,
+    US,
+    NetParams,
+    Session,
+    SimDisk,
+    SimElection,
+    SimHandlerCoordination,
+    SimMembershipCoordination,
+    SimProcess,
+    SimStorageCoordination,
+    SimTopology,
+    World,
+    ZooKeeper,
+)
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "NetParams", "Outcome", "SystemSim", "run"]
 

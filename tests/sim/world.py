@@ -27,11 +27,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mms.sequencer import CommitBlock, EpochState
 from ziplog.protocol import layout
 from ziplog.protocol.events import DiskEvent, SnapshotEvent
 from ziplog.protocol.topology import TopologyView
-
-from mms.sequencer import CommitBlock, EpochState
 
 MS = 1_000_000
 US = 1_000

@@ -22,7 +22,7 @@ import asyncio
 import random
 from typing import Any, Coroutine, TypeVar
 
-from ziplog.client.blocking import new_client_id
+from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
@@ -50,7 +50,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)  # type: ignore[attr-defined,no-any-return]
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """An asyncio ziplog client. Start it with ``await AsyncClient.connect(...)`` or
     ``async with AsyncClient(...)``; any number of tasks of one event loop may use it."""
 
@@ -67,29 +67,10 @@ class AsyncClient:
         self._subs: list[AsyncSubscription] = []
         self._closed = False
 
-    # -- identity and counters --------------------------------------------------------------------
-    @property
-    def client_id(self) -> int:
-        return self._state.client_id
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return self._state.stats
-
-    def set_policy(self, policy: Policy) -> None:
-        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
-        Policy.by_key()."""
-        if not isinstance(policy, Policy):
-            raise TypeError("policy must be a ziplog.Policy")
-        self._state.policy = policy
-
     def live_shards(self) -> list[int]:
+        """Shards in the current membership with every replica up."""
         assert self.topology is not None
         return list(self.topology.live_shards())
-
-    def known_stable(self, shard: int) -> int:
-        """As ``Client.known_stable``."""
-        return self._state.stable.get(shard, 0)
 
     # -- lifecycle --------------------------------------------------------------------------------
     @classmethod
@@ -218,7 +199,7 @@ class AsyncClient:
         return sub
 
 
-class AsyncSubscription:
+class AsyncSubscription(SubscriptionBase):
     """Async iterator over records in gsn order. ``aclose()`` it (or use ``async with``) to
     free its sockets; iteration ends once it is closed."""
 
@@ -288,14 +269,6 @@ class AsyncSubscription:
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
                 pass
-
-    @property
-    def buffered(self) -> int:
-        return self._sub.core.buffered
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._sub.core.buffered_bytes
 
     async def aclose(self) -> None:
         if self._closed:

@@ -13,10 +13,10 @@ a call of this client waits.
 
 from __future__ import annotations
 
-import os
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
+from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
@@ -29,12 +29,7 @@ from ziplog.protocol.types import RID_GENESIS, Policy, RecordId
 __all__ = ["Client", "Record", "Subscription"]
 
 
-def new_client_id() -> int:
-    """A random 63-bit id: resends and redirects of one insert carry it."""
-    return int.from_bytes(os.urandom(8), "big") >> 1
-
-
-class Client:
+class Client(ClientBase):
     """A ziplog client. Thread-compatible, not thread-safe: use one per thread."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
@@ -55,31 +50,9 @@ class Client:
             self.close()
             raise NoShardAvailableError("no live shard appeared in ZooKeeper")
 
-    # -- identity and counters --------------------------------------------------------------------
-    @property
-    def client_id(self) -> int:
-        return self._state.client_id
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """Inserts on the fast and slow paths, resends and redirects so far."""
-        return self._state.stats
-
-    def set_policy(self, policy: Policy) -> None:
-        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
-        Policy.by_key()."""
-        if not isinstance(policy, Policy):
-            raise TypeError("policy must be a ziplog.Policy")
-        self._state.policy = policy
-
     def live_shards(self) -> list[int]:
         """Shards in the current membership with every replica up."""
         return list(self.topology.live_shards())
-
-    def known_stable(self, shard: int) -> int:
-        """The highest stable watermark of ``shard`` this client has seen in a reply: a
-        read of a gsn at or below it needs one replica's answer."""
-        return self._state.stable.get(shard, 0)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -152,7 +125,7 @@ class Client:
         return sub
 
 
-class Subscription:
+class Subscription(SubscriptionBase):
     """Iterator over records in gsn order. Close it (or use ``with``) to free its sockets."""
 
     def __init__(self, client: Client, sub: SubscriptionDriver) -> None:
@@ -181,22 +154,6 @@ class Subscription:
         if rec is None:
             core.raise_error()
         return rec
-
-    @property
-    def buffered(self) -> int:
-        """Records received and not yet returned by :meth:`next`."""
-        return self._sub.core.buffered
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Their bytes: bounded by the credit this subscription grants each shard."""
-        return self._sub.core.buffered_bytes
-
-    def observe_batches(self, fn: Callable[[int, list[int], int, int], None] | None) -> None:
-        """A diagnostic hook: ``fn(shard, gsns, delivered_before, delivered_after)`` after
-        each batch a shard sends (its records' gsns, and how far the merge could deliver
-        before and after it)."""
-        self._sub.core.observer = fn
 
     def close(self) -> None:
         if self._closed:

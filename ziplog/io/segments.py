@@ -28,7 +28,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ziplog.protocol.events import DiskEvent, RecordEvent, SnapshotEvent, decode_events, encode_event
+from ziplog.protocol.events import (
+    DiskEvent,
+    RecordEvent,
+    SnapshotEvent,
+    decode_events,
+    encode_event,
+)
 
 SEGMENT_BYTES = 64 << 20
 

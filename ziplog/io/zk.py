@@ -10,12 +10,17 @@ import time
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError, NodeExistsError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.protocol.states import KazooState
 
-from ziplog.protocol.layout import (EPOCH_PATH, FH_REPLICAS, FH_ROOT, MEMBERSHIP_PATH, MMS_ELECTION, MMS_REPLICAS,  # noqa: F401
-                                    RECOVERY, ROOT, SHARDS, dec, enc, fh_election_path)
-from ziplog.protocol.membership import history_ranges, members_in_history  # noqa: F401
+from ziplog.protocol.layout import (
+    FH_REPLICAS,
+    MEMBERSHIP_PATH,
+    MMS_REPLICAS,
+    SHARDS,
+    dec,
+    enc,
+)
 from ziplog.protocol.topology import TopologyView
 
 log = logging.getLogger("ziplog.zk")
@@ -144,9 +149,18 @@ def stop(zk: KazooClient) -> None:
         pass
 
 
-class StorageCoordination:
-    """A storage replica's ZooKeeper: its registration, the topology it watches, and
-    fresh reads of the membership history (the ``StorageCoordination`` port)."""
+def register(zk: KazooClient, path: str, info: dict[str, Any]) -> None:
+    """Create this process's ephemeral node at ``path`` (with its pid), replacing a stale
+    one of its previous life."""
+    try:
+        zk.delete(path)
+    except NoNodeError:
+        pass
+    zk.create(path, enc({**info, "pid": os.getpid()}), ephemeral=True, makepath=True)
+
+
+class Session:
+    """A process's ZooKeeper session and the topology it watches."""
 
     def __init__(self, zk_hosts: str) -> None:
         self.zk = connect(zk_hosts)
@@ -155,26 +169,38 @@ class StorageCoordination:
     def on_change(self, fn: Callable[[], None]) -> None:
         self.topology.on_change(fn)
 
+    def close(self) -> None:
+        stop(self.zk)
+
+
+class StorageCoordination(Session):
+    """A storage replica's ZooKeeper: its registration, the topology it watches, and
+    fresh reads of the membership history (the ``StorageCoordination`` port)."""
+
     def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
         shard_path = f"{SHARDS}/{shard}"
         try:
             self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
         except NodeExistsError:
             pass
-        node = f"{shard_path}/{replica}"
-        try:
-            self.zk.delete(node)  # a stale ephemeral of our previous life
-        except NoNodeError:
-            pass
-        self.zk.create(node, enc({"addr": addr, "pid": os.getpid()}), ephemeral=True)
+        register(self.zk, f"{shard_path}/{replica}", {"addr": addr})
 
     def membership_history(self) -> list[list[Any]]:
         self.zk.sync(MEMBERSHIP_PATH)
         data, _ = self.zk.get(MEMBERSHIP_PATH)
         return dec(data) or []
 
+
+class ElectedSession(Session):
+    """The session of a control-plane replica: with the election it contends in."""
+
+    def __init__(self, zk_hosts: str, rt: Any) -> None:
+        super().__init__(zk_hosts)
+        self.election = Election(self.zk, rt)
+
     def close(self) -> None:
-        stop(self.zk)
+        self.election.close()
+        super().close()
 
 
 class Election:

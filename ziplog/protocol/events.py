@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated, Iterator, Union
 
-import msgspec
 import msgpack
+import msgspec
 
 #: A gsn, slot, id or count on the wire: msgpack's widest integer is uint64, so a
 #: lower bound is all it takes.

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-import msgspec
 import msgpack
+import msgspec
 
 from ziplog.protocol.events import InstallEvent, Members, StreamEvent
 

@@ -7,8 +7,7 @@ Subclasses implement :meth:`ElectedDriver.lead_begin` and :meth:`ElectedDriver.l
 from __future__ import annotations
 
 import logging
-import signal
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from ziplog.io.ports import Runtime
 
@@ -64,18 +63,3 @@ class ElectedDriver:
 
     def lead_end(self) -> None:
         raise NotImplementedError
-
-
-def serve_forever(run_forever: Callable[[], None], stop: Callable[[], None], close: Callable[[], None]) -> int:
-    """A process ``main``'s body: run until SIGTERM/SIGINT, then close."""
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        run_forever()
-    finally:
-        close()
-    return 0

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from ziplog.cores.effects import Peer, Ready, ReadHistory
+from ziplog.cores.effects import Peer, ReadHistory, Ready
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.io.ports import Disk, Endpoint, Network, Runtime, StorageCoordination
 from ziplog.protocol import frames as f
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import history_ranges
+from ziplog.server.process import serve_forever
 
 log = logging.getLogger("ziplog.server")
 
@@ -282,19 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                           fsync_interval=args.fsync_interval)
     driver = StorageDriver(settings, rt, rt, coord, disk, host=args.host, port=args.port)
 
-    def stop(signum: int, frame: Any) -> None:
-        rt.stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        driver.start()
-        rt.run_forever()
-    finally:
-        driver.close()
-        coord.close()
-        rt.close()
-    return 0
+    driver.start()
+    return serve_forever(rt, driver, coord)
 
 
 if __name__ == "__main__":

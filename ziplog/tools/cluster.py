@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -17,11 +18,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import subprocess
-
 from ziplog.io import zk as discovery
-from ziplog.tools import procs
 from ziplog.protocol import frames as wire
+from ziplog.protocol import layout
+from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 
@@ -87,7 +87,7 @@ class LocalCluster:
             self._spawn_mms(i)
         for i in range(self.fh_replicas):
             self._spawn_fh(i)
-        existing = sorted(int(c) for c in self._zkc.get_children(discovery.SHARDS))
+        existing = sorted(int(c) for c in self._zkc.get_children(layout.SHARDS))
         if existing:  # restarting on an old data_dir: bring back the same shards
             self.shard_ids = existing
         else:
@@ -191,11 +191,11 @@ class LocalCluster:
 
     def kill_mms_leader(self) -> int:
         """SIGKILL the membership service's leader; returns its id (it is started again)."""
-        return self._kill_leader(discovery.MMS_ELECTION, self.mms, self._spawn_mms)
+        return self._kill_leader(layout.MMS_ELECTION, self.mms, self._spawn_mms)
 
     def kill_fh_leader(self) -> int:
         """SIGKILL the failure handler's leader; returns its id (it is started again)."""
-        return self._kill_leader(discovery.fh_election_path(0), self.fh, self._spawn_fh)
+        return self._kill_leader(layout.fh_election_path(0), self.fh, self._spawn_fh)
 
     def _kill_leader(self, election: str, procs_by_id: dict[int, Any], respawn: Any) -> int:
         contenders = self._zkc.Election(election).contenders()
@@ -218,11 +218,11 @@ class LocalCluster:
 
     def remove_shard(self, shard: int, timeout: float = 30.0) -> None:
         """Take a shard out of the next epoch's membership; it stays readable."""
-        path = f"{discovery.SHARDS}/{shard}"
+        path = f"{layout.SHARDS}/{shard}"
         data, stat = self._zkc.get(path)
-        meta = discovery.dec(data) or {}
+        meta = layout.dec(data) or {}
         meta["removed"] = True
-        self._zkc.set(path, discovery.enc(meta), version=stat.version)
+        self._zkc.set(path, layout.enc(meta), version=stat.version)
         if not self.topology.wait(lambda: shard not in (self.topology.history[-1][1] if self.topology.history else []), timeout):
             raise RuntimeError(f"shard {shard} still a member after {timeout}s")
 

@@ -50,9 +50,8 @@ def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size:
              reads: int = 100, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the demo workload against the cluster at ``zk_hosts``; returns a summary dict
     whose ``ok`` is True when every check passed (``failures`` lists the others)."""
-    from ziplog.tools.stats import summarize
-
     from ziplog.client.blocking import Client
+    from ziplog.tools.stats import summarize
 
     say = log or (lambda msg: print(msg, flush=True))
     run_id = int.from_bytes(os.urandom(4), "big")

@@ -15,7 +15,13 @@ from typing import Any, Callable, Sequence
 from ziplog.cores.client.state import STABLE_READ_WAIT_NS, ClientState
 from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirect
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError, from_reply
+from ziplog.protocol.errors import (
+    NoShardAvailableError,
+    UnknownRecordError,
+    ZiplogError,
+    ZiplogTimeoutError,
+    from_reply,
+)
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import RecordId
 

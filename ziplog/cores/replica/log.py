@@ -16,8 +16,17 @@ import bisect
 from typing import Any, Callable, Iterable, Iterator
 
 from ziplog.cores.effects import Outbox
-from ziplog.protocol.events import (DiskEvent, EpochEvent, FrontierEvent, Members, RecordEvent, SnapshotEvent,
-                                    StableEvent, TrimEvent, TruncateEvent)
+from ziplog.protocol.events import (
+    DiskEvent,
+    EpochEvent,
+    FrontierEvent,
+    Members,
+    RecordEvent,
+    SnapshotEvent,
+    StableEvent,
+    TrimEvent,
+    TruncateEvent,
+)
 from ziplog.protocol.gsna import epoch_base, epoch_of
 
 

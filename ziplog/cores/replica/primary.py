@@ -24,8 +24,20 @@ from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.parking import Parked, Parking
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
-from ziplog.protocol.events import EpochEvent, FrontierEvent, Members, RecordEvent, StreamEvent
-from ziplog.protocol.gsna import EpochConfig, EpochSchedule, SlotCursor, epoch_end, epoch_of
+from ziplog.protocol.events import (
+    EpochEvent,
+    FrontierEvent,
+    Members,
+    RecordEvent,
+    StreamEvent,
+)
+from ziplog.protocol.gsna import (
+    EpochConfig,
+    EpochSchedule,
+    SlotCursor,
+    epoch_end,
+    epoch_of,
+)
 
 ErrorReply = Callable[[bytes, "int | None", str, str], None]
 

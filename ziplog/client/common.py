@@ -1,0 +1,61 @@
+"""What the blocking and the asyncio clients share beyond the driver: identity, policy,
+counters, and what a client learned of the shards' stable watermarks."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from ziplog.client.driver import SubscriptionDriver
+from ziplog.cores.client.state import ClientState
+from ziplog.protocol.types import Policy
+
+
+def new_client_id() -> int:
+    """A random 63-bit id: resends and redirects of one insert carry it."""
+    return int.from_bytes(os.urandom(8), "big") >> 1
+
+
+class ClientBase:
+    _state: ClientState
+
+    @property
+    def client_id(self) -> int:
+        return self._state.client_id
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Inserts on the fast and slow paths, resends and redirects so far."""
+        return self._state.stats
+
+    def set_policy(self, policy: Policy) -> None:
+        """Choose which shard inserts go to: Policy.random() (default), Policy.fixed(s),
+        Policy.by_key()."""
+        if not isinstance(policy, Policy):
+            raise TypeError("policy must be a ziplog.Policy")
+        self._state.policy = policy
+
+    def known_stable(self, shard: int) -> int:
+        """The highest stable watermark of ``shard`` this client has seen in a reply: a
+        read of a gsn at or below it needs one replica's answer."""
+        return self._state.stable.get(shard, 0)
+
+
+class SubscriptionBase:
+    _sub: SubscriptionDriver
+
+    @property
+    def buffered(self) -> int:
+        """Records received and not yet handed to the application."""
+        return self._sub.core.buffered
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Their bytes: bounded by the credit this subscription grants each shard."""
+        return self._sub.core.buffered_bytes
+
+    def observe_batches(self, fn: Callable[[int, list[int], int, int], None] | None) -> None:
+        """A diagnostic hook: ``fn(shard, gsns, delivered_before, delivered_after)`` after
+        each batch a shard sends (its records' gsns, and how far the merge could deliver
+        before and after it)."""
+        self._sub.core.observer = fn
