@@ -276,11 +276,7 @@ class ShardSwarm:
             self.write_status()
         except OSError:
             pass
-        try:
-            self.zk.stop()
-            self.zk.close()
-        except Exception:
-            pass
+        discovery.stop(self.zk)
         self.ctx.destroy(linger=0)
 
 

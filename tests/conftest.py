@@ -2,8 +2,27 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+
+import pytest
 
 # Tests import `tests.sim` and the packages from the checkout.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_zookeeper_session_outlives_its_module():
+    """Every kazoo client a test module starts is stopped by the end of the module (its
+    fixtures' teardown included): one left running keeps reconnecting to an ensemble
+    that is gone, and holds the process's exit."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    left = []
+    for t in threading.enumerate():
+        if t.ident not in before and t.name.endswith("(zk_loop)"):
+            t.join(10)  # a stopped session's loop ends just after stop() returns
+            if t.is_alive():
+                left.append(t.name)
+    assert not left, f"ZooKeeper sessions still running after the module: {left}"

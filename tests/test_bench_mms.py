@@ -87,8 +87,7 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
     finally:
         ctx.destroy(linger=0)
         procs.stop_many(children)
-        zk.stop()
-        zk.close()
+        discovery.stop(zk)
 
 
 def test_measure_one_point(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
@@ -100,8 +99,7 @@ def test_measure_one_point(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
         zk.ensure_path(experiment.CHROOT_BASE)
         point = experiment.measure(ensemble, zk, 20, params, tmp_path)
     finally:
-        zk.stop()
-        zk.close()
+        discovery.stop(zk)
     row = point.row
     assert row["shards"] == 20 and row["all_shards"]
     assert row["epochs_per_s"] > 0 and row["frame_bytes"] > 0

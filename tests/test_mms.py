@@ -185,8 +185,7 @@ def zk_ns(cluster: ziplog.LocalCluster) -> Iterator[KazooClient]:
     try:
         yield zk
     finally:
-        zk.stop()
-        zk.close()
+        discovery.stop(zk)
 
 
 def register_shard(zk: KazooClient, shard: int) -> None:

@@ -575,11 +575,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                 points.append(rates_off)
         finally:
             if root_zk is not None:
-                try:
-                    root_zk.stop()
-                    root_zk.close()
-                except Exception:
-                    pass
+                discovery.stop(root_zk)
             ens.stop()
     rows = sorted((p.row for p in points), key=lambda r: (r["shards"], not r["rates"]))
     _notes(res, rows, limit_point(points), rates_off)

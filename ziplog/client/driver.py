@@ -10,6 +10,7 @@ DEALER per shard. Replies are routed to calls by their request id.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 from ziplog.cores.client.calls import Call, EachReplicaCall, InsertCall, ReadCall
@@ -38,15 +39,8 @@ class Record:
         return f"Record(rid={self.rid!r}, data={self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
 
 
-class _Running:
-    """The driver's bookkeeping of a call in progress: its timer and who to tell."""
-
-    __slots__ = ("timer", "at", "on_done")
-
-    def __init__(self, on_done: Callable[[], None] | None) -> None:
-        self.timer: Timer | None = None
-        self.at: int | None = None
-        self.on_done = on_done
+#: what ``calls.pop`` answers for a call the driver does not hold
+_GONE: Any = object()
 
 
 class ClientDriver:
@@ -56,21 +50,31 @@ class ClientDriver:
         self.topology = topology
         self.client = state
         self.conns: dict[str, Endpoint] = {}
+        #: counts changes to ``conns`` (a cached focus list is good until it moves)
+        self._conns_gen = 0
+        self._focus: tuple[Sequence[str], int, list[Endpoint]] = ((), -1, [])
         #: request id -> the call that sent it (calls forget theirs when done)
         self.pending: dict[int, Call] = {}
-        self.calls: dict[Call, _Running] = {}
+        #: calls in progress -> who to tell when one is done
+        self.calls: dict[Call, Callable[[], None] | None] = {}
+        # One timer for every call, at the earliest time one of them wants: a call that
+        # ends before it needed the timer (nearly every insert) arms and cancels nothing.
+        self._tick: Timer | None = None
+        self._tick_at: int | None = None
         self.subs: dict[int, "SubscriptionDriver"] = {}
         self.closed = False
 
     # -- calls ------------------------------------------------------------------------------------
     def insert(self, data: bytes, after_gsn: int, key: bytes | None, on_done: Callable[[], None] | None = None) -> InsertCall:
-        call = InsertCall(self.client, data, after_gsn, key, self.rt.now() + self.client.timeout_ns)
-        self.start(call, on_done)
+        now = self.rt.now()
+        call = InsertCall(self.client, data, after_gsn, key, now + self.client.timeout_ns)
+        self.start(call, on_done, now)
         return call
 
     def read(self, rid: RecordId, on_done: Callable[[], None] | None = None) -> ReadCall:
-        call = ReadCall(self.client, rid, self.rt.now() + self.client.timeout_ns)
-        self.start(call, on_done)
+        now = self.rt.now()
+        call = ReadCall(self.client, rid, now + self.client.timeout_ns)
+        self.start(call, on_done, now)
         return call
 
     def each_replica(self, shards: list[int], make: Callable[[int], wire.Frame], what: str,
@@ -79,14 +83,14 @@ class ClientDriver:
         self.start(call, on_done)
         return call
 
-    def start(self, call: Call, on_done: Callable[[], None] | None = None) -> None:
+    def start(self, call: Call, on_done: Callable[[], None] | None = None, now: int | None = None) -> None:
         if self.closed:
             call.fail(ClientClosedError("client is closed"))
             if on_done is not None:
                 on_done()
             return
-        self.calls[call] = _Running(on_done)
-        self._run(call, call.start(self.rt.now(), self.topology))
+        self.calls[call] = on_done
+        self._run(call, call.start(self.rt.now() if now is None else now, self.topology))
 
     def _run(self, call: Call, sends: Sequence[tuple[Sequence[str], wire.Frame]]) -> None:
         """Perform a call's step: send what it asked for, then finish it or (re)arm its timer."""
@@ -98,29 +102,27 @@ class ClientDriver:
                 for addr in addrs:
                     conn = conns.get(addr)
                     if conn is None:
-                        conn = conns[addr] = self.net.dealer(addr, self._reply_handler(addr), "replica")
+                        conn = conns[addr] = self.net.dealer(addr, functools.partial(self._on_reply, addr), "replica")
+                        self._conns_gen += 1
                     conn.send(frame)
-        running = self.calls.get(call)
-        if running is None:
-            return
         if call.done:
+            on_done = self.calls.pop(call, _GONE)
+            if on_done is _GONE:
+                return
             for r in call.req_ids:
                 self.pending.pop(r, None)
-            if running.timer is not None:
-                running.timer.cancel()
-            del self.calls[call]
-            if running.on_done is not None:
-                running.on_done()
+            if on_done is not None:
+                on_done()
             return
         at = call.wake_at
-        if at != running.at:
-            if running.timer is not None:
-                running.timer.cancel()
-            running.at = at
-            running.timer = None if at is None else self.rt.call_at(at, lambda: self._on_timer(call))
+        if at is not None and (self._tick_at is None or at < self._tick_at) and call in self.calls:
+            self._arm(at)
 
-    def _reply_handler(self, addr: str) -> Callable[[bytes], None]:
-        return lambda frame: self._on_reply(addr, frame)
+    def _arm(self, at: int) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+        self._tick_at = at
+        self._tick = self.rt.call_at(at, self._on_tick)
 
     def _on_reply(self, addr: str, frame: bytes) -> None:
         try:
@@ -132,17 +134,33 @@ class ClientDriver:
             return  # a late answer to a request that is over
         self._run(call, call.on_reply(addr, msg, self.rt.now(), self.topology))
 
-    def _on_timer(self, call: Call) -> None:
-        running = self.calls.get(call)
-        if running is None or call.done:
+    def _on_tick(self) -> None:
+        """The earliest time a call wanted has come: every call whose time it is steps,
+        and the timer moves to the next such time."""
+        self._tick = self._tick_at = None
+        if self.closed:
             return
-        running.timer = running.at = None
-        self._run(call, call.on_timer(self.rt.now(), self.topology))
+        now, topo = self.rt.now(), self.topology
+        for call in list(self.calls):
+            at = call.wake_at
+            if at is not None and at <= now and not call.done:
+                self._run(call, call.on_timer(now, topo))
+        later = [at for c in self.calls if (at := c.wake_at) is not None]
+        if later and (self._tick_at is None or min(later) < self._tick_at):
+            self._arm(min(later))
 
     def endpoints_of(self, call: Call) -> list[Endpoint]:
-        """The connections ``call`` waits on (the replicas it sent to)."""
+        """The connections ``call`` waits on (the replicas it sent to). The same list
+        object while neither the call's targets nor the connections change: the blocking
+        client asks before every turn, and the runtime keeps its poll set for it."""
+        addrs = call.waiting_on()
+        cached_addrs, gen, eps = self._focus
+        if addrs is cached_addrs and gen == self._conns_gen:
+            return eps
         conns = self.conns
-        return [c for a in call.waiting_on() if (c := conns.get(a)) is not None]
+        eps = [c for a in addrs if (c := conns.get(a)) is not None]
+        self._focus = (addrs, self._conns_gen, eps)
+        return eps
 
     def on_topology(self) -> None:
         """Something moved in ZooKeeper: calls and subscriptions look again; connections
@@ -158,6 +176,7 @@ class ClientDriver:
         current = {a for reps in topo.replicas.values() for a in reps.values()}
         for addr in [a for a in self.conns if a not in current]:
             self.conns.pop(addr).close()
+            self._conns_gen += 1
 
     # -- subscriptions ----------------------------------------------------------------------------
     def subscribe(self, start: RecordId, pick: Callable[[int, int], int] | None = None) -> "SubscriptionDriver":
@@ -205,9 +224,13 @@ class ClientDriver:
             if not call.done:
                 call.fail(ClientClosedError("client is closed"))
                 self._run(call, [])
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = self._tick_at = None
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
+        self._conns_gen += 1
 
 
 class SubscriptionDriver:

@@ -79,8 +79,8 @@ class AsyncioRuntime:
         self.closed = False
 
     # -- Runtime ----------------------------------------------------------------------------------
-    def now(self) -> int:
-        return time.monotonic_ns()
+    #: monotonic nanoseconds (the C function itself: no Python frame on the hot path)
+    now = staticmethod(time.monotonic_ns)
 
     def turn(self, fn: Callable[..., None], *args: Any) -> None:
         if self.closed:

@@ -3,10 +3,13 @@ is :mod:`ziplog.protocol.layout`)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
@@ -32,7 +35,35 @@ def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
     zk = KazooClient(hosts=hosts, timeout=10.0, connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0},
                      command_retry={"max_tries": 5, "delay": 0.05, "max_delay": 1.0})
     zk.start(timeout=timeout)
+    # A session nobody stopped must not hang the process's exit. kazoo's own exit hook
+    # stops only its callback threads, and joins them: one inside a watch callback,
+    # waiting on a request to an ensemble that is gone (it reconnects forever), never
+    # returns. Stopping the session first fails that request. (Registered after kazoo's
+    # hook, so it runs before it.)
+    hook = functools.partial(_stop_at_exit, weakref.ref(zk))
+    with _exit_hooks_lock:
+        # forget hooks of sessions stopped some other way (bounds this map by the
+        # sessions alive)
+        for key, old in list(_exit_hooks.items()):
+            gone = old.args[0]()
+            if gone is None or not gone.handler.running:
+                atexit.unregister(_exit_hooks.pop(key))
+        _exit_hooks[id(zk)] = hook
+    atexit.register(hook)
     return zk
+
+
+#: the exit hook of each session not stopped yet, by id of its client
+_exit_hooks: dict[int, functools.partial[None]] = {}
+_exit_hooks_lock = threading.Lock()
+
+
+def _stop_at_exit(ref: weakref.ref[KazooClient]) -> None:
+    zk = ref()
+    if zk is None or not zk.handler.running:
+        return  # stopped already
+    log.warning("a ZooKeeper session was never stopped; stopping it at exit")
+    stop(zk)
 
 
 class Topology(TopologyView):
@@ -142,6 +173,10 @@ class Topology(TopologyView):
 
 def stop(zk: KazooClient) -> None:
     """End a session (its ephemeral nodes go at once) without raising."""
+    with _exit_hooks_lock:
+        hook = _exit_hooks.pop(id(zk), None)
+    if hook is not None:
+        atexit.unregister(hook)
     try:
         zk.stop()
         zk.close()

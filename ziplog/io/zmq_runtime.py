@@ -158,10 +158,13 @@ class ZmqRuntime:
             self._wake_tx.connect(f"inproc://wake-{id(self)}")
             self._poll_items.append((self._wake_rx, POLLIN))
         self.running = True
+        #: the last ``focus`` list run_once saw, and its poll set
+        self._focus: list[Any] | None = None
+        self._focus_items: list[tuple[zmq.Socket, int]] = []
 
     # -- Runtime ----------------------------------------------------------------------------------
-    def now(self) -> int:
-        return time.monotonic_ns()
+    #: monotonic nanoseconds (the C function itself: no Python frame on the hot path)
+    now = staticmethod(time.monotonic_ns)
 
     def call_at(self, when_ns: int, fn: Callable[[], None]) -> _TimerHandle:
         h = _TimerHandle(when_ns, fn)
@@ -239,6 +242,9 @@ class ZmqRuntime:
         return s
 
     def _drainer(self, sock: zmq.Socket, on_frame: FrameHandler) -> Callable[[], None]:
+        if self.drain_limit == 1:
+            recv = sock.recv
+            return lambda: on_frame(recv())  # poll said a frame is there
         def drain() -> None:
             recv, getsockopt = sock.recv, sock.getsockopt
             for i in range(self.drain_limit):
@@ -291,9 +297,10 @@ class ZmqRuntime:
         caller waits on; the others' frames wait in their queues)."""
         wait_ms = max_wait_ms
         sleep_ns = 0
+        timers = self._timers
         if self._calls:
             wait_ms = 0
-        else:
+        elif timers:
             t = self._next_timer()
             if t is not None:
                 left = t - time.monotonic_ns()
@@ -305,7 +312,13 @@ class ZmqRuntime:
                     wait_ms, sleep_ns = 0, left
                 else:
                     wait_ms = min(wait_ms, left // 1_000_000)
-        items = self._poll_items if focus is None else [(ep.sock, POLLIN) for ep in focus]
+        if focus is None:
+            items = self._poll_items
+        elif focus is self._focus:
+            items = self._focus_items  # the caller's list is unchanged: so is the poll set
+        else:
+            self._focus = focus
+            items = self._focus_items = [(ep.sock, POLLIN) for ep in focus]
         ready = zmq_poll(items, wait_ms)
         if sleep_ns and not ready:
             time.sleep(sleep_ns / 1e9)
@@ -322,7 +335,6 @@ class ZmqRuntime:
             s = sockets.get(sock)
             if s is not None and s.drain is not None:
                 s.drain()
-        timers = self._timers
         if timers:
             now = time.monotonic_ns()
             while timers and timers[0][0] <= now:

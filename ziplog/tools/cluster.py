@@ -168,11 +168,7 @@ class LocalCluster:
         self.mms.clear()
         self.fh.clear()
         if self._zkc is not None:
-            try:
-                self._zkc.stop()
-                self._zkc.close()
-            except Exception:
-                pass
+            discovery.stop(self._zkc)
             self._zkc = None
         self.zk.stop()
 

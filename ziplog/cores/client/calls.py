@@ -100,8 +100,7 @@ class InsertCall(Call):
         self.refusal: wire.Error | None = None
         self.state = InsertState.WAITING_FOR_SHARD
         self.shard = -1
-        self.targets: tuple[str, ...] = ()
-        self.index: dict[str, int] = {}  # target address -> replica number
+        self.targets: tuple[str, ...] = ()  # replica i's address at i
         self.wait: InsertWait | None = None
         self.msg: wire.Insert | None = None
         self.retry_at = 0
@@ -133,25 +132,22 @@ class InsertCall(Call):
         self.req_ids.append(req)
         self.state = InsertState.SENT
         self.shard = shard
-        self._target(addrs)
+        self.targets = tuple(addrs)
         self.wait = InsertWait(req, len(addrs))
         self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data)
         self.retry_at = now + client.retry_after_ns
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
 
-    def _target(self, addrs: Sequence[str]) -> None:
-        self.targets = tuple(addrs)
-        self.index = {a: i for i, a in enumerate(self.targets)}
-
     def waiting_on(self) -> Sequence[str]:
         return self.targets if self.state is InsertState.SENT else ()
 
     def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
         wait = self.wait
-        i = self.index.get(addr)
-        if i is None or wait is None or self.state is not InsertState.SENT:
+        targets = self.targets
+        if addr not in targets or wait is None or self.state is not InsertState.SENT:
             return []  # an answer on a connection we no longer wait on
+        i = targets.index(addr)
         try:
             settled = wait.feed(i, msg)
         except Redirect as r:
@@ -198,7 +194,7 @@ class InsertCall(Call):
         new = topo.replica_addrs(self.shard)
         if new is not None and tuple(new) != self.targets:
             self.wait = wait = InsertWait(wait.req_id, len(new))  # answers on the old connections are gone
-            self._target(new)
+            self.targets = tuple(new)
         self.retry_at = now + (self.client.retry_troubled_ns if wait.troubled else self.client.retry_after_ns)
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
