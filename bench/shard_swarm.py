@@ -45,6 +45,8 @@ from kazoo.client import KazooClient
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.auth import ClusterKey
+from ziplog.server.process import add_cluster_key_argument, load_cluster_key
 
 #: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
 #: request limit, and few enough round trips that 8 000 shards register in seconds.
@@ -119,8 +121,10 @@ def register_shards(zk: KazooClient, shards: range, replicas: int, addr: str) ->
 
 class ShardSwarm:
     def __init__(self, zk_hosts: str, shards: range, replicas: int, records_per_s: int, send_rates: bool,
-                 status_path: Path) -> None:
+                 status_path: Path, key: ClusterKey) -> None:
         self.shards = shards
+        #: the swarm stands in for storage replicas: it registers and reports as one
+        self.key = key
         self.replicas = replicas
         self.records_per_s = records_per_s
         self.send_rates = send_rates
@@ -143,7 +147,7 @@ class ShardSwarm:
         self.heads = [rate_frame_head(s) for s in shards]
         probe = self.heads[0] + rate_frame_tail(7, 20, 10_000_000)
         assert probe == wire.encode(wire.Rate(shard=shards.start, epoch=7, count=20, duration_ns=10_000_000))
-        self.zk = discovery.connect(zk_hosts)
+        self.zk = discovery.connect(zk_hosts, key=key)
         # the epoch being served: (epoch, when it arrived, indexes into heads of the
         # owned shards that are members)
         self.cur_epoch = -1
@@ -242,11 +246,13 @@ class ShardSwarm:
         # reports dropped are not always the same shards'.
         k = epoch % len(members)
         order = members[k:] + members[:k]
+        seal, key = wire.seal, self.key
+        frames = [seal(key, heads[i] + tail) for i in order]
         for addr, sock in self.pushes.items():
             sent = 0
-            for i in order:
+            for frame in frames:
                 try:
-                    sock.send(heads[i] + tail, zmq.NOBLOCK)
+                    sock.send(frame, zmq.NOBLOCK)
                 except zmq.Again:
                     break  # queue full (a follower does not read): the rest would drop too
                 sent += 1
@@ -290,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="load each shard reports in RATE (default: the planner's default rate)")
     ap.add_argument("--no-rates", action="store_true", help="never send RATE (to isolate its cost)")
     ap.add_argument("--status", type=Path, required=True, help="JSON counters file")
+    add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
     swarm = ShardSwarm(args.zk, range(args.first, args.first + args.count), args.replicas, args.records_per_s,
-                       not args.no_rates, args.status)
+                       not args.no_rates, args.status, load_cluster_key(args.cluster_key_file))
 
     def stop(signum: int, frame: Any) -> None:
         swarm.running = False

@@ -26,9 +26,15 @@ from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Sen
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
 from ziplog.server.elected import ElectedDriver, ElectionPort
-from ziplog.server.process import serve_forever
+from ziplog.server.process import (
+    add_cluster_key_argument,
+    load_cluster_key,
+    serve_forever,
+)
+from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("failure_handler")
 
@@ -64,11 +70,14 @@ class FailureHandlerDriver(ElectedDriver):
     kind = "failure_handler"
 
     def __init__(self, rt: Runtime, net: Network, coord: HandlerCoordination, election: ElectionPort,
-                 replica_id: int, settings: HandlerSettings | None = None, group: int = 0, groups: int = 1,
-                 host: str = "127.0.0.1") -> None:
+                 replica_id: int, key: ClusterKey, settings: HandlerSettings | None = None, group: int = 0,
+                 groups: int = 1, host: str = "127.0.0.1") -> None:
         assert 0 <= group < groups
         super().__init__(rt, election, layout.fh_election_path(group), replica_id)
         self.net = net
+        self.key = key
+        self.bad_input = ThrottledLog(log, rt)
+        self.suspect_log = ThrottledLog(log, rt, logging.INFO)
         self.coord = coord
         self.settings = settings or HandlerSettings()
         self.group, self.groups = group, groups
@@ -128,12 +137,16 @@ class FailureHandlerDriver(ElectedDriver):
         if core is None:
             return
         try:
-            msg = wire.decode_suspect(frame)
+            msg = wire.open_signed(self.key, frame, wire.decode_suspect)
         except wire.ProtocolError as exc:
-            log.warning("bad suspicion report: %s", exc)
+            self.bad_input("bad suspicion report dropped", exc)
+            return
+        n = core.replica_counts.get(msg.shard)
+        if n is None or msg.replica >= n:
+            self.bad_input("suspicion from no replica of a shard this group owns dropped", (msg.shard, msg.replica))
             return
         self.suspicions += 1
-        log.info("shard %s replica %s suspects: %s", msg.shard, msg.replica, msg.reason[:REASON_CHARS])
+        self.suspect_log(f"shard {msg.shard} replica {msg.replica} suspects", msg.reason[:REASON_CHARS])
         core.on_suspect(msg.shard, msg.replica, self.rt.now())
         self._act()
 
@@ -144,7 +157,7 @@ class FailureHandlerDriver(ElectedDriver):
         try:
             msg = wire.decode_recovery_reply(frame)
         except wire.ProtocolError as exc:
-            log.warning("bad reply from shard %d replica %d: %s", shard, replica, exc)
+            self.bad_input(f"bad reply from shard {shard} replica {replica}", exc)
             return
         core.on_reply(shard, replica, msg, self.rt.now())
         self._act()
@@ -213,7 +226,7 @@ class FailureHandlerDriver(ElectedDriver):
             if isinstance(a, Send):
                 d = self.dealers.get((a.shard, a.replica))
                 if d is not None:  # not registered (down): the core retries
-                    d[1].send(wire.encode(a.msg))
+                    d[1].send(wire.seal(self.key, wire.encode(a.msg)))
             else:
                 self.writing = True
                 term, v = self.term, self.versions.get(a.shard, -1)
@@ -251,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retry-ms", type=float, default=HandlerSettings.retry_ns / 1e6)
     ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
     ap.add_argument("--groups", type=int, default=1)
+    add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rt = ZmqRuntime()
-    coord = KazooHandlerCoordination(args.zk, rt)
-    driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id,
+    coord = KazooHandlerCoordination(args.zk, key, rt)
+    driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.host)
     driver.start()
     return serve_forever(rt, driver, coord)

@@ -29,9 +29,15 @@ from ziplog.io.ports import Network, Runtime, Timer
 from ziplog.io.zk import ElectedSession, register
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
 from ziplog.server.elected import ElectedDriver, ElectionPort
-from ziplog.server.process import serve_forever
+from ziplog.server.process import (
+    add_cluster_key_argument,
+    load_cluster_key,
+    serve_forever,
+)
+from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("mms")
 
@@ -56,8 +62,8 @@ class MembershipDriver(ElectedDriver):
     kind = "mms"
 
     def __init__(self, rt: Runtime, net: Network, coord: MembershipCoordination, election: ElectionPort,
-                 replica_id: int, interval_ns: int = 10_000_000, settings: PlannerSettings | None = None,
-                 epochs_per_commit: int = 10, host: str = "127.0.0.1") -> None:
+                 replica_id: int, key: ClusterKey, interval_ns: int = 10_000_000,
+                 settings: PlannerSettings | None = None, epochs_per_commit: int = 10, host: str = "127.0.0.1") -> None:
         assert epochs_per_commit >= 1
         super().__init__(rt, election, layout.MMS_ELECTION, replica_id)
         self.net = net
@@ -71,6 +77,8 @@ class MembershipDriver(ElectedDriver):
         self.pull = net.puller(self.on_rate_frame, host, paused=True)
         self.addrs = {"pub": self.pub.addr, "pull": self.pull.addr}
         self.encoder = wire.EpochEncoder()
+        self.key = key
+        self.bad_input = ThrottledLog(log, rt)
         self.seq: EpochSequencer | None = None
         #: counts terms of leadership: answers to an earlier term's commits are ignored
         self.term = 0
@@ -111,9 +119,12 @@ class MembershipDriver(ElectedDriver):
         if seq is None:
             return
         try:
-            msg = wire.decode_rate(frame)
-        except wire.ProtocolError:
-            log.warning("bad rate report dropped")
+            msg = wire.open_signed(self.key, frame, wire.decode_rate)
+        except wire.ProtocolError as exc:
+            self.bad_input("bad rate report dropped", exc)
+            return
+        if msg.shard not in self.coord.topology.replica_counts:
+            self.bad_input("rate report of an unknown shard dropped", msg.shard)
             return
         seq.planner.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns)
 
@@ -173,8 +184,8 @@ class MembershipDriver(ElectedDriver):
 class KazooMembershipCoordination(ElectedSession):
     """The ``MembershipCoordination`` port on kazoo."""
 
-    def __init__(self, zk_hosts: str, rt: Runtime) -> None:
-        super().__init__(zk_hosts, rt)
+    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Runtime) -> None:
+        super().__init__(zk_hosts, key, rt)
         self.rt = rt
 
     def register_mms(self, replica_id: int, addrs: dict[str, str]) -> None:
@@ -232,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
     ap.add_argument("--epochs-per-commit", type=int, default=10,
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
+    add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
-    coord = KazooMembershipCoordination(args.zk, rt)
-    driver = MembershipDriver(rt, rt, coord, coord.election, args.id, int(args.interval_ms * 1_000_000),
+    coord = KazooMembershipCoordination(args.zk, key, rt)
+    driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                               args.epochs_per_commit, args.host)
     driver.start()

@@ -118,7 +118,7 @@ class ShardHarness:
                     if "hello" in lose and isinstance(msg, wire.Hello):
                         continue
                     if self.cores[0] is not None:
-                        self.P.on_request(b"backup", wire.decode_request(frame), self.now)
+                        self.P.on_request(b"backup", wire.decode_member_request(frame), self.now)
                 elif dest is Peer.HANDLER:
                     self.suspects.append(wire.decode_suspect(frame))
                 elif dest is Peer.MMS:
@@ -152,7 +152,7 @@ class ShardHarness:
                 assert isinstance(a, Send)
                 core = self.cores.get(a.replica)
                 if core is not None:  # a replica that is down never hears it
-                    core.on_request(b"handler", wire.decode_request(wire.encode(a.msg)), self.now)
+                    core.on_request(b"handler", wire.decode_member_request(wire.encode(a.msg)), self.now)
         return bool(acts)
 
     def tick(self, advance_ns: int = 0) -> None:

@@ -17,6 +17,7 @@ from bench.shard_swarm import rate_frame_head, rate_frame_tail
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.server.process import write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import (
     ZooKeeperEnsemble,
@@ -62,11 +63,13 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
     ctx = zmq.Context()
     try:
         status = tmp_path / "swarm.json"
+        write_cluster_key(tmp_path / "cluster.key")
+        member = ["--cluster-key-file", str(tmp_path / "cluster.key")]
         children.append(procs.spawn([sys.executable, "-m", "bench.shard_swarm", "--zk", hosts, "--first", "100",
                                      "--count", str(SHARDS), "--records-per-s", str(REPORTED_RATE),
-                                     "--status", str(status)], tmp_path / "swarm.log"))
+                                     "--status", str(status), *member], tmp_path / "swarm.log"))
         children.append(procs.spawn([sys.executable, "-m", "mms.server", "--zk", hosts, "--id", "0",
-                                     "--interval-ms", "10"], tmp_path / "mms0.log"))
+                                     "--interval-ms", "10", *member], tmp_path / "mms0.log"))
         path = "/swarm-test" + layout.MMS_REPLICAS
         deadline = time.monotonic() + 20
         while not (zk.exists(path) and zk.get_children(path)):

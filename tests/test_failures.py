@@ -5,12 +5,18 @@ acknowledged record is in both subscriptions exactly once, in one shared order."
 
 from __future__ import annotations
 
-from typing import Iterator
+import logging
+import threading
+import time
+from typing import Callable, Iterator
 
 import pytest
 
 import ziplog
 from tests.load import Load, recovery_record, wait_recovery
+from ziplog.protocol import layout
+
+log = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,54 @@ def test_failure_handler_leader_killed_mid_recovery(cluster: ziplog.LocalCluster
     wait_recovery(cluster, 1, "acquired", min_gen=gen, timeout=30)  # the replica is still down
     cluster.kill_fh_leader()  # the next leader continues from the durable record
     wait_recovery(cluster, 1, "done", min_gen=gen)
+    load.wait_acked(300)
+    load.finish()
+
+
+def leader_after(cluster: ziplog.LocalCluster, election: str, kill: Callable[[], int], timeout: float = 30.0
+                 ) -> tuple[int, float]:
+    """Run ``kill`` (it kills the leader and returns its id); the seconds until another
+    replica leads, seen through a watch on the election's contenders."""
+    zk = cluster._zkc
+    changed = threading.Event()
+    killed: list[int] = []
+
+    def watch(children: list[str]) -> bool:
+        if killed:
+            leaders = zk.Election(election).contenders()[:1]
+            if leaders and int(leaders[0]) != killed[0]:
+                changed.set()
+                return False
+        return True
+
+    t0 = time.monotonic()
+    killed.append(kill())
+    zk.ChildrenWatch(election, watch)
+    assert changed.wait(timeout), f"no new leader at {election} in {timeout} s"
+    return killed[0], time.monotonic() - t0
+
+
+@pytest.mark.parametrize("which", ["failure_handler", "mms"])
+def test_a_new_leader_within_a_second_and_a_replica_killed_meanwhile(cluster: ziplog.LocalCluster,
+                                                                     which: str) -> None:
+    """Leaders are deposed when silent, not when their ZooKeeper session expires (10 s):
+    a killed leader is replaced within about a second, and a replica killed in that window
+    is recovered by the new one."""
+    load = Load(cluster)
+    load.wait_acked(200)
+    shard = 2
+    gen = _gen(cluster, shard)
+    election = layout.fh_election_path(0) if which == "failure_handler" else layout.MMS_ELECTION
+
+    def kill() -> int:
+        old = cluster.kill_fh_leader() if which == "failure_handler" else cluster.kill_mms_leader()
+        cluster.kill_replica(shard, 0)  # while nobody leads
+        return old
+
+    old, took = leader_after(cluster, election, kill)
+    log.warning("%s leader %d killed: a new leader after %.2f s", which, old, took)
+    assert took < 3.0, f"a new {which} leader took {took:.2f} s (wanted about 1 s)"
+    wait_recovery(cluster, shard, "done", min_gen=gen)
     load.wait_acked(300)
     load.finish()
 

@@ -179,10 +179,10 @@ def zk_ns(cluster: ziplog.LocalCluster) -> Iterator[KazooClient]:
     ``start`` leaves it: nothing committed yet."""
     root = f"/mms-sequencer-{next(_namespaces)}"
     cluster._zkc.ensure_path(root)
-    zk = discovery.connect(cluster.zk_hosts + root)
-    for path in (layout.EPOCH_PATH, layout.MEMBERSHIP_PATH):
-        zk.create(path, b"", makepath=True)
+    zk = discovery.connect(cluster.zk_hosts + root, key=cluster.key)  # a member: it writes
     try:
+        for path in (layout.EPOCH_PATH, layout.MEMBERSHIP_PATH):
+            zk.create(path, b"", makepath=True)
         yield zk
     finally:
         discovery.stop(zk)

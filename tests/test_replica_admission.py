@@ -53,3 +53,42 @@ def test_read_of_a_running_log_gsn_waits_for_the_first_epoch() -> None:
     core = _fresh_primary()
     core.on_request(b"client", wire.Read(req_id=9, gsn=epoch_base(RUNNING_EPOCH) + 5), 10)
     assert not [m for m in _replies(core) if isinstance(m, wire.Error)]
+
+
+# -- per-connection bounds: one connection cannot take every slot ---------------------------------
+def test_one_connection_parks_at_most_its_share() -> None:
+    from ziplog.cores.replica import ReplicaSettings as S
+
+    core = ReplicaCore(S(5, 0, 2, max_parked=10, max_parked_per_connection=3))
+    core.on_request(b"backup", wire.Hello(shard=5, replica=1, frontier=0, guessed_top=0), 0)
+    _replies(core)  # no epoch yet: every read of a gsn waits
+    for i in range(4):
+        core.on_request(b"greedy", wire.Read(req_id=i, gsn=100 + i), 1)
+    errors = [m for m in _replies(core) if isinstance(m, wire.Error)]
+    assert [(e.req_id, e.code) for e in errors] == [(3, wire.E_OVERLOADED)]
+    for i in range(3):
+        core.on_request(b"modest", wire.Read(req_id=10 + i, gsn=100), 1)
+    assert not [m for m in _replies(core) if isinstance(m, wire.Error)], "another connection still parks"
+    assert core.status()["parked"] == 6
+    core.tick(1 + core.s.park_timeout_ns)  # every wait times out: the shares are free again
+    _replies(core)
+    core.on_request(b"greedy", wire.Read(req_id=20, gsn=100), core.s.park_timeout_ns + 2)
+    assert not [m for m in _replies(core) if isinstance(m, wire.Error)]
+    assert core.parking.by_route == {b"greedy": 1}
+
+
+def test_one_connection_holds_at_most_its_share_of_subscriptions() -> None:
+    from ziplog.cores.replica import ReplicaSettings as S
+
+    core = ReplicaCore(S(5, 1, 2, max_subscriptions=10, max_subscriptions_per_connection=2))
+    for sub_id in range(3):
+        core.on_request(b"greedy", wire.Subscribe(sub_id=sub_id, from_gsn=0, credit=1 << 20), 0)
+    errors = [m for m in _replies(core) if isinstance(m, wire.Error)]
+    assert [(e.req_id, e.code) for e in errors] == [(2, wire.E_OVERLOADED)]
+    core.on_request(b"greedy", wire.Subscribe(sub_id=0, from_gsn=0, credit=1 << 20), 0)  # a resubscribe is no new one
+    core.on_request(b"other", wire.Subscribe(sub_id=0, from_gsn=0, credit=1 << 20), 0)
+    assert not [m for m in _replies(core) if isinstance(m, wire.Error)]
+    core.on_request(b"greedy", wire.Unsubscribe(sub_id=1), 0)
+    core.on_request(b"greedy", wire.Subscribe(sub_id=2, from_gsn=0, credit=1 << 20), 0)
+    assert not [m for m in _replies(core) if isinstance(m, wire.Error)]
+    assert core.fanout.subs_by_route == {b"greedy": 2, b"other": 1}

@@ -71,6 +71,17 @@ def reference_decode(frame: bytes) -> list:
     return msg
 
 
+def edge_decode(frame: bytes) -> object:
+    """What a storage server makes of a frame: a member's op as it is decoded inside a
+    SIGNED envelope (bare, it earns UNAUTHENTICATED: tested apart), any other bare."""
+    try:
+        msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+        member = type(msg) is list and len(msg) > 1 and type(msg[1]) is int and msg[1] in wire.MEMBER_REQUESTS
+    except Exception:
+        member = False
+    return (wire.decode_member_request if member else wire.decode_request)(frame)
+
+
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**64 - 1), st.floats(allow_nan=False),
                      st.text(max_size=4), st.binary(max_size=8))
 _versions = st.one_of(st.just(wire.PROTOCOL_VERSION), _scalars)
@@ -86,10 +97,10 @@ def test_typed_decoding_accepts_and_refuses_as_the_reference_did(version: object
         want = reference_decode(frame)
     except wire.ProtocolError as exc:
         with pytest.raises(wire.ProtocolError) as got:
-            wire.decode_request(frame)
+            edge_decode(frame)
         assert (got.value.code, got.value.req_id) == (exc.code, exc.req_id), (frame, got.value, exc)
         return
-    msg = wire.decode_request(frame)
+    msg = edge_decode(frame)
     assert [msg.v, msg.op, *(getattr(msg, f) for f in msg.__struct_fields__[2:])] == want
     assert wire.encode(msg) == frame
 
@@ -100,7 +111,63 @@ def test_garbage_is_refused_as_the_reference_did(frame: bytes) -> None:
         reference_decode(frame)
     except wire.ProtocolError as exc:
         with pytest.raises(wire.ProtocolError) as got:
-            wire.decode_request(frame)
+            edge_decode(frame)
         assert got.value.code == exc.code
         return
-    wire.decode_request(frame)
+    edge_decode(frame)
+
+
+# -- frames that carry authority: accepted only sealed with the cluster's key ---------------------
+from ziplog.protocol.auth import ClusterKey  # noqa: E402
+
+KEY = ClusterKey(b"a test cluster's secret")
+OTHER_KEY = ClusterKey(b"another cluster's secret")
+MEMBER_FRAMES = [
+    wire.Hello(shard=0, replica=1, frontier=5, guessed_top=7), wire.Prefix(replica=1, frontier=3),
+    wire.Probe(req_id=1, gen=2), wire.Acquired(req_id=1, gen=2), wire.Fetch(req_id=1, gen=2, lo=0, hi=9, max_bytes=99),
+    wire.Install(req_id=1, gen=2, base=0, trim=0, events=[], end=0), wire.Resume(req_id=1, gen=2, stable=0),
+]
+
+
+@pytest.mark.parametrize("msg", MEMBER_FRAMES, ids=lambda m: type(m).__name__)
+def test_a_member_frame_is_accepted_sealed_and_refused_bare(msg: wire.Frame) -> None:
+    frame = wire.encode(msg)
+    with pytest.raises(wire.ProtocolError) as bare:
+        wire.decode_request(frame)
+    assert bare.value.code == wire.E_UNAUTHENTICATED
+    assert bare.value.req_id == getattr(msg, "req_id", None) or type(msg) in (wire.Hello, wire.Prefix)
+    sealed = wire.decode_request(wire.seal(KEY, frame))
+    assert type(sealed) is wire.Signed
+    assert wire.open_envelope(KEY, sealed, wire.decode_member_request) == msg
+    with pytest.raises(wire.ProtocolError) as forged:
+        wire.open_envelope(OTHER_KEY, sealed, wire.decode_member_request)
+    assert forged.value.code == wire.E_UNAUTHENTICATED
+
+
+def test_a_sealed_frame_altered_in_flight_is_refused() -> None:
+    frame = wire.encode(wire.Probe(req_id=1, gen=2))
+    envelope = wire.decode_request(wire.seal(KEY, frame))
+    altered = wire.Signed(frame=wire.encode(wire.Probe(req_id=1, gen=2**64 - 1)), mac=envelope.mac)
+    with pytest.raises(wire.ProtocolError) as exc:
+        wire.open_envelope(KEY, altered, wire.decode_member_request)
+    assert exc.value.code == wire.E_UNAUTHENTICATED
+
+
+def test_suspicions_and_rates_are_accepted_only_sealed() -> None:
+    suspect = wire.encode(wire.Suspect(shard=0, replica=1, reason="silent"))
+    rate = wire.encode(wire.Rate(shard=0, epoch=1, count=2, duration_ns=3))
+    for frame, inner in ((suspect, wire.decode_suspect), (rate, wire.decode_rate)):
+        with pytest.raises(wire.ProtocolError) as bare:
+            wire.open_signed(KEY, frame, inner)
+        assert bare.value.code == wire.E_UNAUTHENTICATED
+        assert wire.encode(wire.open_signed(KEY, wire.seal(KEY, frame), inner)) == frame
+        with pytest.raises(wire.ProtocolError) as forged:
+            wire.open_signed(KEY, wire.seal(OTHER_KEY, frame), inner)
+        assert forged.value.code == wire.E_UNAUTHENTICATED
+
+
+def test_a_client_op_inside_an_envelope_is_not_a_member_op() -> None:
+    envelope = wire.decode_request(wire.seal(KEY, wire.encode(wire.Trim(req_id=1, gsn=5))))
+    with pytest.raises(wire.ProtocolError) as exc:
+        wire.open_envelope(KEY, envelope, wire.decode_member_request)
+    assert exc.value.code == wire.E_UNKNOWN_OP

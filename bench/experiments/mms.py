@@ -55,7 +55,9 @@ from mms.server import MembershipDriver
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
+from ziplog.server.process import write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
@@ -242,9 +244,13 @@ def measure(ens: ZooKeeperEnsemble, root_zk: KazooClient, n: int, params: dict[s
     hosts = ens.hosts + chroot
     status = logs / f"{label}-swarm.json"
     status.unlink(missing_ok=True)
+    key_file = logs / "cluster.key"  # the swarm and the MMS replicas are one cluster
+    if not key_file.exists():
+        write_cluster_key(key_file)
+    member = ["--cluster-key-file", str(key_file)]
     argv = [sys.executable, "-m", "bench.shard_swarm", "--zk", hosts, "--count", str(n),
             "--replicas", str(params["replicas_per_shard"]), "--records-per-s", str(params["records_per_s"]),
-            "--status", str(status)] + ([] if send_rates else ["--no-rates"])
+            "--status", str(status), *member] + ([] if send_rates else ["--no-rates"])
     children: list[subprocess.Popen[bytes]] = []
     mms: dict[int, subprocess.Popen[bytes]] = {}
     probe: EpochProbe | None = None
@@ -257,7 +263,7 @@ def measure(ens: ZooKeeperEnsemble, root_zk: KazooClient, n: int, params: dict[s
         for i in range(params["mms_replicas"]):
             mms[i] = procs.spawn([sys.executable, "-m", "mms.server", "--zk", hosts, "--id", str(i),
                                   "--interval-ms", str(params["interval_ms"]),
-                                  "--epochs-per-commit", str(params["epochs_per_commit"])],
+                                  "--epochs-per-commit", str(params["epochs_per_commit"]), *member],
                                  logs / f"{label}-mms{i}.log")
             children.append(mms[i])
         replicas_path = chroot + layout.MMS_REPLICAS
@@ -382,11 +388,13 @@ def per_epoch_cost(n: int, replicas: int, repeat: int = 5) -> dict[str, float]:
     planner = EpochPlanner(PlannerSettings())
     cfg, history = planner.plan(range(n))
     planner.committed(cfg, history)
-    frames = [wire.encode(wire.Rate(shard=s, epoch=cfg.epoch, count=20, duration_ns=10_000_000)) for s in range(n)]
+    key = ClusterKey(b"the in-process model's secret")
+    frames = [wire.seal(key, wire.encode(wire.Rate(shard=s, epoch=cfg.epoch, count=20, duration_ns=10_000_000)))
+              for s in range(n)]
     rt = ZmqRuntime()
     try:
         coord = _ModelCoordination(topo, history or [])
-        driver = MembershipDriver(rt, rt, coord, coord, 0)
+        driver = MembershipDriver(rt, rt, coord, coord, 0, key)
         driver.lead_begin()  # leads, as far as rate reports go
         best = {"plan": math.inf, "encode": math.inf, "rates": math.inf}
         for _ in range(repeat):
@@ -431,6 +439,9 @@ class _ModelCoordination:
         pass
 
     def resign(self) -> None:
+        pass
+
+    def heartbeat(self) -> None:
         pass
 
 

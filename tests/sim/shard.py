@@ -32,6 +32,7 @@ from ziplog.protocol.types import RID_GENESIS, Policy
 from ziplog.server.storage import StorageDriver
 
 from .world import (
+    CLUSTER_KEY,
     MS,
     US,
     NetParams,
@@ -165,7 +166,8 @@ class ShardSim:
         for i in range(2):
             proc = self.procs[i] = SimProcess(self.world, f"rep0.{i}")
             coord = SimStorageCoordination(self.zk, proc, self.zk.session(proc.name))
-            self.drivers[i] = StorageDriver(ReplicaSettings(SHARD, i, 2, **self.settings), proc, proc, coord, SimDisk())
+            self.drivers[i] = StorageDriver(ReplicaSettings(SHARD, i, 2, **self.settings), proc, proc, coord, SimDisk(),
+                                          CLUSTER_KEY)
         # the membership service's place: a publisher the replicas subscribe to
         self.mms = SimProcess(self.world, "mms")
         self.pub = self.mms.publisher()

@@ -60,6 +60,7 @@ from ziplog.protocol.types import RID_GENESIS, Policy
 from ziplog.server.storage import StorageDriver
 
 from .world import (
+    CLUSTER_KEY,
     MS,
     US,
     NetParams,
@@ -426,7 +427,7 @@ class SystemSim:
         coord = SimStorageCoordination(self.zk, proc, r.session)
         r.proc = proc
         r.blocked_seen = False
-        r.driver = StorageDriver(r.settings, proc, proc, coord, r.disk)
+        r.driver = StorageDriver(r.settings, proc, proc, coord, r.disk, CLUSTER_KEY)
         self.by_proc[proc] = r
         proc.at_turn_end(lambda: self._rep_turn(r))
         core = r.driver.core
@@ -474,11 +475,11 @@ class SystemSim:
         election = SimElection(self.zk, proc, c.session)
         if c.kind == "mms":
             mcoord = SimMembershipCoordination(self.zk, proc, c.session)
-            c.driver = MembershipDriver(proc, proc, mcoord, election, c.rid, self.epoch_ns, self.planner_settings,
+            c.driver = MembershipDriver(proc, proc, mcoord, election, c.rid, CLUSTER_KEY, self.epoch_ns, self.planner_settings,
                                         self.epochs_per_commit)
         else:
             hcoord = SimHandlerCoordination(self.zk, proc, c.session)
-            c.driver = FailureHandlerDriver(proc, proc, hcoord, election, c.rid, self.handler_settings)
+            c.driver = FailureHandlerDriver(proc, proc, hcoord, election, c.rid, CLUSTER_KEY, self.handler_settings)
             self.fh_drivers.append(c.driver)
         c.proc = proc
         self.tr(f"{c.kind} replica {c.rid} starts as {name}")
@@ -567,6 +568,8 @@ class SystemSim:
     def _watch_request(self, r: Rep, frame: bytes, route: bytes | None) -> None:
         try:
             msg = wire.decode_request(frame)
+            if isinstance(msg, wire.Signed):
+                msg = wire.open_envelope(CLUSTER_KEY, msg, wire.decode_member_request)
         except wire.ProtocolError:
             return None
         core = r.core

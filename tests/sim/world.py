@@ -29,12 +29,15 @@ from typing import Any, Callable
 
 from mms.sequencer import CommitBlock, EpochState
 from ziplog.protocol import layout
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent, SnapshotEvent
 from ziplog.protocol.topology import TopologyView
 
 MS = 1_000_000
 US = 1_000
 S = 1_000_000_000
+#: the simulated cluster's key: its processes seal and open authority frames with it
+CLUSTER_KEY = ClusterKey(b"the simulated cluster's secret")
 
 
 @dataclass
@@ -570,6 +573,10 @@ class SimElection:
         self.zk.elections.setdefault(path, []).append((self.session, self))
         self.zk._elect(path)
 
+    def heartbeat(self) -> None:
+        """The simulated ZooKeeper ends a dead leader's session itself (its model of
+        deposing a silent leader)."""
+
     def resign(self) -> None:
         cands = self.zk.elections.get(self.path, [])
         mine = [(s, e) for s, e in cands if e is self]
@@ -601,6 +608,10 @@ class SimStorageCoordination(_Coordination):
 
     def membership_history(self) -> list[list[Any]]:
         return [list(h) for h in self.zk.history]
+
+    def recovery_generation(self, shard: int) -> int:
+        rec = self.zk.records.get(shard)
+        return int(rec["gen"]) if rec else -1
 
 
 class SimMembershipCoordination(_Coordination):

@@ -154,4 +154,8 @@ class StorageCoordination(Protocol):
     def membership_history(self) -> list[list[Any]]:
         """The committed membership history, read fresh (synced)."""
 
+    def recovery_generation(self, shard: int) -> int:
+        """The generation of the shard's recovery record as the failure handler committed
+        it, read fresh (synced); -1 when there is none."""
+
     def close(self) -> None: ...

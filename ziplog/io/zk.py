@@ -8,18 +8,20 @@ import functools
 import logging
 import os
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
-from kazoo.protocol.states import KazooState
+from kazoo.security import ACL, make_acl
 
+from ziplog.io.election import Election
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.layout import (
     FH_REPLICAS,
     MEMBERSHIP_PATH,
     MMS_REPLICAS,
+    RECOVERY,
     SHARDS,
     dec,
     enc,
@@ -29,11 +31,19 @@ from ziplog.protocol.topology import TopologyView
 log = logging.getLogger("ziplog.zk")
 
 
-def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
+def cluster_acl(key: ClusterKey) -> list[ACL]:
+    """What every node the cluster creates carries: anyone reads, only members write."""
+    return [make_acl("world", "anyone", read=True), make_acl("digest", key.zk_digest_id, all=True)]
+
+
+def connect(hosts: str, timeout: float = 30.0, key: ClusterKey | None = None) -> KazooClient:
+    """A started session; with the cluster's ``key``, authenticated as a member, and every
+    node it creates writable by members only (a client connects without one, and reads)."""
     # Reconnect forever, but give up on a single command after a few tries: an endless
     # command retry inside a watch callback can block kazoo's shutdown for good.
+    member: dict[str, Any] = {} if key is None else {"auth_data": [key.zk_auth], "default_acl": cluster_acl(key)}
     zk = KazooClient(hosts=hosts, timeout=10.0, connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0},
-                     command_retry={"max_tries": 5, "delay": 0.05, "max_delay": 1.0})
+                     command_retry={"max_tries": 5, "delay": 0.05, "max_delay": 1.0}, **member)
     zk.start(timeout=timeout)
     # A session nobody stopped must not hang the process's exit. kazoo's own exit hook
     # stops only its callback threads, and joins them: one inside a watch callback,
@@ -44,10 +54,10 @@ def connect(hosts: str, timeout: float = 30.0) -> KazooClient:
     with _exit_hooks_lock:
         # forget hooks of sessions stopped some other way (bounds this map by the
         # sessions alive)
-        for key, old in list(_exit_hooks.items()):
+        for hook_id, old in list(_exit_hooks.items()):
             gone = old.args[0]()
             if gone is None or not gone.handler.running:
-                atexit.unregister(_exit_hooks.pop(key))
+                atexit.unregister(_exit_hooks.pop(hook_id))
         _exit_hooks[id(zk)] = hook
     atexit.register(hook)
     return zk
@@ -71,19 +81,36 @@ class Topology(TopologyView):
     kept current by ZooKeeper watches (callbacks in kazoo's thread replace whole
     fields, so readers on other threads never see a half-built view)."""
 
-    def __init__(self, zk: KazooClient) -> None:
+    def __init__(self, zk: KazooClient, create: bool = False) -> None:
+        """``create``: make the parent nodes (a cluster member; a client only waits for
+        them, since a node it created would be writable by anyone)."""
         super().__init__()
         self.zk = zk
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._watched_shards: set[int] = set()
-        zk.ensure_path(SHARDS)
-        zk.ensure_path(MMS_REPLICAS)
-        zk.ChildrenWatch(SHARDS, self._on_shards)
         zk.DataWatch(MEMBERSHIP_PATH, self._on_membership)
-        zk.ChildrenWatch(MMS_REPLICAS, self._on_mms)
-        zk.ensure_path(FH_REPLICAS)
-        zk.ChildrenWatch(FH_REPLICAS, self._on_fh)
+        for path, fn in ((SHARDS, self._on_shards), (MMS_REPLICAS, self._on_mms), (FH_REPLICAS, self._on_fh)):
+            if create:
+                zk.ensure_path(path)
+            self._watch_children(path, fn)
+
+    def _watch_children(self, path: str, fn: Callable[[list[str]], None]) -> None:
+        """A ChildrenWatch on ``path`` from when it exists (kazoo's needs the node)."""
+        started = threading.Event()
+
+        def arm(event: Any = None) -> None:
+            if started.is_set():
+                return
+            try:
+                exists = self.zk.exists(path, watch=arm)
+            except Exception:  # the session is gone: nothing left to watch
+                return
+            if exists and not started.is_set():
+                started.set()
+                self.zk.ChildrenWatch(path, fn)
+
+        arm()
 
     def changed(self) -> None:
         self._generation += 1
@@ -197,9 +224,10 @@ def register(zk: KazooClient, path: str, info: dict[str, Any]) -> None:
 class Session:
     """A process's ZooKeeper session and the topology it watches."""
 
-    def __init__(self, zk_hosts: str) -> None:
-        self.zk = connect(zk_hosts)
-        self.topology = Topology(self.zk)
+    def __init__(self, zk_hosts: str, key: ClusterKey) -> None:
+        self.key = key
+        self.zk = connect(zk_hosts, key=key)
+        self.topology = Topology(self.zk, create=True)
 
     def on_change(self, fn: Callable[[], None]) -> None:
         self.topology.on_change(fn)
@@ -225,62 +253,25 @@ class StorageCoordination(Session):
         data, _ = self.zk.get(MEMBERSHIP_PATH)
         return dec(data) or []
 
+    def recovery_generation(self, shard: int) -> int:
+        path = f"{RECOVERY}/{shard}"
+        try:
+            self.zk.sync(path)
+            data, _ = self.zk.get(path)
+        except NoNodeError:
+            return -1
+        head = dec(data)  # a chunked record's head names its generation too
+        gen = head.get("gen") if isinstance(head, dict) else None
+        return gen if type(gen) is int else -1
+
 
 class ElectedSession(Session):
     """The session of a control-plane replica: with the election it contends in."""
 
-    def __init__(self, zk_hosts: str, rt: Any) -> None:
-        super().__init__(zk_hosts)
+    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Any) -> None:
+        super().__init__(zk_hosts, key)
         self.election = Election(self.zk, rt)
 
     def close(self) -> None:
         self.election.close()
         super().close()
-
-
-class Election:
-    """The ``ElectionPort`` on kazoo: a thread contends with a kazoo ``Election``; while
-    this replica leads, that thread waits until the driver resigns or the session is in
-    doubt (then the driver is told to stop at once: another replica may lead as soon as
-    our session expires). ``on_elected``/``on_lost`` run on the driver's runtime."""
-
-    def __init__(self, zk: KazooClient, rt: Any) -> None:
-        self.zk = zk
-        self.rt = rt
-        self._end_term = threading.Event()
-        self._closed = False
-        self._on_lost: Callable[[], None] | None = None
-        zk.add_listener(self._on_state)
-
-    def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
-                     on_lost: Callable[[], None]) -> None:
-        self._on_lost = on_lost
-
-        def lead() -> None:
-            self._end_term.clear()
-            self.rt.call_soon_threadsafe(on_elected)
-            self._end_term.wait()
-
-        def contend() -> None:
-            election = self.zk.Election(path, identifier=identifier)
-            while not self._closed:
-                try:
-                    election.run(lead)
-                except Exception:
-                    log.exception("election round failed")
-                    time.sleep(0.1)
-
-        threading.Thread(target=contend, name=f"election-{path}", daemon=True).start()
-
-    def _on_state(self, state: str) -> None:
-        if state != KazooState.CONNECTED:
-            self._end_term.set()
-            if self._on_lost is not None:
-                self.rt.call_soon_threadsafe(self._on_lost)
-
-    def resign(self) -> None:
-        self._end_term.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._end_term.set()

@@ -11,6 +11,11 @@ the bytes are exactly the documented layout), and each receiving edge has one de
 * :func:`decode_from_primary`, :func:`decode_epoch`, :func:`decode_rate`,
   :func:`decode_suspect`, :func:`decode_recovery_reply`: the other edges.
 
+Frames that carry authority (``MEMBER_OPS``) are accepted only inside a SIGNED envelope
+whose MAC the receiver checks with the cluster key (:mod:`ziplog.protocol.auth`):
+:func:`seal` makes one, :func:`open_signed` opens one and decodes what it holds. The
+same op sent bare earns UNAUTHENTICATED.
+
 A decoder returns a typed message or raises :class:`ProtocolError` with the error code
 the frame earns (and its request id when one can be read), so a bad frame becomes an
 ERROR reply or a dropped frame, never an exception in a loop. Typed decoding validates
@@ -25,6 +30,7 @@ from typing import Annotated, Any, Union
 import msgpack
 import msgspec
 
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import InstallEvent, Members, StreamEvent
 
 PROTOCOL_VERSION = 1
@@ -59,6 +65,8 @@ RECOVERY_OK = 46
 # -- membership service ------------------------------------------------------------------
 EPOCH = 48
 RATE = 49
+# -- between cluster members --------------------------------------------------------------
+SIGNED = 50
 
 # Error codes (strings on the wire so other languages need no table).
 E_MALFORMED = "MALFORMED"
@@ -83,6 +91,11 @@ E_NO_GUESS = "NO_GUESS"
 E_STALE = "STALE"
 #: The replica holds its limit of waiting requests or of subscriptions: try again later.
 E_OVERLOADED = "OVERLOADED"
+#: The op is accepted only sealed by a cluster member, and this frame was not (or its
+#: MAC is wrong).
+E_UNAUTHENTICATED = "UNAUTHENTICATED"
+#: The recovery generation is not the one the failure handler committed in ZooKeeper.
+E_UNCOMMITTED = "UNCOMMITTED"
 
 MAX_U64 = (1 << 64) - 1
 
@@ -280,6 +293,14 @@ class Resume(Frame, kw_only=True):
     stable: U64
 
 
+class Signed(Frame, kw_only=True):
+    """An authority frame from a cluster member: ``frame`` is the whole inner frame, and
+    ``mac`` is its keyed BLAKE2b-256 under the cluster's frame key."""
+    op: int = SIGNED
+    frame: bytes
+    mac: bytes
+
+
 class RecoveryOk(Frame, kw_only=True):
     op: int = RECOVERY_OK
     req_id: U64
@@ -309,13 +330,18 @@ RecoveryRequest = Union[Probe, Acquired, Fetch, Install, Resume]
 Request = Union[ClientRequest, PeerRequest, RecoveryRequest]
 Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, Error]
 
-#: Frames a storage server's ROUTER takes, by op (FORWARD is not one of them: it comes
-#: only from the primary, on a backup's own connection).
+#: Frames a storage server's ROUTER takes bare, by op (FORWARD is not one of them: it
+#: comes only from the primary, on a backup's own connection).
 REQUESTS: dict[int, type[Frame]] = {
     INSERT: Insert, READ: Read, TRIM: Trim, SUBSCRIBE: Subscribe, CREDIT: Credit, UNSUBSCRIBE: Unsubscribe,
-    STATUS: Status, HELLO: Hello, PREFIX: Prefix, PROBE: Probe, ACQUIRED: Acquired, FETCH: Fetch,
-    INSTALL: Install, RESUME: Resume,
+    STATUS: Status, SIGNED: Signed,
 }
+#: Frames a storage server's ROUTER takes only sealed by a cluster member.
+MEMBER_REQUESTS: dict[int, type[Frame]] = {
+    HELLO: Hello, PREFIX: Prefix, PROBE: Probe, ACQUIRED: Acquired, FETCH: Fetch, INSTALL: Install, RESUME: Resume,
+}
+#: Every op that carries authority: accepted only in a SIGNED envelope.
+MEMBER_OPS = frozenset((*MEMBER_REQUESTS, SUSPECT, RATE))
 #: Frames a client's DEALER takes.
 REPLIES: dict[int, type[Frame]] = {
     ACK: Ack, READ_OK: ReadOk, TRIM_OK: TrimOk, SUB_BATCH: SubBatch, STATUS_OK: StatusOk, ERROR: Error,
@@ -325,6 +351,7 @@ RECOVERY_REPLIES: dict[int, type[Frame]] = {RECOVERY_OK: RecoveryOk, ERROR: Erro
 EPOCHS: dict[int, type[Frame]] = {EPOCH: EpochStart}
 RATES: dict[int, type[Frame]] = {RATE: Rate}
 SUSPECTS: dict[int, type[Frame]] = {SUSPECT: Suspect}
+SIGNED_ONLY: dict[int, type[Frame]] = {SIGNED: Signed}
 
 
 class ProtocolError(Exception):
@@ -352,6 +379,8 @@ class _EdgeDecoder:
     def __init__(self, table: dict[int, type[Frame]], check_version: bool = True) -> None:
         self.table = table
         self.check_version = check_version
+        #: ops this edge takes, but only sealed (a bare one earns UNAUTHENTICATED)
+        self.sealed_ops = MEMBER_OPS if SIGNED in table else frozenset()
         self.decoders: dict[int, Any] = {op: msgspec.msgpack.Decoder(cls) for op, cls in table.items()}
 
     def __call__(self, frame: bytes) -> Any:
@@ -380,6 +409,8 @@ class _EdgeDecoder:
         if self.check_version and (type(version) is not int or version != PROTOCOL_VERSION):
             raise ProtocolError(E_VERSION, f"protocol version {version!r} unsupported, want {PROTOCOL_VERSION}", req_id)
         cls = self.table.get(op) if type(op) is int else None
+        if cls is None and op in self.sealed_ops:
+            raise ProtocolError(E_UNAUTHENTICATED, f"op {op} is accepted only sealed by a cluster member", req_id)
         if cls is None:
             raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", req_id)
         nfields = len(cls.__struct_fields__)
@@ -402,8 +433,10 @@ def _field_error(text: str, cls: type[Frame]) -> str:
     return text
 
 
-#: A frame sent to a storage server (clients, backups, the failure handler).
+#: A frame sent to a storage server (clients; cluster members' frames come SIGNED).
 decode_request = _EdgeDecoder(REQUESTS)
+#: What a SIGNED frame to a storage server may hold (backups, the failure handler).
+decode_member_request = _EdgeDecoder(MEMBER_REQUESTS)
 #: A storage server's answer to a client.
 decode_reply = _EdgeDecoder(REPLIES)
 #: What a backup's connection to its primary carries (the version is not checked).
@@ -412,10 +445,31 @@ decode_from_primary = _EdgeDecoder(FROM_PRIMARY, check_version=False)
 decode_recovery_reply = _EdgeDecoder(RECOVERY_REPLIES)
 #: An epoch broadcast (the version is not checked).
 decode_epoch = _EdgeDecoder(EPOCHS, check_version=False)
-#: A primary's rate report (the version is not checked).
+#: What the membership service's PULL and the failure handler's PULL take: SIGNED only.
+decode_signed = _EdgeDecoder(SIGNED_ONLY)
+#: A primary's rate report, inside a SIGNED envelope (the version is not checked).
 decode_rate = _EdgeDecoder(RATES, check_version=False)
-#: A replica's suspicion report.
+#: A replica's suspicion report, inside a SIGNED envelope.
 decode_suspect = _EdgeDecoder(SUSPECTS)
+
+
+def seal(key: ClusterKey, frame: bytes) -> bytes:
+    """``frame`` in a SIGNED envelope under the cluster's key."""
+    return encode(Signed(frame=frame, mac=key.mac(frame)))
+
+
+def open_signed(key: ClusterKey, envelope: bytes, inner: _EdgeDecoder) -> Any:
+    """The message a SIGNED frame holds, decoded by ``inner``; ProtocolError when the
+    frame is not SIGNED, its MAC is wrong, or what it holds is bad."""
+    msg = decode_signed(envelope)
+    return open_envelope(key, msg, inner)
+
+
+def open_envelope(key: ClusterKey, msg: Signed, inner: _EdgeDecoder) -> Any:
+    """The message a decoded SIGNED frame holds (see :func:`open_signed`)."""
+    if not key.verify(msg.frame, msg.mac):
+        raise ProtocolError(E_UNAUTHENTICATED, "bad MAC: not sealed with this cluster's key")
+    return inner(msg.frame)
 
 
 def error_frame(req_id: int | None, code: str, message: str) -> bytes:

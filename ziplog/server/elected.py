@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Protocol
 
-from ziplog.io.ports import Runtime
+from ziplog.io.election import HEARTBEAT_NS
+from ziplog.io.ports import Runtime, Timer
 
 
 class ElectionPort(Protocol):
@@ -21,6 +22,10 @@ class ElectionPort(Protocol):
 
     def resign(self) -> None:
         """Give up leadership (and contend again)."""
+
+    def heartbeat(self) -> None:
+        """The leader is alive: called by the leading driver every ``HEARTBEAT_NS`` from
+        its own loop (followers depose a leader that stops)."""
 
 
 class ElectedDriver:
@@ -34,6 +39,7 @@ class ElectedDriver:
         self.id = replica_id
         self.leading = False
         self.log = logging.getLogger(self.kind)
+        self._beat: Timer | None = None
 
     def contend(self) -> None:
         self.election.run_election(self.election_path, str(self.id), self._elected, self._lost)
@@ -43,13 +49,24 @@ class ElectedDriver:
             return
         self.leading = True
         self.log.info("%s %d is leader", self.kind, self.id)
+        self._on_beat()
         self.lead_begin()
+
+    def _on_beat(self) -> None:
+        self._beat = None
+        if not self.leading:
+            return
+        self.election.heartbeat()
+        self._beat = self.rt.call_at(self.rt.now() + HEARTBEAT_NS, self._on_beat)
 
     def _lost(self) -> None:
         if not self.leading:
             return
         self.leading = False
         self.log.info("%s %d stops leading", self.kind, self.id)
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
         self.lead_end()
 
     def step_down(self, why: str) -> None:

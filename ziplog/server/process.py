@@ -1,10 +1,16 @@
-"""What every server process's ``main`` ends with: run the runtime until SIGTERM/SIGINT,
-then close what it runs."""
+"""What every server process's ``main`` shares: the cluster key it proves membership
+with, and the end: run the runtime until SIGTERM/SIGINT, then close what it runs."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import secrets
 import signal
+from pathlib import Path
 from typing import Any, Protocol
+
+from ziplog.protocol.auth import ClusterKey
 
 
 class _Closable(Protocol):
@@ -33,3 +39,38 @@ def serve_forever(rt: _Loop, *parts: _Closable) -> int:
             part.close()
         rt.close()
     return 0
+
+
+#: where a cluster process finds its secret when no ``--cluster-key-file`` is given
+CLUSTER_KEY_ENV = "ZIPLOG_CLUSTER_KEY_FILE"
+
+
+def add_cluster_key_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--cluster-key-file", type=Path, default=None,
+                    help=f"the cluster's secret (default: the file named by ${CLUSTER_KEY_ENV}); every cluster "
+                         "process and operator tool shares it")
+
+
+def load_cluster_key(path: Path | None) -> ClusterKey:
+    """The cluster key from ``path`` or the file ``$ZIPLOG_CLUSTER_KEY_FILE`` names; exits
+    with a clear message when there is none (a member without it could not be told from
+    anyone else)."""
+    if path is None and os.environ.get(CLUSTER_KEY_ENV):
+        path = Path(os.environ[CLUSTER_KEY_ENV])
+    if path is None:
+        raise SystemExit(f"no cluster key: pass --cluster-key-file or set {CLUSTER_KEY_ENV} "
+                         "(`ziplog keygen FILE` writes one)")
+    try:
+        return ClusterKey(path.read_bytes().strip())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cluster key {path}: {exc}") from None
+
+
+def write_cluster_key(path: Path) -> ClusterKey:
+    """Write a new random cluster secret to ``path`` (readable by its owner only)."""
+    secret = secrets.token_hex(32).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secret + b"\n")
+    return ClusterKey(secret)

@@ -26,10 +26,15 @@ from ziplog.cores.effects import Peer, ReadHistory, Ready
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.io.ports import Disk, Endpoint, Network, Runtime, StorageCoordination
 from ziplog.protocol import frames as f
+from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import history_ranges
-from ziplog.server.process import serve_forever
+from ziplog.server.process import (
+    add_cluster_key_argument,
+    load_cluster_key,
+    serve_forever,
+)
 
 log = logging.getLogger("ziplog.server")
 
@@ -37,12 +42,19 @@ log = logging.getLogger("ziplog.server")
 DISK_FLUSH_NS = 5_000_000
 #: The core's timers are looked at no more often than this.
 MIN_TICK_NS = 500_000
+#: Requests that carry a recovery generation.
+RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume))
 
 
 class StorageDriver:
     def __init__(self, settings: ReplicaSettings, rt: Runtime, net: Network, coord: StorageCoordination,
-                 disk: Disk | None, host: str = "127.0.0.1", port: int = 0) -> None:
+                 disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0) -> None:
         self.settings = settings
+        #: seals what this replica tells its peers and the control plane, and opens what
+        #: they tell it
+        self.key = key
+        #: the highest recovery generation seen committed in ZooKeeper for this shard
+        self.committed_gen = -1
         self.rt = rt
         self.net = net
         self.coord = coord
@@ -112,12 +124,28 @@ class StorageDriver:
         core = self.core
         try:
             msg = f.decode_request(frame)
+            if type(msg) is f.Signed:  # a cluster member's: a peer or the failure handler
+                msg = f.open_envelope(self.key, msg, f.decode_member_request)
+                if type(msg) in RECOVERY_REQUESTS:
+                    self._check_generation(msg)
         except f.ProtocolError as exc:
             core.error(route, exc.req_id, exc.code, exc.message)
         else:
             core.on_request(route, msg, self.rt.now())
         # ACKs leave now, before forwards and bookkeeping: that is the client's critical path.
         self._perform(core.ready())
+
+    def _check_generation(self, msg: f.Probe | f.Acquired | f.Fetch | f.Install | f.Resume) -> None:
+        """A recovery step counts only under a generation the failure handler committed
+        in ZooKeeper (it writes the record before it sends anything): a generation from
+        nowhere would freeze the shard under an authority that does not exist. Read once
+        per new generation."""
+        if msg.gen <= self.committed_gen:
+            return
+        self.committed_gen = max(self.committed_gen, self.coord.recovery_generation(self.settings.shard))
+        if msg.gen > self.committed_gen:
+            raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
+                                  f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
 
     def on_multipart(self, route: bytes, extra_parts: int) -> None:
         self.core.error(route, None, f.E_MALFORMED, f"a request is one frame, got {extra_parts + 1}")
@@ -195,9 +223,9 @@ class StorageDriver:
                     router.send_to(dest, encode(msg))
                 elif dest is Peer.PRIMARY:
                     if self.primary is not None:
-                        self.primary.send(encode(msg))
+                        self.primary.send(f.seal(self.key, encode(msg)))
                 else:
-                    frame = encode(msg)
+                    frame = f.seal(self.key, encode(msg))
                     for ep in (self.mms_pushes if dest is Peer.MMS else self.fh_pushes).values():
                         ep.send(frame)
             if ready.persist:
@@ -267,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="an idle replica tells its peers it is alive this often")
     ap.add_argument("--suspect-timeout-ms", type=float, default=ReplicaSettings.suspect_timeout_ns / 1e6,
                     help="a peer silent this long is suspected and failure recovery asked for (0: never)")
+    add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
@@ -275,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                                prefix_interval_ns=args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
     rt = ZmqRuntime()
-    coord = zk.StorageCoordination(args.zk)
+    coord = zk.StorageCoordination(args.zk, key)
     disk = None
     if args.data_dir is not None:
         disk = SegmentLog(Path(args.data_dir) / f"shard{settings.shard}-replica{settings.replica}", fsync=args.fsync,
                           fsync_interval=args.fsync_interval)
-    driver = StorageDriver(settings, rt, rt, coord, disk, host=args.host, port=args.port)
+    driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.host, port=args.port)
 
     driver.start()
     return serve_forever(rt, driver, coord)

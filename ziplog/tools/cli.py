@@ -139,6 +139,8 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                 _out(f"ziplog is up ({time.monotonic() - t0:.1f} s); logs in {c.logs}")
                 _out("")
                 _out(f"  ZooKeeper hosts:  {hosts}")
+                _out(f"  cluster key:      {c.key_file}  (cluster processes and operator tools prove membership "
+                     "with it)")
                 _out("")
                 _out("  from a shell:")
                 _out(f"    export {ENV_ZK}={hosts}")
@@ -265,6 +267,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ziplog.server.process import write_cluster_key
+
+    try:
+        write_cluster_key(Path(args.file))
+    except FileExistsError:
+        raise _UsageError(f"{args.file} exists (a cluster key is never overwritten)") from None
+    _out(f"wrote a new cluster key to {args.file}: give it to every process of the cluster "
+         "(--cluster-key-file or $ZIPLOG_CLUSTER_KEY_FILE)")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ziplog", description="A totally ordered, sharded, replicated shared log.")
@@ -291,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep data and logs here (default: a temporary directory removed on exit); "
                          "reusing it restarts the same log")
     up.set_defaults(func=cmd_cluster_up)
+
+    kg = sub.add_parser("keygen", help="write a new cluster secret to FILE (readable by its owner only)",
+                        description="Write a new random cluster secret. Every storage replica, membership "
+                                    "service and failure handler replica of one cluster is started with it.")
+    kg.add_argument("file", metavar="FILE")
+    kg.set_defaults(func=cmd_keygen)
 
     ins = client_cmd("insert", "insert records, each after the previous one; prints each record id as GSN:SHARD",
                      cmd_insert)

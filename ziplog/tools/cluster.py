@@ -21,6 +21,7 @@ from typing import Any, Iterator
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.server.process import load_cluster_key, write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
@@ -53,6 +54,10 @@ class LocalCluster:
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
         self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync)
+        #: the cluster's secret: every process of it (and an operator's tools) proves
+        #: membership with it; kept with the data, so a restart on it is the same cluster
+        self.key_file = self.data_dir / "cluster.key"
+        self.key = load_cluster_key(self.key_file) if self.key_file.exists() else write_cluster_key(self.key_file)
         self.mms: dict[int, subprocess.Popen[bytes]] = {}
         self.fh: dict[int, subprocess.Popen[bytes]] = {}
         self.servers: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
@@ -63,26 +68,33 @@ class LocalCluster:
     def zk_hosts(self) -> str:
         return self.zk.hosts
 
+    @property
+    def member_args(self) -> list[str]:
+        """What a cluster process's command line needs to prove membership."""
+        return ["--cluster-key-file", str(self.key_file)]
+
     # -- processes ------------------------------------------------------------------------------
     def _spawn_mms(self, i: int) -> None:
         argv = [sys.executable, "-m", "mms.server", "--zk", self.zk_hosts, "--id", str(i),
-                "--interval-ms", str(self.epoch_interval_ms), *self.mms_args]
+                "--interval-ms", str(self.epoch_interval_ms), *self.member_args, *self.mms_args]
         self.mms[i] = procs.spawn(argv, self.logs / f"mms{i}.log")
 
     def _spawn_fh(self, i: int) -> None:
-        argv = [sys.executable, "-m", "failure_handler.server", "--zk", self.zk_hosts, "--id", str(i), *self.fh_args]
+        argv = [sys.executable, "-m", "failure_handler.server", "--zk", self.zk_hosts, "--id", str(i),
+                *self.member_args, *self.fh_args]
         self.fh[i] = procs.spawn(argv, self.logs / f"fh{i}.log")
 
     def _spawn_server(self, shard: int, replica: int) -> None:
         argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
                 "--replica", str(replica), "--replicas", str(self.replicas),
-                "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *self.server_args]
+                "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *self.member_args,
+                *self.server_args]
         self.servers[(shard, replica)] = procs.spawn(argv, self.logs / f"shard{shard}-replica{replica}.log")
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()
-        self._zkc = discovery.connect(self.zk_hosts)
-        self.topology = discovery.Topology(self._zkc)
+        self._zkc = discovery.connect(self.zk_hosts, key=self.key)
+        self.topology = discovery.Topology(self._zkc, create=True)
         for i in range(self.mms_replicas):
             self._spawn_mms(i)
         for i in range(self.fh_replicas):

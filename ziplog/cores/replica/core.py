@@ -45,7 +45,7 @@ class ReplicaCore:
         self.out = Outbox()
         self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
         self.log = DecidedLog(self.out)
-        self.parking = Parking(settings.max_parked)
+        self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
         self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
                            if settings.is_primary else BackupFollower(settings, self.log, self.out, self.error, self.stats))
         self.fanout = Fanout(settings, self.log, self.parking, self.out, self.error, self.stats)

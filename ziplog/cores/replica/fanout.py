@@ -48,6 +48,8 @@ class Fanout:
         self.error = error
         self.stats = stats
         self.subs: dict[tuple[bytes, int], Subscription] = {}
+        #: subscriptions per route (only routes with some: bounded by ``max_subscriptions``)
+        self.subs_by_route: dict[bytes, int] = {}
         #: something subscriptions may not have seen yet (stable, trim, an epoch)
         self.dirty = False
         #: when to look for subscriptions whose lease ran out (None: there are none)
@@ -93,9 +95,17 @@ class Fanout:
             self.error(route, msg.sub_id, f.E_TRIMMED, f"subscription start {msg.from_gsn} is below the trim point {trim}")
             return
         key = (route, msg.sub_id)
-        if key not in self.subs and len(self.subs) >= self.s.max_subscriptions:
-            self.error(route, msg.sub_id, f.E_OVERLOADED, f"this replica serves {len(self.subs)} subscriptions, its limit")
-            return
+        if key not in self.subs:
+            if len(self.subs) >= self.s.max_subscriptions:
+                self.error(route, msg.sub_id, f.E_OVERLOADED,
+                           f"this replica serves {len(self.subs)} subscriptions, its limit")
+                return
+            held = self.subs_by_route.get(route, 0)
+            if held >= self.s.max_subscriptions_per_connection:
+                self.error(route, msg.sub_id, f.E_OVERLOADED,
+                           f"this connection holds {held} subscriptions, the limit per connection")
+                return
+            self.subs_by_route[route] = held + 1
         start = max(msg.from_gsn, 1)
         sub = Subscription(route, msg.sub_id, start, msg.credit, start - 1, epoch_of(start) - 1, now)
         self.subs[key] = sub
@@ -111,7 +121,17 @@ class Fanout:
             self.dirty = True
 
     def on_unsubscribe(self, route: bytes, msg: f.Unsubscribe) -> None:
-        self.subs.pop((route, msg.sub_id), None)
+        self._drop((route, msg.sub_id))
+
+    def _drop(self, key: tuple[bytes, int]) -> None:
+        if self.subs.pop(key, None) is None:
+            return
+        route = key[0]
+        n = self.subs_by_route[route] - 1
+        if n:
+            self.subs_by_route[route] = n
+        else:
+            del self.subs_by_route[route]
 
     def serve(self, sub: Subscription) -> None:
         if sub.credit <= 0:
@@ -170,5 +190,5 @@ class Fanout:
             return
         lease = self.s.subscription_lease_ns
         for key in [k for k, sub in self.subs.items() if now - sub.last_heard_ns > lease]:
-            del self.subs[key]
+            self._drop(key)
         self.next_lease_check = now + lease // LEASE_CHECKS if self.subs else None

@@ -22,24 +22,38 @@ class Parked:
 
 
 class Parking:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_connection: int) -> None:
         self.limit = limit
+        self.per_connection = per_connection
         self.waiting: list[Parked] = []
+        #: requests waiting per route (only routes with some: bounded by ``limit``)
+        self.by_route: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self.waiting)
 
     def park(self, p: Parked) -> bool:
-        """False when the limit is reached: the caller refuses the request instead."""
-        if len(self.waiting) >= self.limit:
+        """False when the limit, or the connection's share of it, is reached: the caller
+        refuses the request instead."""
+        held = self.by_route.get(p.route, 0)
+        if len(self.waiting) >= self.limit or held >= self.per_connection:
             return False
         self.waiting.append(p)
+        self.by_route[p.route] = held + 1
         return True
 
     def _take(self, pred: Callable[[Parked], bool]) -> list[Parked]:
         taken = [p for p in self.waiting if pred(p)]
         if taken:
             self.waiting = [p for p in self.waiting if not pred(p)]
+            by_route = self.by_route
+            for p in taken:
+                n = by_route[p.route] - 1
+                if n:
+                    by_route[p.route] = n
+                else:
+                    del by_route[p.route]
+            assert len(self.waiting) > 64 or sum(by_route.values()) == len(self.waiting)
         return taken
 
     def inserts_for(self, epoch: int) -> list[Parked]:

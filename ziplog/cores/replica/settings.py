@@ -51,8 +51,12 @@ class ReplicaSettings:
     # -- bounds ----------------------------------------------------------------------
     #: Requests waiting for an epoch or a position; more are refused (OVERLOADED).
     max_parked: int = 10_000
+    #: ... of which one connection may hold this many (one client cannot take them all).
+    max_parked_per_connection: int = 1_000
     #: Subscriptions served at once; more are refused (OVERLOADED).
     max_subscriptions: int = 10_000
+    #: ... of which one connection may hold this many.
+    max_subscriptions_per_connection: int = 1_000
     #: Records a backup has guessed and the primary not yet decided; beyond it the
     #: backup guesses nothing (NO_GUESS: the primary still decides).
     max_guesses: int = 100_000
