@@ -11,6 +11,7 @@ in two message delays.
 
 from ziplog.protocol.errors import (
     ClientClosedError,
+    DiskFullError,
     NoShardAvailableError,
     NotFoundError,
     RecordTooLargeError,
@@ -39,5 +40,5 @@ def __getattr__(name: str):  # lazy: importing ziplog stays cheap for servers an
 __all__ = [
     "Client", "AsyncClient", "Subscription", "Record", "RecordId", "RID_GENESIS", "RID_RECENT", "Policy",
     "local_cluster", "LocalCluster", "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
-    "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError",
+    "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
 ]

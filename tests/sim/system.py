@@ -49,6 +49,7 @@ from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.errors import (
+    DiskFullError,
     NoShardAvailableError,
     ZiplogError,
     ZiplogTimeoutError,
@@ -117,12 +118,16 @@ class Outcome:
     events: int = 0
     guesses_dropped: int = 0  # unconfirmed backup guesses forgotten at an epoch switch (bug B1, fixed: 0)
     frozen_hellos: int = 0  # B4 precondition: a primary not frozen took a frozen backup's HELLO
+    disks_filled: int = 0  # shards whose replicas' disks both filled (and later had space again)
+    disk_refusals: int = 0  # appends a full disk refused (the batch stayed buffered)
+    disk_full_errors: int = 0  # inserts every shard tried refused with DISK_FULL (the app tried again)
     trace: list[str] = field(default_factory=list)
 
     COUNTS = ("acked", "delivered", "fast", "slow", "final_acks", "redirects", "retries", "no_shard",
               "no_shard_excluded", "timeouts", "guesses_dropped", "frozen_hellos",
               "crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
-              "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events")
+              "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events",
+              "disks_filled", "disk_refusals", "disk_full_errors")
 
     def counts(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.COUNTS}
@@ -271,6 +276,14 @@ class App:
             self.abandoned.add(call.seq)
             self.proc.call_at(now + sim.rng.randint(2, 20) * MS, self.insert)
             return
+        except DiskFullError:
+            # Every shard it tried could not write its disk and held no copy: it is
+            # nowhere. The app inserts the record again under a new seq.
+            out.disk_full_errors += 1
+            sim.tr(f"client {self.cid} seq {call.seq}: DISK_FULL from shard {call.shard}")
+            self.abandoned.add(call.seq)
+            self.proc.call_at(now + sim.rng.randint(2, 20) * MS, self.insert)
+            return
         except ZiplogTimeoutError:
             if now >= call.deadline_ns:
                 raise AssertionError(f"client {self.cid} seq {call.seq}: insert not acknowledged within the client "
@@ -394,7 +407,7 @@ class SystemSim:
         nfaults = faults if faults is not None else rng.choice([0, 1, 2, 3, 3, 4, 5, 6])
         self.fault_plan: list[tuple[int, str]] = []
         for _ in range(nfaults):
-            kind = rng.choices(["replica", "handler", "mms"], weights=[6, 2, 2])[0]
+            kind = rng.choices(["replica", "handler", "mms", "disk"], weights=[6, 2, 2, 2])[0]
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), kind))
         if add_shard if add_shard is not None else rng.random() < 0.3:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "add"))
@@ -626,6 +639,15 @@ class SystemSim:
             cands = [r for r in self.reps.values() if self.shard_whole(r.shard)]
             if cands:
                 self.crash_rep(cands[rng.randrange(len(cands))])
+        elif kind == "disk":
+            # Both replicas of a shard fill at once (they write the same bytes): the
+            # common case, not a double failure. Space comes back a while later.
+            shard = rng.choice(sorted({s for s, _ in self.reps}))
+            self.outcome.disks_filled += 1
+            self.tr(f"DISK FULL on both replicas of shard {shard}")
+            for i in range(REPLICAS):
+                self.reps[(shard, i)].disk.full = True
+            self.at(self.now + rng.choice([20, 80, 250]) * MS, self.free_disk, shard)
         elif kind == "handler":
             self.crash_control("fh")
         elif kind == "mms":
@@ -644,6 +666,14 @@ class SystemSim:
                 self.zk.meta[shard]["removed"] = True
                 self.zk.changed(f"shard {shard} removed")
 
+    def free_disk(self, shard: int) -> None:
+        self.tr(f"DISK SPACE back on shard {shard}")
+        for i in range(REPLICAS):
+            disk = self.reps[(shard, i)].disk
+            disk.full = False
+            self.outcome.disk_refusals += disk.refused_writes
+            disk.refused_writes = 0
+
     # ==========================================================================================
     # run
     def settled(self) -> str | None:
@@ -661,6 +691,8 @@ class SystemSim:
             core = r.core
             if core is None:
                 return f"rep {s}.{i} down"
+            if r.disk.full or (r.driver is not None and r.driver.disk_fault is not None):
+                return f"rep {s}.{i} cannot write its disk yet"
             if core.frozen or core.blocked is not None or (core.is_primary and not core.role.deciding):
                 return f"rep {s}.{i} frozen={core.frozen} blocked={core.blocked} state={core.status().get('state')}"
         for s, m in self.zk.meta.items():

@@ -20,6 +20,7 @@ Nothing here decides anything a driver decides: these are the ports and nothing 
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import itertools
 import logging
@@ -421,6 +422,9 @@ class SimDisk:
     def __init__(self) -> None:
         self.written: list[DiskEvent] = []
         self.error: BaseException | None = None
+        #: the disk is full: every append fails (nothing written) until it is not
+        self.full = False
+        self.refused_writes = 0
 
     def load(self) -> list[DiskEvent]:
         return list(self.written)
@@ -429,6 +433,9 @@ class SimDisk:
         pass
 
     def append(self, events: list[DiskEvent], snapshot: SnapshotEvent) -> None:
+        if self.full:
+            self.refused_writes += 1
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         self.written.extend(events)
 
     def drop_below(self, gsn: int) -> int:

@@ -122,6 +122,7 @@ class Network(Connector, Protocol):
 class Disk(Protocol):
     """A replica's decided stream on stable storage."""
 
+    #: an fsync that failed since the last append (the next append tries again first)
     error: BaseException | None
 
     def load(self) -> Iterable[DiskEvent]:
@@ -131,7 +132,9 @@ class Disk(Protocol):
         """Begin writing: a fresh segment that opens with ``snapshot``."""
 
     def append(self, events: list[DiskEvent], snapshot: SnapshotEvent) -> None:
-        """Write a batch; ``snapshot`` is the state after it (a new segment opens with it)."""
+        """Write a batch, all or nothing: OSError (a full disk, say) when nothing of it
+        was written, and the caller appends it again later. ``snapshot`` is the state
+        after it (a new segment opens with it)."""
 
     def drop_below(self, gsn: int) -> int:
         """Delete whole segments whose records all lie below ``gsn``."""

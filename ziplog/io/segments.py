@@ -22,11 +22,13 @@ detected on load and cut off.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from ziplog.protocol.events import (
     DiskEvent,
@@ -49,7 +51,8 @@ class SegmentLog:
         self.fsync_interval = fsync_interval
         self.segment_bytes = segment_bytes
         self._thread: threading.Thread | None = None
-        self._file: Any = None
+        self._fd: int | None = None
+        self._rotate_due = False
         self._size = 0
         self._seq = 0
         self._last_sync = 0.0
@@ -83,96 +86,134 @@ class SegmentLog:
     # needs no hand-off); only fsync, which can take milliseconds, runs on a helper thread.
     # Handing every batch to a writer thread instead costs a thread wake-up and a GIL
     # hand-over per batch, right where the next request is being served.
+    #
+    # A batch is written all or nothing: a write that fails (ENOSPC, EIO) is cut back off
+    # the file and raised, so the caller keeps the batch and appends it again later, and
+    # the file never holds half of it. A segment is opened lazily, by the first batch
+    # that goes into it: a replica that cannot write (or restarts again and again) leaves
+    # no empty segment files behind.
     def start(self, snapshot: SnapshotEvent) -> None:
-        """Begin writing (a fresh segment that opens with ``snapshot``)."""
+        """Begin writing: the next batch opens a fresh segment with ``snapshot``."""
         self._snapshot = snapshot
         self._sync_wanted = threading.Event()
         self._stopping = False
-        self._open_next()
+        self._rotate_due = True
         self._thread = threading.Thread(target=self._run, name="segment-fsync", daemon=True)
         self._thread.start()
 
     def _open_next(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        """Open the next segment and write its opening snapshot; on failure nothing is
+        left behind and the current segment stays open."""
+        assert self._snapshot is not None
+        seq = self._seq + 1
+        path = self.dir / f"seg-{seq:08d}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, encode_event(self._snapshot))
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        old = self._fd
+        self._fd, self._seq, self._size = fd, seq, len(encode_event(self._snapshot))
+        self._rotate_due = False
+        if old is not None:
             if self.fsync != "never":
-                os.fsync(self._file.fileno())
-            self._file.close()
-        self._seq += 1
-        path = self.dir / f"seg-{self._seq:08d}.log"
-        self._file = open(path, "ab")
-        self._size = 0
-        if self._snapshot is not None:
-            self._write(encode_event(self._snapshot))
-
-    def _write(self, blob: bytes) -> None:
-        self._file.write(blob)
-        self._size += len(blob)
+                try:
+                    os.fsync(old)
+                except OSError as exc:
+                    self.error = exc
+            os.close(old)
 
     def append(self, events: list[DiskEvent], snapshot: SnapshotEvent) -> None:
-        """Write a batch (to the OS; fsync follows per policy). ``snapshot`` is the state
-        after the batch, which the next segment opens with."""
+        """Write a batch (to the OS; fsync follows per policy), all or nothing: on OSError
+        nothing of it is in the file and the caller appends it again later. ``snapshot``
+        is the state after the batch, which the next segment opens with."""
         if self.error is not None:
-            raise RuntimeError("segment fsync failed") from self.error
+            self._sync_again()
         if not events:
             return
-        seq = self._seq
-        top = self.max_gsn.get(seq, 0)
+        if self._rotate_due:
+            self._open_next()
         parts = []
+        top = 0
         for ev in events:
             parts.append(encode_event(ev))
             if type(ev) is RecordEvent and ev.gsn > top:
                 top = ev.gsn
-        self.max_gsn[seq] = top
+        blob = b"".join(parts)
+        fd, before = self._fd, self._size
+        assert fd is not None
+        try:
+            _write_all(fd, blob)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
+            raise
+        self._size = before + len(blob)
+        seq = self._seq
+        if top > self.max_gsn.get(seq, 0):
+            self.max_gsn[seq] = top
         self._snapshot = snapshot
-        self._write(b"".join(parts))
-        self._file.flush()
         if self.fsync == "always":
-            self.sync()
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                self.error = exc  # the batch is written: raised by the next append, before it writes
         elif self.fsync == "interval" and time.monotonic() - self._last_sync >= self.fsync_interval:
             self._last_sync = time.monotonic()
             self._sync_wanted.set()
         if self._size >= self.segment_bytes:
-            self._open_next()
+            self._rotate_due = True
+
+    def _sync_again(self) -> None:
+        """An fsync failed since the last append: try again before writing anything more."""
+        err = self.error
+        if self._fd is not None and self.fsync != "never":
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise OSError(exc.errno, f"segment fsync failed: {exc.strerror}") from err
+        self.error = None
 
     def _run(self) -> None:
-        try:
-            while True:
-                self._sync_wanted.wait()
-                self._sync_wanted.clear()
-                if self._stopping:
-                    return
-                f = self._file
-                if self.fsync != "never":
-                    try:
-                        os.fsync(f.fileno())
-                    except ValueError:
-                        pass  # rotated and closed meanwhile: _open_next synced it
-        except BaseException as exc:  # surfaced by the next append; never silently lost
-            self.error = exc
+        while True:
+            self._sync_wanted.wait()
+            self._sync_wanted.clear()
+            if self._stopping:
+                return
+            fd = self._fd
+            if self.fsync != "never" and fd is not None:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:  # EBADF: rotated and closed meanwhile (synced then)
+                    if exc.errno != errno.EBADF:
+                        self.error = exc  # raised by the next append, before it writes
 
     def sync(self, timeout: float = 10.0) -> None:
         """Block until everything appended so far is on disk."""
-        if self._thread is None:
+        if self._thread is None or self._fd is None or self.fsync == "never":
             return
-        self._file.flush()
-        if self.fsync == "never":
-            return
-        os.fsync(self._file.fileno())
+        os.fsync(self._fd)
         self._last_sync = time.monotonic()
 
     def close(self, timeout: float = 10.0) -> None:
         if self._thread is None:
             return
-        self.sync()
-        self._stopping = True
-        self._sync_wanted.set()
-        self._thread.join(timeout)
-        self._thread = None
-        self._file.close()
+        try:
+            self.sync()
+        finally:
+            self._stopping = True
+            self._sync_wanted.set()
+            self._thread.join(timeout)
+            self._thread = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def drop_below(self, gsn: int) -> int:
-        """Delete whole segments (not the current one) whose records all lie below ``gsn``."""
+        """Delete whole segments (not the current one) whose records all lie below ``gsn``
+        (also while writes fail: it is how a trim gives space back)."""
         removed = 0
         for path in self.segments():
             seq = int(path.stem.split("-")[1])
@@ -183,3 +224,10 @@ class SegmentLog:
                 self.max_gsn.pop(seq, None)
                 removed += 1
         return removed
+
+
+def _write_all(fd: int, blob: bytes) -> None:
+    view = memoryview(blob)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

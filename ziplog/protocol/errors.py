@@ -29,6 +29,11 @@ class ZiplogTimeoutError(ZiplogError, TimeoutError):
     """The operation did not complete in time."""
 
 
+class DiskFullError(ZiplogError):
+    """The shard cannot write its disk (full, or failing) and takes no new records until
+    it can; inserts under a policy that may choose go to other shards instead."""
+
+
 class NoShardAvailableError(ZiplogError):
     """No live shard accepts inserts (or the policy names one that does not)."""
 
@@ -52,6 +57,7 @@ _BY_CODE: dict[str, type[ZiplogError]] = {
     wire.E_TOO_LARGE: RecordTooLargeError,
     wire.E_UNKNOWN_RID: UnknownRecordError,
     wire.E_TIMEOUT: ZiplogTimeoutError,
+    wire.E_DISK_FULL: DiskFullError,
 }
 
 

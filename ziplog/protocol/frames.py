@@ -94,6 +94,9 @@ E_OVERLOADED = "OVERLOADED"
 #: The op is accepted only sealed by a cluster member, and this frame was not (or its
 #: MAC is wrong).
 E_UNAUTHENTICATED = "UNAUTHENTICATED"
+#: The replica cannot write its disk (full, or failing): it takes no new records until
+#: it can. From a primary a final refusal; from a backup, like NO_GUESS (it holds no copy).
+E_DISK_FULL = "DISK_FULL"
 #: The recovery generation is not the one the failure handler committed in ZooKeeper.
 E_UNCOMMITTED = "UNCOMMITTED"
 

@@ -17,6 +17,7 @@ the simulation (``tests/sim``). Endpoints:
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 from ziplog.cores.effects import Peer, ReadHistory, Ready
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.io.ports import Disk, Endpoint, Network, Runtime, StorageCoordination
+from ziplog.io.segments import SEGMENT_BYTES, SegmentLog
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
@@ -35,11 +37,14 @@ from ziplog.server.process import (
     load_cluster_key,
     serve_forever,
 )
+from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("ziplog.server")
 
 #: Buffered decided-stream events are written this often (one write per batch).
 DISK_FLUSH_NS = 5_000_000
+#: While the disk cannot be written, the buffered batch is tried again this often.
+DISK_RETRY_NS = 200_000_000
 #: The core's timers are looked at no more often than this.
 MIN_TICK_NS = 500_000
 #: Requests that carry a recovery generation.
@@ -70,6 +75,10 @@ class StorageDriver:
         self.fh_pushes: dict[str, Endpoint] = {}
         self._disk_buf: list[DiskEvent] = []
         self._last_disk_ns = rt.now()
+        #: why the last write failed (None: writing works); the batch stays buffered
+        self.disk_fault: str | None = None
+        self._disk_retry_at = 0
+        self.disk_log = ThrottledLog(log, rt)
         self._dropped_below = 0
         self._next_tick = 0
         self._wakeup: Any = None
@@ -189,10 +198,9 @@ class StorageDriver:
         self._perform(core.ready())
         disk = self.disk
         if disk is not None:
-            if self._disk_buf and now - self._last_disk_ns >= DISK_FLUSH_NS:
+            if (self._disk_buf or disk.error is not None) and now - self._last_disk_ns >= DISK_FLUSH_NS \
+                    and now >= self._disk_retry_at:
                 self._flush_disk(now)
-            if disk.error is not None:
-                raise RuntimeError("segment fsync failed") from disk.error
         else:
             self._disk_buf.clear()
         self._schedule(now)
@@ -200,8 +208,8 @@ class StorageDriver:
     def _schedule(self, now: int) -> None:
         deadline = self.core.next_deadline(now)
         t = None if deadline is None else max(deadline, self._next_tick)
-        if self.disk is not None and self._disk_buf:
-            d = self._last_disk_ns + DISK_FLUSH_NS
+        if self.disk is not None and (self._disk_buf or self.disk.error is not None):
+            d = max(self._last_disk_ns + DISK_FLUSH_NS, self._disk_retry_at)
             t = d if t is None else min(t, d)
         if t == self._wakeup_at:
             return
@@ -239,19 +247,45 @@ class StorageDriver:
             ready = self.core.ready()
 
     def _flush_disk(self, now: int) -> None:
+        """Write the buffered batch. A write that fails is a state, not a crash: the batch
+        stays buffered (everything in it is also in memory, and on the peers), the core
+        takes no new records, and the write is tried again every DISK_RETRY_NS until it
+        goes through (a trim freed segments, or the operator freed space)."""
         disk = self.disk
         assert disk is not None
         core = self.core
-        self._disk_buf.extend(core.flush_marks())
-        disk.append(self._disk_buf, core.snapshot())
-        self._disk_buf = []
-        self._last_disk_ns = now
         # Whole segment files below that point can go (every segment opens with a
-        # snapshot, so recovery never needs an older one).
+        # snapshot, so recovery never needs an older one); first, as it may be what
+        # gives the write its space.
         cut = core.deletable_below
         if cut > self._dropped_below:
-            disk.drop_below(cut)
-            self._dropped_below = cut
+            try:
+                disk.drop_below(cut)
+                self._dropped_below = cut
+            except OSError as exc:
+                self.disk_log("could not delete old segments", exc)
+        self._disk_buf.extend(core.flush_marks())
+        try:
+            disk.append(self._disk_buf, core.snapshot())
+        except OSError as exc:
+            self._last_disk_ns = now
+            self._disk_retry_at = now + DISK_RETRY_NS
+            fault = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror or exc}"
+            if self.disk_fault is None:
+                log.error("cannot write the segment files (%s): taking no new records, serving what we hold, "
+                          "%d events buffered; trying again every %d ms", fault, len(self._disk_buf),
+                          DISK_RETRY_NS // 1_000_000)
+                core.on_disk(fault, now)
+            else:
+                self.disk_log("still cannot write the segment files", f"{fault}; {len(self._disk_buf)} events buffered")
+            self.disk_fault = fault
+            return
+        self._disk_buf = []
+        self._last_disk_ns = now
+        if self.disk_fault is not None:
+            log.warning("segment files writable again (%s before): taking new records", self.disk_fault)
+            self.disk_fault = None
+            core.on_disk(None, now)
 
     def close(self) -> None:
         """Write what is buffered and let go of every endpoint (not the runtime's own)."""
@@ -261,7 +295,13 @@ class StorageDriver:
         if self.disk is not None:
             self._disk_buf.extend(self.core.ready().persist)
             self._flush_disk(self.rt.now())
-            self.disk.close()
+            if self.disk_fault is not None:
+                log.error("stopping with %d events not written (%s): this replica restarts behind its "
+                          "peer, which holds them", len(self._disk_buf), self.disk_fault)
+            try:
+                self.disk.close()
+            except OSError as exc:
+                log.error("closing the segment files: %s", exc)
         for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
                    *self.fh_pushes.values()]:
             if ep is not None:
@@ -272,7 +312,6 @@ class StorageDriver:
 
 def main(argv: list[str] | None = None) -> int:
     from ziplog.io import zk
-    from ziplog.io.segments import SegmentLog
     from ziplog.io.zmq_runtime import ZmqRuntime
 
     ap = argparse.ArgumentParser(prog="ziplog.server", description="ziplog storage server (one replica of one shard)")
@@ -284,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsync", choices=["never", "interval", "always"], default="interval",
                     help="when segment writes are fsynced (interval: every --fsync-interval seconds)")
     ap.add_argument("--fsync-interval", type=float, default=1.0)
+    ap.add_argument("--segment-bytes", type=int, default=SEGMENT_BYTES,
+                    help="a segment file is closed and the next opened past this size (trim deletes whole files)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--noop-timeout-us", type=int, default=1000)
@@ -309,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     disk = None
     if args.data_dir is not None:
         disk = SegmentLog(Path(args.data_dir) / f"shard{settings.shard}-replica{settings.replica}", fsync=args.fsync,
-                          fsync_interval=args.fsync_interval)
+                          fsync_interval=args.fsync_interval, segment_bytes=args.segment_bytes)
     driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.host, port=args.port)
 
     driver.start()

@@ -222,7 +222,8 @@ def cmd_trim(args: argparse.Namespace) -> int:
     return 0
 
 
-STATUS_COLUMNS = ["shard", "replica", "role", "epoch", "frontier", "stable", "trim_point", "records", "subscriptions"]
+STATUS_COLUMNS = ["shard", "replica", "role", "epoch", "frontier", "stable", "trim_point", "records", "subscriptions",
+                  "disk"]
 
 
 def status_rows(status: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -264,6 +265,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     not_live = sorted(set(st) - live)
     if not_live:
         _out(f"not accepting inserts: shards {', '.join(map(str, not_live))}")
+    cannot_write = [(r["shard"], r["replica"], r["disk"]) for r in rows if r.get("disk", "ok") != "ok"]
+    for shard, replica, why in cannot_write:
+        _out(f"shard {shard} replica {replica} cannot write its disk ({why}): the shard takes no new records "
+             "until it can (trim, or free space)")
     return 0
 
 

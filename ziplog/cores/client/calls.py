@@ -118,7 +118,7 @@ class InsertCall(Call):
                 self.state = InsertState.WAITING_FOR_SHARD
                 self.wake_at = self.deadline_ns
                 return []
-            if self.refusal is not None and self.refusal.code in (wire.E_TIMEOUT, wire.E_OVERLOADED):
+            if self.refusal is not None and self.refusal.code in (wire.E_TIMEOUT, wire.E_OVERLOADED, wire.E_DISK_FULL):
                 # Every shard tried refused it for good and holds no copy: the record is
                 # nowhere, and what stopped it is the answer.
                 return self.fail(from_reply(self.refusal.code, self.refusal.message))

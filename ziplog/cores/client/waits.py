@@ -25,7 +25,11 @@ class Redirect(Exception):
 #: forward, so a refusal alone does not settle the insert: the client asks again until
 #: every backup says it holds no copy (then the record may go elsewhere) or a recovery's
 #: authority answers for good.
-PRIMARY_REFUSALS = frozenset((wire.E_NOT_MEMBER, wire.E_NOT_READY, wire.E_TIMEOUT, wire.E_OVERLOADED))
+PRIMARY_REFUSALS = frozenset((wire.E_NOT_MEMBER, wire.E_NOT_READY, wire.E_TIMEOUT, wire.E_OVERLOADED,
+                              wire.E_DISK_FULL))
+#: A backup's answers that it holds no copy and will not guess one (DISK_FULL: it cannot
+#: write; it still holds what the primary decides).
+NO_COPY_ANSWERS = frozenset((wire.E_NO_GUESS, wire.E_DISK_FULL))
 
 
 #: A backup's latest answer when it holds no copy of the record (E_NO_GUESS).
@@ -69,7 +73,7 @@ class InsertWait:
         if t is wire.Error:
             assert isinstance(msg, wire.Error)
             code = msg.code
-            if code == wire.E_NO_GUESS and replica > 0:
+            if code in NO_COPY_ANSWERS and replica > 0:
                 self.latest[replica] = NO_COPY
                 if self.first[replica] is None:
                     self.first[replica] = NO_COPY

@@ -235,6 +235,11 @@ class BackupFollower:
         if guessed is not None:
             self._ack(route, msg.req_id, guessed)
             return
+        if self.log.disk_fault is not None:
+            # It still applies the primary's decisions (in memory), but takes nothing new
+            # on itself; the client hears why and sends later records elsewhere.
+            self._no_guess(route, msg.req_id, key, now, f.E_DISK_FULL, f"this replica cannot write: {self.log.disk_fault}")
+            return
         if (sp is None or sp.cursor is None or not self.qualified or epoch_of(msg.after + 1) > sp.config.epoch
                 or key in self.no_guess or len(sp.by_gsn) >= self.s.max_guesses):
             # No guess possible (not a member by our view, the rid is ahead of us, or we
@@ -262,9 +267,10 @@ class BackupFollower:
         self.out.send(route, f.Ack(req_id=req_id, gsn=gsn, replica=self.s.replica, stable=self.log.stable,
                                    decided=False, final=False))
 
-    def _no_guess(self, route: bytes, req_id: int, key: Key, now: int) -> None:
+    def _no_guess(self, route: bytes, req_id: int, key: Key, now: int, code: str = f.E_NO_GUESS,
+                  message: str = "this backup holds no copy; the primary decides") -> None:
         self.no_guess.add(key, now)
-        self.error(route, req_id, f.E_NO_GUESS, "this backup holds no copy; the primary decides")
+        self.error(route, req_id, code, message)
 
     # -- epochs ---------------------------------------------------------------------------------
     def on_epoch(self, config: EpochConfig, now: int) -> bool:

@@ -195,6 +195,13 @@ class ReplicaCore:
             assert isinstance(p.msg, f.Insert)
             self._on_insert(p.route, p.msg, now)
 
+    def on_disk(self, fault: str | None, now: int) -> None:
+        """The driver could not write the decided stream (``fault`` says why), or can
+        again (None). While it cannot, the replica takes no new records: a primary
+        refuses them for good (DISK_FULL), a backup guesses none; everything it holds it
+        keeps serving, and the driver keeps it buffered and retries."""
+        self.log.disk_fault = fault
+
     def connect_primary(self, now: int) -> None:
         """(Re)connected to the primary (a backup's connection to a new address)."""
         if not self.is_primary:
@@ -269,6 +276,7 @@ class ReplicaCore:
             "recovery": self.recovery.phase.value,
             "recovery_gen": self.recovery.gen,
             "suspicions": self.liveness.suspicions,
+            "disk": self.log.disk_fault or "ok",
             **self.role.status(),
             **self.stats,
         }

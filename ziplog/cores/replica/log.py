@@ -43,6 +43,10 @@ class DecidedLog:
         self.membership: list[list[Any]] = []
         #: called after ``stable`` advanced (subscriptions have something new to show)
         self.stable_listeners: list[Callable[[], None]] = []
+        #: why this replica cannot persist its decided stream now (a full disk, say), or
+        #: None: while set, it takes no new records (it keeps, serves and retries writing
+        #: everything it holds)
+        self.disk_fault: str | None = None
 
     # -- reading ------------------------------------------------------------------------------
     @property

@@ -97,7 +97,8 @@ class PrimarySequencer:
         # -- refusals ---------------------------------------------------------------------
         #: records refused for good: a client may have moved them to another shard, so a
         #: late duplicate of the INSERT must not place them here too
-        self.refused: Memory[tuple[int, int], None] = Memory(settings.refusal_memory_ns, settings.max_remembered,
+        #: records refused for good -> the code they were refused with (None: NOT_MEMBER)
+        self.refused: Memory[tuple[int, int], str] = Memory(settings.refusal_memory_ns, settings.max_remembered,
                                                              settings.prune_interval_ns)
         #: record -> the epoch it waited in, on a shard that is not a member (it waits one
         #: epoch before a refusal: clients see a rejoin in ZooKeeper before its epoch)
@@ -127,7 +128,7 @@ class PrimarySequencer:
     # -- inserts --------------------------------------------------------------------------------
     def refuse(self, route: bytes, req_id: int, key: tuple[int, int], now: int, code: str, message: str) -> None:
         """A final refusal: this primary will never decide this record."""
-        self.refused.add(key, now)
+        self.refused.add(key, now, code)
         self.error(route, req_id, code, message)
 
     def insert(self, route: bytes, msg: f.Insert, now: int) -> None:
@@ -137,7 +138,15 @@ class PrimarySequencer:
             self.refuse(route, msg.req_id, key, now, f.E_NOT_READY, self.blocked_reason)
             return
         if key in self.refused:
-            self.refuse(route, msg.req_id, key, now, f.E_NOT_MEMBER, "this shard refused this record before")
+            # Again with the first refusal's code: a client that asked again meanwhile
+            # still learns why (DISK_FULL, TIMEOUT, ...) rather than a bare NOT_MEMBER.
+            code = self.refused.get(key) or f.E_NOT_MEMBER
+            self.refuse(route, msg.req_id, key, now, code, "this shard refused this record before")
+            return
+        if self.log.disk_fault is not None:
+            # A record it could not persist is one a restart could lose on every replica
+            # at once (they fill together): refuse it, for good, so it goes elsewhere.
+            self.refuse(route, msg.req_id, key, now, f.E_DISK_FULL, f"this replica cannot write: {self.log.disk_fault}")
             return
         cfg, cur = self.cur_config, self.cursor
         if not self._admit(route, msg, now, cfg, cur is not None):
