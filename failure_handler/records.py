@@ -95,7 +95,7 @@ class KazooHandlerCoordination(discovery.ElectedSession):
 
     def register_fh(self, group: int, replica_id: int, addr: str) -> None:
         self.zk.ensure_path(layout.RECOVERY)
-        discovery.register(self.zk, f"{layout.FH_REPLICAS}/{group}-{replica_id}", {"pull": addr})
+        self.keep_registered(f"{layout.FH_REPLICAS}/{group}-{replica_id}", {"pull": addr})
 
     def sync_records(self) -> None:
         self.zk.sync(layout.RECOVERY)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 from mms.planner import PlannerSettings
 from mms.sequencer import CommitBlock, EpochSequencer, EpochState
 from ziplog.io.ports import Network, Runtime, Timer
-from ziplog.io.zk import ElectedSession, register
+from ziplog.io.zk import ElectedSession
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
@@ -196,7 +196,7 @@ class KazooMembershipCoordination(ElectedSession):
                 self.zk.create(path, b"", makepath=True)
             except NodeExistsError:
                 pass
-        register(self.zk, f"{layout.MMS_REPLICAS}/{replica_id}", addrs)
+        self.keep_registered(f"{layout.MMS_REPLICAS}/{replica_id}", addrs)
 
     def read_epoch_state(self) -> EpochState:
         return read_epoch_state(self.zk)

@@ -172,3 +172,27 @@ def test_a_primary_timeout_does_not_settle_an_insert_a_backup_guessed() -> None:
     h.pump()
     assert any(w.feed(i, m) for i, m in h.client), "the authority settles it"
     assert w.final and w.decided == guess
+
+
+def test_after_a_recovery_a_peer_still_silent_is_suspected_again() -> None:
+    """An asymmetric cut (the backup's link to its primary only) let a recovery finish
+    while the link stayed down, and then nobody suspected again: suspicion was armed only
+    for peers heard since. Every peer took part in the recovery, so each is expected to
+    speak after it; one that does not is suspected, again every timeout."""
+    from ziplog.cores.effects import Outbox, Peer
+    from ziplog.cores.replica.liveness import Liveness
+
+    out = Outbox()
+    timeout = 500
+    lv = Liveness(shard=3, replica=1, timeout_ns=timeout, out=out)
+    lv.reset(1_000, peers=[0])  # RESUME: the primary is expected from now on
+    lv.check(1_000 + timeout - 1, None)
+    assert not out.ready().messages
+    suspects = []
+    for t in range(1_000 + timeout, 1_000 + 4 * timeout + 1, 50):
+        lv.check(t, None)
+        suspects += [m for dest, m in out.ready().messages if dest is Peer.HANDLER]
+    assert [(m.shard, m.replica) for m in suspects] == [(3, 1)] * 3 and "[0]" in suspects[0].reason
+    lv.hear(0, 3_000)  # the link is back: quiet again
+    lv.check(3_100, None)
+    assert not out.ready().messages

@@ -142,8 +142,14 @@ class Disk(Protocol):
     def close(self) -> None: ...
 
 
+class CoordinationUnavailable(Exception):
+    """ZooKeeper could not answer now (the connection is lost, the session expired): a
+    driver asks again later; it never ends the process."""
+
+
 class StorageCoordination(Protocol):
-    """What a storage replica needs of ZooKeeper."""
+    """What a storage replica needs of ZooKeeper. Reads raise
+    :class:`CoordinationUnavailable` when ZooKeeper cannot answer now."""
 
     @property
     def topology(self) -> TopologyView: ...

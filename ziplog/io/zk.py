@@ -8,14 +8,17 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.protocol.states import KazooState
 from kazoo.security import ACL, make_acl
 
 from ziplog.io.election import Election
+from ziplog.io.ports import CoordinationUnavailable
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.layout import (
     FH_REPLICAS,
@@ -222,17 +225,57 @@ def register(zk: KazooClient, path: str, info: dict[str, Any]) -> None:
 
 
 class Session:
-    """A process's ZooKeeper session and the topology it watches."""
+    """A process's ZooKeeper session, the topology it watches, and the ephemeral nodes
+    that say it is up.
+
+    A session can expire while the process lives (a partition longer than the session
+    timeout): its ephemeral nodes are gone, and kazoo reconnects with a new session.
+    kazoo's watches follow on their own; the registrations are made again here, so the
+    process is found again (a storage replica's shard is live again) once it can reach
+    ZooKeeper."""
 
     def __init__(self, zk_hosts: str, key: ClusterKey) -> None:
         self.key = key
         self.zk = connect(zk_hosts, key=key)
         self.topology = Topology(self.zk, create=True)
+        #: path -> what this process registered there (made again after an expiry)
+        self.registrations: dict[str, dict[str, Any]] = {}
+        self._expired = False
+        self.reregistered = 0
+        self.zk.add_listener(self._on_state)
 
     def on_change(self, fn: Callable[[], None]) -> None:
         self.topology.on_change(fn)
 
+    def keep_registered(self, path: str, info: dict[str, Any]) -> None:
+        """Register an ephemeral node at ``path``, and again after every session expiry."""
+        self.registrations[path] = info
+        register(self.zk, path, info)
+
+    def _on_state(self, state: str) -> None:
+        # A listener must not block kazoo's connection thread: the work is spawned.
+        if state == KazooState.LOST:
+            self._expired = True
+        elif state == KazooState.CONNECTED and self._expired:
+            self._expired = False
+            self.zk.handler.spawn(self._register_again)
+
+    def _register_again(self) -> None:
+        for path, info in list(self.registrations.items()):
+            for attempt in range(50):
+                try:
+                    register(self.zk, path, info)
+                    break
+                except Exception as exc:  # the connection may drop again: keep trying a while
+                    if attempt == 49 or not self.zk.handler.running:
+                        log.error("could not register %s again after the session expired: %s", path, exc)
+                        break
+                    time.sleep(0.1)
+        self.reregistered += 1
+        log.warning("ZooKeeper session expired and was renewed: registered %s again", sorted(self.registrations))
+
     def close(self) -> None:
+        self.registrations.clear()
         stop(self.zk)
 
 
@@ -246,11 +289,14 @@ class StorageCoordination(Session):
             self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
         except NodeExistsError:
             pass
-        register(self.zk, f"{shard_path}/{replica}", {"addr": addr})
+        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr})
 
     def membership_history(self) -> list[list[Any]]:
-        self.zk.sync(MEMBERSHIP_PATH)
-        data, _ = self.zk.get(MEMBERSHIP_PATH)
+        try:
+            self.zk.sync(MEMBERSHIP_PATH)
+            data, _ = self.zk.get(MEMBERSHIP_PATH)
+        except KazooException as exc:
+            raise CoordinationUnavailable(f"reading the membership history: {exc!r}") from exc
         return dec(data) or []
 
     def recovery_generation(self, shard: int) -> int:
@@ -260,6 +306,8 @@ class StorageCoordination(Session):
             data, _ = self.zk.get(path)
         except NoNodeError:
             return -1
+        except KazooException as exc:
+            raise CoordinationUnavailable(f"reading the recovery record of shard {shard}: {exc!r}") from exc
         head = dec(data)  # a chunked record's head names its generation too
         gen = head.get("gen") if isinstance(head, dict) else None
         return gen if type(gen) is int else -1

@@ -25,7 +25,14 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
-from ziplog.io.ports import Disk, Endpoint, Network, Runtime, StorageCoordination
+from ziplog.io.ports import (
+    CoordinationUnavailable,
+    Disk,
+    Endpoint,
+    Network,
+    Runtime,
+    StorageCoordination,
+)
 from ziplog.io.segments import SEGMENT_BYTES, SegmentLog
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
@@ -78,7 +85,7 @@ class StorageDriver:
         #: why the last write failed (None: writing works); the batch stays buffered
         self.disk_fault: str | None = None
         self._disk_retry_at = 0
-        self.disk_log = ThrottledLog(log, rt)
+        self.trouble_log = ThrottledLog(log, rt)
         self._dropped_below = 0
         self._next_tick = 0
         self._wakeup: Any = None
@@ -151,7 +158,11 @@ class StorageDriver:
         per new generation."""
         if msg.gen <= self.committed_gen:
             return
-        self.committed_gen = max(self.committed_gen, self.coord.recovery_generation(self.settings.shard))
+        try:
+            committed = self.coord.recovery_generation(self.settings.shard)
+        except CoordinationUnavailable as exc:  # the handler asks again
+            raise f.ProtocolError(f.E_UNCOMMITTED, f"cannot check generation {msg.gen} now: {exc}", msg.req_id) from None
+        self.committed_gen = max(self.committed_gen, committed)
         if msg.gen > self.committed_gen:
             raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
                                   f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
@@ -242,7 +253,12 @@ class StorageDriver:
                 return
             for req in ready.coordinate:
                 assert isinstance(req, ReadHistory)
-                history = self.coord.membership_history()
+                try:
+                    history = self.coord.membership_history()
+                except CoordinationUnavailable as exc:
+                    # The core still waits for it and asks again at the next broadcast.
+                    self.trouble_log("cannot read the membership history now", exc)
+                    continue
                 self.core.on_history(history_ranges(history, req.first, req.last), self.rt.now())
             ready = self.core.ready()
 
@@ -263,7 +279,7 @@ class StorageDriver:
                 disk.drop_below(cut)
                 self._dropped_below = cut
             except OSError as exc:
-                self.disk_log("could not delete old segments", exc)
+                self.trouble_log("could not delete old segments", exc)
         self._disk_buf.extend(core.flush_marks())
         try:
             disk.append(self._disk_buf, core.snapshot())
@@ -277,7 +293,7 @@ class StorageDriver:
                           DISK_RETRY_NS // 1_000_000)
                 core.on_disk(fault, now)
             else:
-                self.disk_log("still cannot write the segment files", f"{fault}; {len(self._disk_buf)} events buffered")
+                self.trouble_log("still cannot write the segment files", f"{fault}; {len(self._disk_buf)} events buffered")
             self.disk_fault = fault
             return
         self._disk_buf = []

@@ -208,7 +208,8 @@ class ReplicaCore:
             self.role.connect_primary(now, self.recovery.frozen)  # type: ignore[union-attr]
 
     def _resumed(self, now: int) -> None:
-        self.liveness.reset()
+        peers = list(range(1, self.s.replicas)) if self.is_primary else [0]
+        self.liveness.reset(now, peers)
         self.fanout.mark_dirty()
         if self.role.deciding:
             self._began_epochs(now)

@@ -24,9 +24,13 @@ class Liveness:
     def hear(self, replica: int, now: int) -> None:
         self.heard[replica] = now
 
-    def reset(self) -> None:
-        """A recovery ended: suspicion starts afresh."""
-        self.heard.clear()
+    def reset(self, now: int, peers: list[int]) -> None:
+        """A recovery ended: suspicion starts afresh, armed for every peer (each took part
+        in the recovery, so each is expected to speak from now on). A peer we still cannot
+        hear (the link between us is down while both reach the failure handler) is
+        suspected again after a timeout, and again, until the link or the membership
+        changes: a recovery that ended does not make a broken link look healthy."""
+        self.heard = {r: now for r in peers}
         self.suspect_sent_ns = None
 
     def check(self, now: int, blocked: str | None) -> None:
