@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import ziplog
@@ -25,6 +26,8 @@ class Load:
         self.chains: dict[int, list[RecordId]] = {i: [] for i in range(writers)}
         self.errors: list[str] = []
         self.delivered: list[list[tuple[RecordId, bytes]]] = [[], []]
+        #: when each delivery happened (time.monotonic()), per subscriber
+        self.delivered_at: list[list[float]] = [[], []]
         self.stats: list[dict[str, int]] = []
         self.pace_s = pace_s
         self.tag = os.urandom(4).hex()  # this load's records, among earlier ones in the log
@@ -69,6 +72,7 @@ class Load:
                     continue
                 with self.cond:
                     self.delivered[i].append((rec.rid, rec.data))
+                    self.delivered_at[i].append(time.monotonic())
                     self.cond.notify_all()
             sub.close()
 
@@ -110,6 +114,15 @@ class Load:
             assert by_rid.get(rid) == data, f"acknowledged record moved or lost: {rid}"
         for chain in self.chains.values():
             assert all(a.gsn < b.gsn for a, b in zip(chain, chain[1:])), "InsertAfter order broken"
+
+    def longest_stall(self, start: float, end: float) -> float:
+        """The longest time between ``start`` and ``end`` either subscriber delivered nothing."""
+        worst = 0.0
+        with self.cond:
+            for times in self.delivered_at:
+                inside = [start] + [t for t in times if start < t < end] + [end]
+                worst = max(worst, max(b - a for a, b in zip(inside, inside[1:])))
+        return worst
 
     @property
     def redirects(self) -> int:

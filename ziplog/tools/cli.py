@@ -272,6 +272,57 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replica_replace(args: argparse.Namespace) -> int:
+    """Become the replacement of a storage replica whose machine is gone: check that the
+    shard exists and the old replica is not answering, then run the storage server in
+    this process on an empty data directory (failure recovery fills it)."""
+    from pathlib import Path
+
+    import zmq
+
+    from ziplog.io import zk as discovery
+    from ziplog.protocol import frames as wire
+    from ziplog.protocol import layout
+
+    hosts = _zk_hosts(args)
+    data_dir = Path(args.data_dir)
+    mine = data_dir / f"shard{args.shard}-replica{args.replica}"
+    if mine.exists() and any(mine.iterdir()):
+        raise _UsageError(f"{mine} is not empty: a replacement starts from nothing (or restart the replica "
+                          "on its own files instead)")
+    zk = discovery.connect(hosts, timeout=args.timeout)
+    try:
+        meta = layout.dec(zk.get(f"{layout.SHARDS}/{args.shard}")[0]) if zk.exists(f"{layout.SHARDS}/{args.shard}") else None
+        old = zk.exists(f"{layout.SHARDS}/{args.shard}/{args.replica}") and \
+            layout.dec(zk.get(f"{layout.SHARDS}/{args.shard}/{args.replica}")[0])
+    finally:
+        discovery.stop(zk)
+    if not meta:
+        raise _UsageError(f"shard {args.shard} does not exist")
+    replicas = int(meta.get("replicas", 0))
+    if not 0 <= args.replica < replicas:
+        raise _UsageError(f"shard {args.shard} has replicas 0..{replicas - 1}")
+    if old and old.get("addr"):  # registered: a dead one's session may not have expired yet
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(old["addr"])
+            sock.send(wire.encode(wire.Status(req_id=1)))
+            if sock.poll(int(args.alive_check_s * 1000)):
+                raise _UsageError(f"shard {args.shard} replica {args.replica} answers at {old['addr']}: "
+                                  "stop it before replacing it")
+        finally:
+            ctx.destroy(linger=0)
+    argv = [sys.executable, "-m", "ziplog.server", "--zk", hosts, "--shard", str(args.shard),
+            "--replica", str(args.replica), "--replicas", str(replicas), "--data-dir", str(data_dir),
+            *(["--cluster-key-file", args.cluster_key_file] if args.cluster_key_file else []), *args.server_args]
+    _out(f"replacing shard {args.shard} replica {args.replica}: {' '.join(argv[1:])}")
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -313,6 +364,26 @@ def build_parser() -> argparse.ArgumentParser:
                          "reusing it restarts the same log")
     up.set_defaults(func=cmd_cluster_up)
 
+    rp = sub.add_parser("replica", help="operate on storage replicas", description="Operate on storage replicas.")
+    rpsub = rp.add_subparsers(dest="replica_command", metavar="ACTION")
+    rpsub.required = True
+    rr = rpsub.add_parser("replace", help="run a new replica in place of one whose machine is gone",
+                          description="Run the storage server here, on an empty data directory, as shard SHARD "
+                                      "replica REPLICA, in place of a replica that is gone for good. Failure "
+                                      "recovery installs the shard's state from the surviving replica and the shard "
+                                      "returns to full strength. Runs in the foreground.")
+    rr.add_argument("shard", type=_nonneg_int, metavar="SHARD")
+    rr.add_argument("replica", type=_nonneg_int, metavar="REPLICA")
+    rr.add_argument("--zk", metavar="HOSTS", default=None, help=f"ZooKeeper hosts (default: ${ENV_ZK})")
+    rr.add_argument("--data-dir", required=True, metavar="D", help="an empty (or new) directory for the segment files")
+    rr.add_argument("--cluster-key-file", default=None, metavar="FILE",
+                    help="the cluster's secret (default: $ZIPLOG_CLUSTER_KEY_FILE)")
+    rr.add_argument("--timeout", type=float, default=30.0, metavar="S", help="ZooKeeper connection timeout")
+    rr.add_argument("--alive-check-s", type=float, default=1.0, help=argparse.SUPPRESS)
+    rr.add_argument("server_args", nargs="*", metavar="-- SERVER_ARGS",
+                    help="more ziplog.server options after --, e.g. -- --host 10.0.0.5")
+    rr.set_defaults(func=cmd_replica_replace)
+
     kg = sub.add_parser("keygen", help="write a new cluster secret to FILE (readable by its owner only)",
                         description="Write a new random cluster secret. Every storage replica, membership "
                                     "service and failure handler replica of one cluster is started with it.")
@@ -352,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors (2) and --help (0)
         return e.code if isinstance(e.code, int) else 2
-    name = args.command if args.command != "cluster" else f"cluster {args.cluster_command}"
+    name = {"cluster": f"cluster {getattr(args, 'cluster_command', '')}",
+            "replica": f"replica {getattr(args, 'replica_command', '')}"}.get(args.command, args.command)
     try:
         return args.func(args)
     except _UsageError as e:

@@ -197,6 +197,25 @@ class LocalCluster:
                 procs.stop(p)
             self._spawn_server(shard, replica)
 
+    def replica_dir(self, shard: int, replica: int) -> Path:
+        """Where a storage replica keeps its segment files."""
+        return self.data_dir / "segments" / f"shard{shard}-replica{replica}"
+
+    def replace_replica(self, shard: int, replica: int) -> None:
+        """Replace a storage replica by a new process on an empty data directory, as an
+        operator replaces one whose machine is gone: the old process is killed if it
+        still runs and its files are deleted; the new one registers under the same
+        shard and replica number, and failure recovery installs the shard's state on it
+        from the surviving replica (``ziplog replica replace`` does the same for one
+        started by hand)."""
+        with self._lock:  # the supervisor must not restart the old one on its old files
+            p = self.servers.get((shard, replica))
+            if p is not None and p.poll() is None:
+                procs.kill(p)
+            shutil.rmtree(self.replica_dir(shard, replica), ignore_errors=True)
+            self._dead_since.pop((shard, replica), None)
+            self._spawn_server(shard, replica)
+
     def kill_mms_leader(self) -> int:
         """SIGKILL the membership service's leader; returns its id (it is started again)."""
         return self._kill_leader(layout.MMS_ELECTION, self.mms, self._spawn_mms)

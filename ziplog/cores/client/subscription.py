@@ -3,7 +3,9 @@ credit, lease renewal, and resuming where a moved replica left off. The merge of
 shards' streams into one gap-free stream in gsn order is :class:`SubscriberMerge`.
 
 A subscription reads from replica 0 of every shard ZooKeeper knows and of every shard
-named in the membership it receives. It grants ``SUB_CREDIT_BYTES`` of credit, and
+named in the membership it receives; from a shard's next registered replica when the
+one it reads from falls silent (``SUB_SILENCE_NS``), until the preferred one comes back
+at a new address. It grants ``SUB_CREDIT_BYTES`` of credit, and
 returns credit as records are consumed (plus ``SUB_BATCH_COST`` per batch), so what a
 server queues for a reader that stops is bounded. Servers drop a subscription they
 have not heard from for their lease (60 s): a CREDIT of 0 renews it every
@@ -34,6 +36,11 @@ SUB_KEEPALIVE_NS = 10_000_000_000
 SUB_LEASE_NS = 50_000_000_000
 #: How often a subscription looks for shards it is not connected to yet.
 SUB_RECONNECT_NS = 200_000_000
+#: A shard's replica that sent nothing for this long, while the reader keeps up, may be
+#: gone (a SIGKILLed process stays registered until its ZooKeeper session expires, 10 s):
+#: the subscription moves to the shard's next registered replica. A live replica sends a
+#: batch at least every epoch (progress moves even with no records).
+SUB_SILENCE_NS = 1_000_000_000
 
 Effect = tuple[str, int, Any]
 
@@ -62,6 +69,14 @@ class SubscriptionCore:
         self.state = SubState.POSITIONING if from_gsn is None else SubState.OPEN
         self.merge: SubscriberMerge | None = SubscriberMerge(from_gsn) if from_gsn is not None else None
         self.addrs: dict[int, str] = {}  # shard -> the replica address subscribed to
+        #: shard -> the preferred replica's address we left because it fell silent (we
+        #: stay away until the preferred replica registers elsewhere)
+        self.left: dict[int, str] = {}
+        #: shard -> batches received; and (that count, since when) at the last look
+        self.batches: dict[int, int] = {}
+        self._quiet: dict[int, tuple[int, int]] = {}
+        self._looked_at = 0
+        self.moves = 0
         self.consumed: dict[int, int] = {}
         self.error: BaseException | None = None
         self.last_keepalive = 0
@@ -114,6 +129,9 @@ class SubscriptionCore:
             old = self.addrs.get(shard)
             if old == addr:
                 continue
+            if self.left.get(shard) == addr and old:
+                continue  # we left it because it was silent: stay where we are
+            self.left.pop(shard, None)
             if old is not None:
                 out.append(("close", shard, None))
                 start = merge.resume_point(shard)
@@ -142,6 +160,7 @@ class SubscriptionCore:
             if msg.sub_id != self.sub_id:
                 return []
             before = merge.delivered
+            self.batches[shard] = self.batches.get(shard, 0) + 1
             merge.on_batch(shard, msg.records, msg.epochs, msg.progress)
             if self.observer is not None:
                 self.observer(shard, [g for g, _ in msg.records], before, merge.delivered)
@@ -164,6 +183,44 @@ class SubscriptionCore:
         if now >= self.next_look:
             self.next_look = now + SUB_RECONNECT_NS
             out.extend(self.connect_known(topo))
+            out.extend(self._move_from_silent(now, topo))
+        return out
+
+    def _move_from_silent(self, now: int, topo: TopologyView) -> list[Effect]:
+        """Move off a replica that sent nothing for SUB_SILENCE_NS while we kept reading."""
+        merge = self.merge
+        assert merge is not None
+        looked_at, self._looked_at = self._looked_at, now
+        if now - looked_at > 2 * SUB_RECONNECT_NS or merge.buffered_bytes > SUB_CREDIT_BYTES // 2:
+            # We were not looking (a blocking client between reads: its frames wait
+            # unread), or the reader is behind (the servers wait for credit): a quiet
+            # connection says nothing. Start counting afresh.
+            self._quiet = {}
+            return []
+        out: list[Effect] = []
+        for shard, addr in list(self.addrs.items()):
+            n = self.batches.get(shard, 0)
+            seen = self._quiet.get(shard)
+            if seen is None or seen[0] != n:
+                self._quiet[shard] = (n, now)
+                continue
+            if now - seen[1] < SUB_SILENCE_NS:
+                continue
+            self._quiet[shard] = (n, now)
+            order = [a for _, a in sorted(topo.replicas.get(shard, {}).items())]
+            if not order or order == [addr]:
+                continue  # nowhere else to go
+            nxt = order[(order.index(addr) + 1) % len(order)] if addr in order else order[0]
+            preferred = topo.replicas.get(shard, {}).get(self.pick(shard, len(order)))
+            if preferred == addr:
+                self.left[shard] = addr
+            self.addrs[shard] = nxt
+            self.consumed[shard] = 0
+            self.moves += 1
+            out.append(("close", shard, None))
+            out.append(("open", shard, nxt))
+            out.append(("send", shard, wire.Subscribe(sub_id=self.sub_id, from_gsn=merge.resume_point(shard),
+                                                      credit=SUB_CREDIT_BYTES)))
         return out
 
     # -- reading --------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ class Fanout:
             return  # the subscriber has not caught up: it grants credit as it reads
         log = self.log
         gsns, records_by_gsn = log.gsns, log.records
-        limit = log.stable
+        limit = log.servable
         i = bisect.bisect_left(gsns, max(sub.next_gsn, log.trim_point))
         records: list[tuple[int, bytes]] = []
         size = 0

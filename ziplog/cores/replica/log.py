@@ -43,6 +43,11 @@ class DecidedLog:
         self.membership: list[list[Any]] = []
         #: called after ``stable`` advanced (subscriptions have something new to show)
         self.stable_listeners: list[Callable[[], None]] = []
+        #: positions up to here are final though not yet stable: a recovery whose state
+        #: the failure handler committed in ZooKeeper installed them here, and will
+        #: install exactly them on every replica (one may be gone for good until it is
+        #: replaced). Subscribers may be served up to it (:attr:`servable`).
+        self.fixed_upto = 0
         #: why this replica cannot persist its decided stream now (a full disk, say), or
         #: None: while set, it takes no new records (it keeps, serves and retries writing
         #: everything it holds)
@@ -124,6 +129,19 @@ class DecidedLog:
             self.frontier = epoch_base(first) - 1
         self.out.persist.append(EpochEvent(first, last, m))
         return True
+
+    @property
+    def servable(self) -> int:
+        """Subscribers may be shown every position up to here: stable, or fixed by an
+        installed recovery."""
+        return self.stable if self.fixed_upto <= self.stable else min(self.fixed_upto, self.frontier)
+
+    def fix_upto(self, end: int) -> None:
+        """An installed recovery fixed every position up to ``end`` (see ``fixed_upto``)."""
+        if end > self.fixed_upto:
+            self.fixed_upto = end
+            for fn in self.stable_listeners:
+                fn()
 
     def advance_stable(self, stable: int) -> bool:
         """Every replica holds the log up to ``stable`` (never beyond our frontier)."""

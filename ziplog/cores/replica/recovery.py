@@ -202,6 +202,10 @@ class RecoveryParticipant:
         self.out.persist.extend(log.flush_marks()[:1])
         self.installed_gen = self.gen
         self.role.installed()
+        # The handler sends INSTALL only once the state it installs is durable in
+        # ZooKeeper: these positions are final, and subscribers need not wait for the
+        # other replicas (one may be gone until it is replaced) to see them.
+        log.fix_upto(log.frontier)
         return {"frontier": log.frontier, "last_epoch": log.last_epoch}
 
     def _resume(self, stable: int, now: int) -> dict[str, Any] | str:
