@@ -27,9 +27,14 @@ One recovery of one shard, generation ``gen``:
    base_r = min(r's frontier, X); everything r decided above base_r is replaced by
    the acquired records (and, below X, records fetched from a replica that has
    them), the epochs up to e_last, and no-ops up to E.
-5. **Resume.** Once every replica holds exactly that, each is told RESUME; the
-   record is marked done and the flag cleared, and the membership service takes
-   the shard back under its original id.
+5. **Resume.** Once every replica holds exactly that, the source is told RESUME
+   first: it stops answering for the recovery and hands back the records it told
+   clients this shard will not hold (NOT_HELD). Every other replica is then told
+   RESUME with those keys, and refuses them from then on: a copy of such an INSERT
+   delayed in the network (a partition that healed) must not be placed here after
+   its client moved the record to another shard. The record is marked done and the
+   flag cleared, and the membership service takes the shard back under its
+   original id.
 
 A leader that takes over continues from the durable record: an acquired state is
 never replaced (the source may already have answered clients for it), while a
@@ -111,6 +116,8 @@ class ShardRecovery:
     authority_sent_at: int = -(1 << 62)
     #: who fetches for whom: req_id -> target replica
     fetch_for: dict[int, int] = field(default_factory=dict)
+    #: records the source answered NOT_HELD for (from its RESUME answer; None: not yet)
+    refused: list[list[int]] | None = None
 
 
 class RecoveryCore:
@@ -216,6 +223,8 @@ class RecoveryCore:
             r.installed = True
         elif op == wire.RESUME:
             r.resumed = True
+            if rec.acquired is not None and replica == rec.acquired["source"]:
+                rec.refused = [list(k) for k in payload.get("refused", [])]
         self._advance(rec, now)
 
     def tick(self, now: int) -> None:
@@ -331,9 +340,20 @@ class RecoveryCore:
             self._install(rec, i, r, base, now)
         if not all(r.installed for r in rec.reps.values()):
             return
+        # The source first (again, if a previous leader resumed it: its answer names the
+        # records it refused), then the others, told to refuse those records too.
+        source = acq["source"]
+        src = rec.reps[source]
+        if rec.refused is None:
+            if self._due(src, now):
+                self._send(rec, source, wire.Resume(req_id=next(self._req), gen=rec.gen, stable=rec.end, refused=[]),
+                           now)
+            return
+        refused = [(k[0], k[1]) for k in rec.refused]
         for i, r in rec.reps.items():
             if not r.resumed and self._due(r, now):
-                self._send(rec, i, wire.Resume(req_id=next(self._req), gen=rec.gen, stable=rec.end), now)
+                self._send(rec, i, wire.Resume(req_id=next(self._req), gen=rec.gen, stable=rec.end, refused=refused),
+                           now)
         if all(r.resumed for r in rec.reps.values()):
             rec.phase = DONE
             self._persist(rec, {"gen": rec.gen, "phase": DONE}, recovering=False)

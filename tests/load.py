@@ -23,6 +23,7 @@ class Load:
         self.stop_writing = threading.Event()
         self.stop_reading = threading.Event()
         self.acked: list[tuple[RecordId, bytes]] = []
+        self.acked_at: list[float] = []  # when each ack arrived (time.monotonic())
         self.chains: dict[int, list[RecordId]] = {i: [] for i in range(writers)}
         self.errors: list[str] = []
         self.delivered: list[list[tuple[RecordId, bytes]]] = [[], []]
@@ -56,6 +57,7 @@ class Load:
                 prev = rid
                 with self.cond:
                     self.acked.append((rid, data))
+                    self.acked_at.append(time.monotonic())
                     self.chains[i].append(rid)
                     self.cond.notify_all()
                 self.stop_writing.wait(self.pace_s)  # pacing, so two cores keep up
@@ -117,16 +119,22 @@ class Load:
 
     def longest_stall(self, start: float, end: float) -> float:
         """The longest time between ``start`` and ``end`` either subscriber delivered nothing."""
-        worst = 0.0
         with self.cond:
-            for times in self.delivered_at:
-                inside = [start] + [t for t in times if start < t < end] + [end]
-                worst = max(worst, max(b - a for a, b in zip(inside, inside[1:])))
-        return worst
+            return max(_longest_gap(times, start, end) for times in self.delivered_at)
+
+    def longest_write_stall(self, start: float, end: float) -> float:
+        """The longest time between ``start`` and ``end`` no insert was acknowledged."""
+        with self.cond:
+            return _longest_gap(self.acked_at, start, end)
 
     @property
     def redirects(self) -> int:
         return sum(s.get("redirects", 0) for s in self.stats)
+
+
+def _longest_gap(times: list[float], start: float, end: float) -> float:
+    inside = [start] + [t for t in times if start < t < end] + [end]
+    return max(b - a for a, b in zip(inside, inside[1:]))
 
 
 def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] | None:

@@ -107,7 +107,7 @@ RECOVERY_FRAMES = [
     wire.Acquired(req_id=12, gen=2**64 - 1),
     wire.Fetch(req_id=13, gen=2**64 - 1, lo=0, hi=10, max_bytes=1 << 20),
     wire.Install(req_id=14, gen=2**64 - 1, base=0, trim=0, events=[], end=0),
-    wire.Resume(req_id=15, gen=2**64 - 1, stable=0),
+    wire.Resume(req_id=15, gen=2**64 - 1, stable=0, refused=[]),
 ]
 
 

@@ -86,6 +86,9 @@ def test_primary_crash_keeps_acknowledged_guesses_and_resumes() -> None:
     assert h.P.log.gsns == h.B.log.gsns
     assert h.P.stable == end
     assert 0 not in h.handler.active
+    # The source resumed first (it hands over the records it refused), so its HELLO
+    # reached a primary still frozen; it says HELLO again 10 ms later.
+    h.tick(20_000_000)
     # The shard comes back: the MMS re-adds it and the primary decides again.
     h.history = h.history + [[h.epoch + 1, list(SHARDS)]]
     h.next_epoch()

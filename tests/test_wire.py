@@ -45,7 +45,7 @@ _REFERENCE_SCHEMAS = {
     wire.INSERT: (_U, _U, _U, _U, _B), wire.READ: (_U, _U), wire.TRIM: (_U, _U), wire.SUBSCRIBE: (_U, _U, _U),
     wire.CREDIT: (_U, _U), wire.UNSUBSCRIBE: (_U,), wire.STATUS: (_U,), wire.HELLO: (_U, _U, _U, _U),
     wire.PREFIX: (_U, _U), wire.PROBE: (_U, _U), wire.ACQUIRED: (_U, _U), wire.FETCH: (_U, _U, _U, _U, _U),
-    wire.RESUME: (_U, _U, _U),
+    wire.RESUME: (_U, _U, _U, _L),
 }
 
 
@@ -125,7 +125,7 @@ OTHER_KEY = ClusterKey(b"another cluster's secret")
 MEMBER_FRAMES = [
     wire.Hello(shard=0, replica=1, frontier=5, guessed_top=7), wire.Prefix(replica=1, frontier=3),
     wire.Probe(req_id=1, gen=2), wire.Acquired(req_id=1, gen=2), wire.Fetch(req_id=1, gen=2, lo=0, hi=9, max_bytes=99),
-    wire.Install(req_id=1, gen=2, base=0, trim=0, events=[], end=0), wire.Resume(req_id=1, gen=2, stable=0),
+    wire.Install(req_id=1, gen=2, base=0, trim=0, events=[], end=0), wire.Resume(req_id=1, gen=2, stable=0, refused=[]),
 ]
 
 

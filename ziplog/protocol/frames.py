@@ -290,10 +290,13 @@ class Install(Frame, kw_only=True):
 
 
 class Resume(Frame, kw_only=True):
+    """``refused``: (client_id, seq) of records the recovery's source told clients this
+    shard will not hold: the replica refuses them from now on."""
     op: int = RESUME
     req_id: U64
     gen: U64
     stable: U64
+    refused: list[tuple[U64, U64]]
 
 
 class Signed(Frame, kw_only=True):

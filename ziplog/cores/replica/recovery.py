@@ -38,6 +38,10 @@ class RecoveryPhase(enum.Enum):
     ACQUIRED = "acquired"
 
 
+#: NOT_HELD answers an authority remembers per generation (each a client's record in
+#: doubt during one recovery; beyond it the oldest clients' copies are not guarded)
+MAX_NOT_HELD = 100_000
+
 _TRANSITIONS = {
     RecoveryPhase.NORMAL: {RecoveryPhase.FROZEN},
     RecoveryPhase.FROZEN: {RecoveryPhase.FROZEN, RecoveryPhase.ACQUIRED, RecoveryPhase.NORMAL},
@@ -59,6 +63,9 @@ class RecoveryParticipant:
         self.phase = RecoveryPhase.NORMAL
         self.gen = -1  # highest recovery generation the failure handler named
         self.installed_gen = -1
+        #: records this replica, as the recovery's authority, said the shard will not
+        #: hold (NOT_HELD), this generation: handed to the others at RESUME
+        self.not_held: dict[Key, None] = {}
 
     def _become(self, phase: RecoveryPhase) -> None:
         assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
@@ -85,6 +92,8 @@ class RecoveryParticipant:
                                            decided=True, final=True))
             else:
                 self.role.refused_for_recovery(key, now)
+                if len(self.not_held) < MAX_NOT_HELD:
+                    self.not_held[key] = None
                 self.error(route, req_id, f.E_NOT_HELD, f"shard {self.shard} is recovering and will not hold this record")
             return
         if not self.role.is_primary:
@@ -108,7 +117,7 @@ class RecoveryParticipant:
             payload = self._install(msg.base, msg.trim, msg.events, msg.end)
         else:
             assert isinstance(msg, f.Resume)
-            payload = self._resume(msg.stable, now)
+            payload = self._resume(msg.stable, msg.refused, now)
         if isinstance(payload, str):
             self.error(route, msg.req_id, f.E_STALE, payload)
         else:
@@ -123,6 +132,7 @@ class RecoveryParticipant:
             self.gen = gen
             self._become(RecoveryPhase.FROZEN)
             self.installed_gen = -1
+            self.not_held = {}
             self.role.frozen()
             # Inserts parked for an epoch would be decided after the recovery, though the
             # source may tell their clients the shard does not hold them: drop them now.
@@ -208,13 +218,18 @@ class RecoveryParticipant:
         log.fix_upto(log.frontier)
         return {"frontier": log.frontier, "last_epoch": log.last_epoch}
 
-    def _resume(self, stable: int, now: int) -> dict[str, Any] | str:
+    def _resume(self, stable: int, refused: list[tuple[int, int]], now: int) -> dict[str, Any] | str:
+        held = [list(k) for k in self.not_held]
         if not self.frozen:
-            return {"resumed": True}  # a repeat
+            return {"resumed": True, "refused": held}  # a repeat
         if self.installed_gen != self.gen:
             return "resume before install"
+        # Records the source refused: a copy delayed in the network must not be placed
+        # here now that the client has moved it elsewhere.
+        for client_id, seq in refused:
+            self.role.refused_for_recovery((client_id, seq), now)
         self._become(RecoveryPhase.NORMAL)
         self.log.advance_stable(stable)
         self.role.resumed(now)
         self.on_resume(now)
-        return {"resumed": True, "frontier": self.log.frontier}
+        return {"resumed": True, "frontier": self.log.frontier, "refused": held}
