@@ -39,6 +39,8 @@ HEARTBEAT_NS = 200_000_000
 SILENCE_NS = 800_000_000
 #: how often a follower's clock looks at what the watch last saw (no ZooKeeper request)
 WATCH_EVERY_S = 0.1
+#: a follower not in line looks at the contenders itself every this many looks (1 s)
+RELOOK_EVERY = 10
 
 _CONTENDER = re.compile(r"__lock__(\d{10})$")
 
@@ -121,13 +123,18 @@ class Election:
 
     # -- the followers' side ---------------------------------------------------------------------
     # Watches, not polling: a ChildrenWatch names the leader's node (it fires when a
-    # contender comes or goes) and a DataWatch on that node fires on every heartbeat. The
-    # thread below only reads the clock; its one ZooKeeper request is the deposing delete.
+    # contender comes or goes) and, on the next contender in line only, a DataWatch on
+    # that node fires on every heartbeat. The thread below only reads the clock; its one
+    # ZooKeeper request is the deposing delete.
     def _on_contenders(self, children: list[str]) -> bool:
         if self._closed.is_set():
             return False
         contenders = sorted((m.group(1), c) for c in children if (m := _CONTENDER.search(c)))
-        leader = f"{self._path}/{contenders[0][1]}" if contenders else None
+        mine = self._election.lock.node if self._election is not None else None
+        # Only the next in line watches the leader (it is who takes over): one watch per
+        # heartbeat, whatever the number of replicas.
+        next_in_line = len(contenders) > 1 and contenders[1][1] == mine
+        leader = f"{self._path}/{contenders[0][1]}" if contenders and next_in_line else None
         with self._lock:
             if leader == self._leader:
                 return True
@@ -147,11 +154,21 @@ class Election:
         return watch
 
     def _watch_leader(self) -> None:
+        looks = 0
         while not self._closed.wait(WATCH_EVERY_S):
             if self._own is not None or self.zk.state != KazooState.CONNECTED:
                 continue
             with self._lock:
                 leader, seen = self._leader, self._leader_seen
+            looks += 1
+            if leader is None and looks % RELOOK_EVERY == 0:
+                # Our own node may have appeared after the last change to the contenders
+                # (the watch fired before we knew its name): look again now and then.
+                try:
+                    self._on_contenders(self.zk.get_children(self._path))
+                except KazooException:
+                    pass
+                continue
             mine = self._election.lock.node if self._election is not None else None
             if leader is None or seen is None or (mine is not None and leader.endswith("/" + mine)):
                 continue
