@@ -1,0 +1,1 @@
+"""LogDB's sans-I/O cores: records and validation (no sockets, threads, clocks or disks)."""
