@@ -160,12 +160,18 @@ class RecoveryCore:
         for rec in list(self.active.values()):
             self._advance(rec, now)
 
-    def on_suspect(self, shard: int, replica: int, now: int) -> None:
-        if shard in self.active or shard not in self.replica_counts:
-            return
+    def on_suspect(self, shard: int, replica: int, now: int) -> bool:
+        """A replica's suspicion; False when it names no replica of a shard this core
+        handles (the report is bad input, not a suspicion)."""
+        n = self.replica_counts.get(shard)
+        if n is None or replica >= n:
+            return False
+        if shard in self.active:
+            return True
         if now - self.ended_at.get(shard, -(1 << 62)) < self.s.quiet_ns:
-            return
+            return True
         self._start(shard, now)
+        return True
 
     def on_persisted(self, shard: int, gen: int, now: int) -> None:
         rec = self.active.get(shard)

@@ -141,13 +141,11 @@ class FailureHandlerDriver(ElectedDriver):
         except wire.ProtocolError as exc:
             self.bad_input("bad suspicion report dropped", exc)
             return
-        n = core.replica_counts.get(msg.shard)
-        if n is None or msg.replica >= n:
+        if not core.on_suspect(msg.shard, msg.replica, self.rt.now()):
             self.bad_input("suspicion from no replica of a shard this group owns dropped", (msg.shard, msg.replica))
             return
         self.suspicions += 1
         self.suspect_log(f"shard {msg.shard} replica {msg.replica} suspects", msg.reason[:REASON_CHARS])
-        core.on_suspect(msg.shard, msg.replica, self.rt.now())
         self._act()
 
     def _on_reply(self, shard: int, replica: int, frame: bytes) -> None:

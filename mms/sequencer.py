@@ -116,6 +116,14 @@ class EpochSequencer:
         return (self.block_due() or self.topology_moved() or self.change_pending
                 or self.planner.drain_ends_at(self.next_epoch))
 
+    def on_rate(self, shard: int, epoch: int, count: int, duration_ns: int) -> bool:
+        """A primary's rate report; False (and ignored) for a shard not registered: the
+        planner keeps a rate per shard, so only real shards may add one."""
+        if shard not in self.topology.replica_counts:
+            return False
+        self.planner.on_rate(shard, epoch, count, duration_ns)
+        return True
+
     # -- the steps of an epoch ------------------------------------------------------------
     def prepare(self) -> CommitBlock | None:
         """Get ``next_epoch`` ready: plan if something can have changed, and hand back

@@ -123,10 +123,8 @@ class MembershipDriver(ElectedDriver):
         except wire.ProtocolError as exc:
             self.bad_input("bad rate report dropped", exc)
             return
-        if msg.shard not in self.coord.topology.replica_counts:
+        if not seq.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns):
             self.bad_input("rate report of an unknown shard dropped", msg.shard)
-            return
-        seq.planner.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns)
 
     # -- the epoch cycle --------------------------------------------------------------------------
     def _prepare(self) -> None:

@@ -21,7 +21,7 @@ class Load:
         self.cluster = cluster
         self.cond = threading.Condition()
         self.stop_writing = threading.Event()
-        self.stop_reading = threading.Event()
+        self.stop_reading_event = threading.Event()
         self.acked: list[tuple[RecordId, bytes]] = []
         self.acked_at: list[float] = []  # when each ack arrived (time.monotonic())
         self.chains: dict[int, list[RecordId]] = {i: [] for i in range(writers)}
@@ -68,7 +68,7 @@ class Load:
         with self.cluster.client(timeout=30) as client:
             sub = client.subscribe()
             self._subscribed.wait(60)
-            while not self.stop_reading.is_set():
+            while not self.stop_reading_event.is_set():
                 rec = sub.next(timeout=0.2)
                 if rec is None:
                     continue
@@ -86,6 +86,16 @@ class Load:
             ok = self.cond.wait_for(lambda: len(self.acked) >= target, timeout)
         assert ok, f"writes stalled: {len(self.acked)} acked, wanted {target}; errors {self.errors[-3:]}"
 
+    def wait_delivered(self, rids: set[RecordId], timeout: float = 60.0) -> bool:
+        """Until both subscribers delivered every record of ``rids``."""
+        with self.cond:
+            return self.cond.wait_for(lambda: all(rids <= {r for r, _ in d} for d in self.delivered), timeout)
+
+    def stop_reading(self, timeout: float = 60.0) -> None:
+        self.stop_reading_event.set()
+        for t in self.threads[:2]:
+            t.join(timeout)
+
     def finish(self, timeout: float = 60.0) -> None:
         """Stop writing, wait until both subscribers delivered every acknowledged record,
         then check the log: every acknowledged record exactly once, at its rid, in one
@@ -95,11 +105,10 @@ class Load:
             t.join(timeout)
         with self.cond:
             want = {rid for rid, _ in self.acked}
-            ok = self.cond.wait_for(lambda: all(want <= {r for r, _ in d} for d in self.delivered), timeout)
+        ok = self.wait_delivered(want, timeout)
+        with self.cond:
             delivered = [list(d) for d in self.delivered]
-        self.stop_reading.set()
-        for t in self.threads[:2]:
-            t.join(timeout)
+        self.stop_reading(timeout)
         missing = [len(want - {r for r, _ in d}) for d in delivered]
         assert ok, f"acknowledged records not delivered: {missing} missing of {len(want)}"
         top = max(rid.gsn for rid in want)
@@ -162,3 +171,39 @@ def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen:
     zk.DataWatch(path, watch)
     assert done.wait(timeout), f"shard {shard}: recovery did not reach {phase} (record {recovery_record(cluster, shard)})"
     return seen
+
+
+class RegistrationWatch:
+    """A process's registration node in ZooKeeper, watched: ``gone`` once it disappears
+    (the session expired), ``back`` once it is there again after that."""
+
+    def __init__(self, zk: Any, node: str) -> None:
+        self.gone, self.back = threading.Event(), threading.Event()
+        zk.DataWatch(node, self._watch)
+
+    def _watch(self, data: bytes | None, stat: Any) -> bool:
+        if data is None:
+            self.gone.set()
+        elif self.gone.is_set():
+            self.back.set()
+            return False  # seen: stop watching
+        return True
+
+
+def pinned_inserts_then_read_all(client: ziplog.Client, shard: int, prefix: str, acked: dict[RecordId, bytes],
+                                 stalled: str) -> None:
+    """Insert 20 records on ``shard`` (pinned), add them to ``acked``, then subscribe from
+    genesis until every record of ``acked`` came once, with the data acknowledged."""
+    for n in range(20):
+        data = f"{prefix}{n}".encode()
+        rid = client.insert_after(data)
+        assert rid.shard == shard
+        acked[rid] = data
+    with client.subscribe() as sub:
+        seen: dict[RecordId, bytes] = {}
+        while not set(acked) <= set(seen):
+            rec = sub.next(timeout=30)
+            assert rec is not None, stalled.format(missing=len(set(acked) - set(seen)))
+            assert rec.rid not in seen, "a record delivered twice"
+            seen[rec.rid] = rec.data
+    assert all(seen[rid] == data for rid, data in acked.items())

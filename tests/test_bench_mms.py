@@ -14,23 +14,15 @@ import zmq
 
 from bench.experiments import mms as experiment
 from bench.shard_swarm import rate_frame_head, rate_frame_tail
+from tests.zookeeper import require_zookeeper, running_ensemble
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.server.process import write_cluster_key
 from ziplog.tools import procs
-from ziplog.tools.zk_ensemble import (
-    ZooKeeperEnsemble,
-    ZooKeeperNotInstalled,
-    find_java,
-    find_zookeeper_classpath,
-)
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
-try:
-    find_zookeeper_classpath()
-    find_java()
-except ZooKeeperNotInstalled as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
+require_zookeeper()
 
 SHARDS = 40
 #: far from the planner's default rate (2000/s), so a broadcast rate near it can only
@@ -40,12 +32,7 @@ REPORTED_RATE = 6000
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
-    ens = ZooKeeperEnsemble(tmp_path_factory.mktemp("zk"), size=3, force_sync=False)
-    ens.start()
-    try:
-        yield ens
-    finally:
-        ens.stop()
+    yield from running_ensemble(tmp_path_factory, 3)
 
 
 def test_rate_frame_is_the_wire_frame() -> None:

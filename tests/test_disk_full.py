@@ -10,7 +10,6 @@ Mounting needs root (these machines have it); elsewhere the test is skipped."""
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +17,7 @@ from typing import Iterator
 import pytest
 
 import ziplog
+from tests.load import Load
 from ziplog.protocol.types import Policy, RecordId
 
 TMPFS_BYTES = 1 << 20
@@ -60,46 +60,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCl
             _umount(path)
 
 
-class Subscribers:
-    """Two subscriptions from genesis, each on its own thread and client."""
-
-    def __init__(self, cluster: ziplog.LocalCluster) -> None:
-        self.cond = threading.Condition()
-        self.got: list[list[tuple[RecordId, bytes]]] = [[], []]
-        self.stop = threading.Event()
-        self.ready = threading.Barrier(3)
-        self.threads = [threading.Thread(target=self._run, args=(cluster, i), daemon=True) for i in range(2)]
-        for t in self.threads:
-            t.start()
-        self.ready.wait(60)
-
-    def _run(self, cluster: ziplog.LocalCluster, i: int) -> None:
-        with cluster.client(timeout=30) as client, client.subscribe() as sub:
-            self.ready.wait(60)
-            while not self.stop.is_set():
-                rec = sub.next(timeout=0.2)
-                if rec is not None:
-                    with self.cond:
-                        self.got[i].append((rec.rid, rec.data))
-                        self.cond.notify_all()
-
-    def wait_for(self, rids: set[RecordId], timeout: float = 60.0) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: all(rids <= {r for r, _ in g} for g in self.got), timeout)
-
-    def close(self) -> list[list[tuple[RecordId, bytes]]]:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
-        return self.got
-
-
 def _disk_states(client: ziplog.Client, shard: int) -> list[str]:
     return [st["disk"] for st in client.status()[shard]]
 
 
 def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cluster: ziplog.LocalCluster) -> None:
-    subs = Subscribers(cluster)
+    subs = Load(cluster, writers=0)  # two subscribers from genesis
     acked: dict[RecordId, bytes] = {}
     pinned = cluster.client(timeout=20, policy=Policy.fixed(0))
     roaming = cluster.client(timeout=20)
@@ -129,7 +95,7 @@ def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cl
         assert not [r for r in cluster.restarts if r[1] == 0], "a replica of the full shard restarted"
         assert all(cluster.servers[(0, r)].poll() is None for r in range(2)), "a replica of the full shard died"
         # -- everything acknowledged reaches both subscribers -----------------------------------
-        assert subs.wait_for(set(acked)), "acknowledged records not delivered while the disk was full"
+        assert subs.wait_delivered(set(acked)), "acknowledged records not delivered while the disk was full"
         # -- a trim gives space back: the shard takes records again by itself -------------------
         top = max(acked)
         pinned.trim(RecordId(top.gsn + 1, top.shard))
@@ -151,11 +117,12 @@ def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cl
             prev = pinned.insert_after(f"again-{n}".encode(), prev)
             acked[prev] = f"again-{n}".encode()
             n += 1
-        assert subs.wait_for({r for r in acked if r.gsn > top.gsn})
+        assert subs.wait_delivered({r for r in acked if r.gsn > top.gsn})
     finally:
         pinned.close()
         roaming.close()
-        got = subs.close()
+        subs.stop_reading()
+        got = subs.delivered
     # every acknowledged record once, at its rid, the same order for both
     for g in got:
         datas = [d for _, d in g]

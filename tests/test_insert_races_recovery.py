@@ -19,24 +19,16 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
+from tests.zookeeper import require_zookeeper, running_ensemble
 from ziplog.aio import AsyncClient
 from ziplog.client.blocking import Client
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.types import Policy, RecordId
-from ziplog.tools.zk_ensemble import (
-    ZooKeeperEnsemble,
-    ZooKeeperNotInstalled,
-    find_java,
-    find_zookeeper_classpath,
-)
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
-try:
-    find_zookeeper_classpath()
-    find_java()
-except ZooKeeperNotInstalled as e:  # pragma: no cover - depends on the machine
-    pytest.skip(str(e), allow_module_level=True)
+require_zookeeper()
 
 DECIDED_GSN = 4242
 #: the client's whole-call deadline: far above the script's few resends, so a client
@@ -46,12 +38,7 @@ CLIENT_TIMEOUT_S = 20.0
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
-    ens = ZooKeeperEnsemble(tmp_path_factory.mktemp("zk"), size=1, force_sync=False)
-    ens.start()
-    try:
-        yield ens
-    finally:
-        ens.stop()
+    yield from running_ensemble(tmp_path_factory, 1)
 
 
 class ScriptedShard:

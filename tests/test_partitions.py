@@ -15,15 +15,20 @@ to both subscribers, in one order, gsns strictly increasing (no two records at o
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 import ziplog
 from tests import firewall
-from tests.load import Load, recovery_record, wait_recovery
+from tests.load import (
+    Load,
+    RegistrationWatch,
+    pinned_inserts_then_read_all,
+    recovery_record,
+    wait_recovery,
+)
 from ziplog.protocol import layout
 from ziplog.protocol.types import Policy
 
@@ -63,84 +68,66 @@ def _keep_loaded(load: Load, until: float) -> None:
 def test_a_replica_cut_from_zookeeper_past_its_session_timeout_registers_again(cluster: ziplog.LocalCluster) -> None:
     shard, replica = 1, 1
     node = f"{layout.SHARDS}/{shard}/{replica}"
-    gone, back = threading.Event(), threading.Event()
-
-    def watch(data: bytes | None, stat: object) -> bool:
-        if data is None:
-            gone.set()
-        elif gone.is_set():
-            back.set()
-            return False
-        return True
-
     pid = cluster.servers[(shard, replica)].pid
     zk_ports = [cluster.zk.client_port(i) for i in range(3)]
     with firewall.Firewall() as fw:
         fw.cut(pid, zk_ports)
-        cluster._zkc.DataWatch(node, watch)
-        assert gone.wait(SESSION_S + 20), "the cut replica's session did not expire"
-    assert back.wait(60), "the replica did not register again after the partition healed"
+        registration = RegistrationWatch(cluster._zkc, node)
+        assert registration.gone.wait(SESSION_S + 20), "the cut replica's session did not expire"
+    assert registration.back.wait(60), "the replica did not register again after the partition healed"
     assert cluster.servers[(shard, replica)].poll() is None and not [
         r for r in cluster.restarts if r[1:] == (shard, replica)], "it was restarted, not renewed"
-    acked = {}
     with cluster.client(timeout=60, policy=Policy.fixed(shard)) as pinned:
         assert pinned.topology.wait(lambda: shard in pinned.live_shards(), 60)
-        for n in range(20):
-            rid = pinned.insert_after(f"after the heal {n}".encode())
-            assert rid.shard == shard
-            acked[rid] = f"after the heal {n}".encode()
-        with pinned.subscribe() as sub:
-            seen: dict[ziplog.RecordId, bytes] = {}
-            while not set(acked) <= set(seen):
-                rec = sub.next(timeout=30)
-                assert rec is not None, "a new subscription from genesis stalled"
-                assert rec.rid not in seen
-                seen[rec.rid] = rec.data
-    assert all(seen[r] == d for r, d in acked.items())
+        pinned_inserts_then_read_all(pinned, shard, "after the heal ", {},
+                                     "a new subscription from genesis stalled")
 
 
-def test_a_cut_between_backup_and_primary(cluster: ziplog.LocalCluster) -> None:
-    shard = 0
+def _partitioned_under_load(cluster: ziplog.LocalCluster, shard: int,
+                            cut: Callable[[firewall.Firewall, int], None]) -> tuple[Load, float, float, int]:
+    """Writers and two subscribers run; ``cut(fw, primary_port)`` partitions the shard
+    until a recovery acquired its state and CUT_S passed; then it heals. Returns the
+    load, when the cut began and ended, and the recovery's generation."""
     load = Load(cluster)
     load.wait_acked(200)
     gen = _next_gen(cluster, shard)
     with cluster.client() as c:
         primary_port = _port(c.topology.replica_addrs(shard)[0])  # type: ignore[index]
-    backup_pid = cluster.servers[(shard, 1)].pid
     t_cut = time.monotonic()
     with firewall.Firewall() as fw:
-        fw.cut(backup_pid, [primary_port])
+        cut(fw, primary_port)
         wait_recovery(cluster, shard, "acquired", min_gen=gen, timeout=30)  # somebody suspected
         _keep_loaded(load, t_cut + CUT_S)
         t_heal = time.monotonic()
-    stall = load.longest_write_stall(t_cut, t_heal)
-    log.warning("backup-primary cut for %.1f s: longest write stall %.2f s", t_heal - t_cut, stall)
-    assert stall < SUSPECT_S + 1.0 + 1.0, f"writes stalled {stall:.2f} s"
+    return load, t_cut, t_heal, gen
+
+
+def _healed(cluster: ziplog.LocalCluster, load: Load, shard: int, gen: int) -> None:
     wait_recovery(cluster, shard, "done", min_gen=gen, timeout=60)
     load.wait_acked(200)
     load.finish()
 
 
+def test_a_cut_between_backup_and_primary(cluster: ziplog.LocalCluster) -> None:
+    shard = 0
+    backup_pid = cluster.servers[(shard, 1)].pid
+    load, t_cut, t_heal, gen = _partitioned_under_load(
+        cluster, shard, lambda fw, primary_port: fw.cut(backup_pid, [primary_port]))
+    stall = load.longest_write_stall(t_cut, t_heal)
+    log.warning("backup-primary cut for %.1f s: longest write stall %.2f s", t_heal - t_cut, stall)
+    assert stall < SUSPECT_S + 1.0 + 1.0, f"writes stalled {stall:.2f} s"
+    _healed(cluster, load, shard, gen)
+
+
 def test_a_fully_isolated_primary(cluster: ziplog.LocalCluster) -> None:
     shard = 0
-    load = Load(cluster)
-    load.wait_acked(200)
-    gen = _next_gen(cluster, shard)
-    with cluster.client() as c:
-        router = _port(c.topology.replica_addrs(shard)[0])  # type: ignore[index]
     pid = cluster.servers[(shard, 0)].pid
-    t_cut = time.monotonic()
-    with firewall.Firewall() as fw:
-        fw.isolate(pid, [router])
-        wait_recovery(cluster, shard, "acquired", min_gen=gen, timeout=30)
-        _keep_loaded(load, t_cut + CUT_S)
-        t_heal = time.monotonic()
+    load, t_cut, t_heal, gen = _partitioned_under_load(
+        cluster, shard, lambda fw, router: fw.isolate(pid, [router]))
     writes = load.longest_write_stall(t_cut, t_heal)
     reads = load.longest_stall(t_cut, t_heal)
     log.warning("primary isolated for %.1f s: longest write stall %.2f s, subscriber stall %.2f s",
                 t_heal - t_cut, writes, reads)
     assert writes < SUSPECT_S + 1.0 + 1.0, f"writes stalled {writes:.2f} s"
     assert reads < SUSPECT_S + 1.0 + 1.0 + 1.0, f"subscribers stalled {reads:.2f} s"
-    wait_recovery(cluster, shard, "done", min_gen=gen, timeout=60)
-    load.wait_acked(200)
-    load.finish()
+    _healed(cluster, load, shard, gen)

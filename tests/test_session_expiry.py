@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from typing import Iterator
 
 import pytest
 
 import ziplog
+from tests.load import RegistrationWatch, pinned_inserts_then_read_all
 from ziplog.protocol import layout
 from ziplog.protocol.types import Policy
 
@@ -39,39 +39,19 @@ def test_a_replica_whose_session_expired_registers_again(cluster: ziplog.LocalCl
             rid = pinned.insert_after(f"before-{n}".encode())
             acked[rid] = f"before-{n}".encode()
         proc = cluster.servers[(shard, replica)]
-        gone, back = threading.Event(), threading.Event()
-
-        def watch(data: bytes | None, stat: object) -> bool:
-            if data is None:
-                gone.set()
-            elif gone.is_set():
-                back.set()
-                return False  # seen: stop watching
-            return True
-
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            zk.DataWatch(node, watch)
+            registration = RegistrationWatch(zk, node)
             # the session expires while the process is stopped: its node goes
-            assert gone.wait(PAUSE_S + 20), "the paused replica's session did not expire"
+            assert registration.gone.wait(PAUSE_S + 20), "the paused replica's session did not expire"
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert back.wait(60), "the replica did not register again after its session expired"
+        assert registration.back.wait(60), "the replica did not register again after its session expired"
         assert proc.poll() is None, "the replica exited instead of carrying on"
         assert not [r for r in cluster.restarts if r[1:] == (shard, replica)], "it was restarted, not renewed"
         # the shard takes new records again, and a new subscription sees everything
-        for n in range(20):
-            rid = pinned.insert_after(f"after-{n}".encode())
-            assert rid.shard == shard
-            acked[rid] = f"after-{n}".encode()
-        with pinned.subscribe() as sub:
-            seen: dict[ziplog.RecordId, bytes] = {}
-            while not set(acked) <= set(seen):
-                rec = sub.next(timeout=30)
-                assert rec is not None, f"the subscription stalled: {len(set(acked) - set(seen))} records missing"
-                assert rec.rid not in seen, "a record delivered twice"
-                seen[rec.rid] = rec.data
-        assert all(seen[rid] == data for rid, data in acked.items())
+        pinned_inserts_then_read_all(pinned, shard, "after-", acked,
+                                     "the subscription stalled: {missing} records missing")
     log = (cluster.logs / f"shard{shard}-replica{replica}.log").read_text(errors="replace")
     assert "registered" in log and "again" in log
     assert not [p.name for p in cluster.logs.glob("*.log") if "Traceback" in p.read_text(errors="replace")]

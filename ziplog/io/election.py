@@ -66,7 +66,6 @@ class Election:
         #: the leader's node, and (its version, when we saw it change) from its watch
         self._leader: str | None = None
         self._leader_seen: tuple[int, int] | None = None
-        self.deposed = 0  # leaders this replica deposed
         zk.add_listener(self._on_state)
 
     def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
@@ -185,7 +184,6 @@ class Election:
                 continue  # it beat just now, or it is gone already
             except KazooException:
                 continue  # we cannot reach ZooKeeper well: judge nobody
-            self.deposed += 1
             log.warning("leader node %s silent for %d ms: deposed", leader, (now - since) // 1_000_000)
 
     # -- either side -----------------------------------------------------------------------------

@@ -41,6 +41,11 @@ from ziplog.protocol.events import (
 SEGMENT_BYTES = 64 << 20
 
 
+def replica_dir(data_dir: Path, shard: int, replica: int) -> Path:
+    """Where a storage replica started with ``--data-dir data_dir`` keeps its segments."""
+    return Path(data_dir) / f"shard{shard}-replica{replica}"
+
+
 class SegmentLog:
     def __init__(self, directory: Path, fsync: str = "interval", fsync_interval: float = 0.05,
                  segment_bytes: int = SEGMENT_BYTES) -> None:
@@ -107,15 +112,16 @@ class SegmentLog:
         assert self._snapshot is not None
         seq = self._seq + 1
         path = self.dir / f"seg-{seq:08d}.log"
+        opening = encode_event(self._snapshot)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         try:
-            _write_all(fd, encode_event(self._snapshot))
+            _write_all(fd, opening)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
         old = self._fd
-        self._fd, self._seq, self._size = fd, seq, len(encode_event(self._snapshot))
+        self._fd, self._seq, self._size = fd, seq, len(opening)
         self._rotate_due = False
         if old is not None:
             if self.fsync != "never":

@@ -241,7 +241,6 @@ class Session:
         #: path -> what this process registered there (made again after an expiry)
         self.registrations: dict[str, dict[str, Any]] = {}
         self._expired = False
-        self.reregistered = 0
         self.zk.add_listener(self._on_state)
 
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -271,7 +270,6 @@ class Session:
                         log.error("could not register %s again after the session expired: %s", path, exc)
                         break
                     time.sleep(0.1)
-        self.reregistered += 1
         log.warning("ZooKeeper session expired and was renewed: registered %s again", sorted(self.registrations))
 
     def close(self) -> None:

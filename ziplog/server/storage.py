@@ -33,7 +33,7 @@ from ziplog.io.ports import (
     Runtime,
     StorageCoordination,
 )
-from ziplog.io.segments import SEGMENT_BYTES, SegmentLog
+from ziplog.io.segments import SEGMENT_BYTES, SegmentLog, replica_dir
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     coord = zk.StorageCoordination(args.zk, key)
     disk = None
     if args.data_dir is not None:
-        disk = SegmentLog(Path(args.data_dir) / f"shard{settings.shard}-replica{settings.replica}", fsync=args.fsync,
+        disk = SegmentLog(replica_dir(args.data_dir, settings.shard, settings.replica), fsync=args.fsync,
                           fsync_interval=args.fsync_interval, segment_bytes=args.segment_bytes)
     driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.host, port=args.port)
 

@@ -24,10 +24,8 @@ class ThrottledLog:
         #: kind -> (when it was last logged, how many since); kinds are a fixed set of
         #: strings in the code, so this stays small
         self._kinds: dict[str, tuple[int, int]] = {}
-        self.total = 0
 
     def __call__(self, kind: str, detail: object) -> None:
-        self.total += 1
         now = self.rt.now()
         last, quiet = self._kinds.get(kind, (-self.interval_ns, 0))
         if now - last < self.interval_ns:

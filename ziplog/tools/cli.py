@@ -281,12 +281,13 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     import zmq
 
     from ziplog.io import zk as discovery
-    from ziplog.protocol import frames as wire
+    from ziplog.io.segments import replica_dir
     from ziplog.protocol import layout
+    from ziplog.tools.cluster import replica_status
 
     hosts = _zk_hosts(args)
     data_dir = Path(args.data_dir)
-    mine = data_dir / f"shard{args.shard}-replica{args.replica}"
+    mine = replica_dir(data_dir, args.shard, args.replica)
     if mine.exists() and any(mine.iterdir()):
         raise _UsageError(f"{mine} is not empty: a replacement starts from nothing (or restart the replica "
                           "on its own files instead)")
@@ -305,11 +306,7 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     if old and old.get("addr"):  # registered: a dead one's session may not have expired yet
         ctx = zmq.Context()
         try:
-            sock = ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.connect(old["addr"])
-            sock.send(wire.encode(wire.Status(req_id=1)))
-            if sock.poll(int(args.alive_check_s * 1000)):
+            if replica_status(ctx, old["addr"], int(args.alive_check_s * 1000)) is not None:
                 raise _UsageError(f"shard {args.shard} replica {args.replica} answers at {old['addr']}: "
                                   "stop it before replacing it")
         finally:

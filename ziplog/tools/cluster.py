@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ziplog.io import zk as discovery
+from ziplog.io.segments import replica_dir
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.server.process import load_cluster_key, write_cluster_key
@@ -148,21 +149,11 @@ class LocalCluster:
             ctx.destroy(linger=0)
 
     def _primary_ready(self, ctx: Any, addr: str) -> bool:
-        import zmq
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(addr)
-            sock.send(wire.encode(wire.Status(req_id=1)))
-            if not sock.poll(2000):
-                return False
-            reply = wire.decode_reply(sock.recv())
-            if not isinstance(reply, wire.StatusOk):
-                return False
-            st = reply.status
-            return len(st["backups_connected"]) == self.replicas - 1 and st["epoch"] >= 0
-        finally:
-            sock.close(0)
+        reply = replica_status(ctx, addr, 2000)
+        if not isinstance(reply, wire.StatusOk):
+            return False
+        st = reply.status
+        return len(st["backups_connected"]) == self.replicas - 1 and st["epoch"] >= 0
 
     def _tails(self, lines: int = 15) -> str:
         out = []
@@ -199,7 +190,7 @@ class LocalCluster:
 
     def replica_dir(self, shard: int, replica: int) -> Path:
         """Where a storage replica keeps its segment files."""
-        return self.data_dir / "segments" / f"shard{shard}-replica{replica}"
+        return replica_dir(self.data_dir / "segments", shard, replica)
 
     def replace_replica(self, shard: int, replica: int) -> None:
         """Replace a storage replica by a new process on an empty data directory, as an
@@ -256,6 +247,22 @@ class LocalCluster:
     def client(self, **kw: Any) -> Any:
         from ziplog.client.blocking import Client
         return Client(self.zk_hosts, **kw)
+
+
+def replica_status(ctx: Any, addr: str, timeout_ms: int) -> wire.Reply | None:
+    """One STATUS round trip to the storage replica at ``addr`` (a ZeroMQ context's
+    DEALER): its reply, or None when none came within ``timeout_ms``."""
+    import zmq
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        sock.send(wire.encode(wire.Status(req_id=1)))
+        if not sock.poll(timeout_ms):
+            return None
+        return wire.decode_reply(sock.recv())
+    finally:
+        sock.close(0)
 
 
 @contextlib.contextmanager

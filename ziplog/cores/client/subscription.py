@@ -76,7 +76,6 @@ class SubscriptionCore:
         self.batches: dict[int, int] = {}
         self._quiet: dict[int, tuple[int, int]] = {}
         self._looked_at = 0
-        self.moves = 0
         self.consumed: dict[int, int] = {}
         self.error: BaseException | None = None
         self.last_keepalive = 0
@@ -216,7 +215,6 @@ class SubscriptionCore:
                 self.left[shard] = addr
             self.addrs[shard] = nxt
             self.consumed[shard] = 0
-            self.moves += 1
             out.append(("close", shard, None))
             out.append(("open", shard, nxt))
             out.append(("send", shard, wire.Subscribe(sub_id=self.sub_id, from_gsn=merge.resume_point(shard),
