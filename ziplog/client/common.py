@@ -45,6 +45,12 @@ class SubscriptionBase:
     _sub: SubscriptionDriver
 
     @property
+    def position(self) -> int:
+        """Every record with a gsn up to this one has been returned, and no record can
+        appear at or below it later (it moves every epoch, also when the log is idle)."""
+        return self._sub.core.position
+
+    @property
     def buffered(self) -> int:
         """Records received and not yet handed to the application."""
         return self._sub.core.buffered

@@ -146,6 +146,12 @@ class SubscriberMerge:
         self.last_delivered_gsn = last
         self.delivered = limit
 
+    @property
+    def position(self) -> int:
+        """Every gsn up to here has been handed out by :meth:`pop` (or holds no record):
+        nothing can appear at or below it later."""
+        return self._ready[0][0] - 1 if self._ready else self.delivered
+
     def pop(self) -> tuple[int, int, bytes] | None:
         if not self._ready:
             return None

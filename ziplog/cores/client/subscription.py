@@ -271,6 +271,12 @@ class SubscriptionCore:
 
     # -- what a reader may look at -------------------------------------------------------------------
     @property
+    def position(self) -> int:
+        """Every gsn up to here has been returned to the reader, or holds no record
+        (0 before the start position is known)."""
+        return self.merge.position if self.merge is not None else 0
+
+    @property
     def buffered(self) -> int:
         """Records received and not yet read."""
         return len(self.merge) if self.merge is not None else 0

@@ -1,0 +1,75 @@
+"""LogDB's apply path under crashes (seeded simulation, ``tests/sim/logdb.py``): a KV
+shard killed before any SQLite statement of its run never holds data without its
+position or a position without its data, and once restarted it ends exactly where a
+shard that never crashed ends: every committed write of its keys applied once, in gsn
+order. The coordinator's core, replaying the same log, decides the same transactions
+the shards applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.sim.logdb import CRASH_EXIT, crash_child, make_log, reference, run_shard
+from ziplog.logdb.core import frames as f
+from ziplog.logdb.core.coordinator import CoordinatorCore
+from ziplog.logdb.core.kvshard import owner
+from ziplog.logdb.store import SqliteStore
+
+SHARDS = 2
+
+
+def _state(path: Path, index: int) -> tuple[int, dict, list]:
+    store = SqliteStore(path, index, SHARDS)
+    try:
+        return store.applied(), store.items(), store.journal()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_crash_before_any_statement_leaves_data_and_position_together(tmp_path: Path, seed: int) -> None:
+    log = make_log(seed)
+    end = log.turns[-1][1]
+    for index in range(SHARDS):
+        clean = tmp_path / f"clean-{index}.sqlite3"
+        statements = run_shard(clean, log, index, SHARDS)
+        want_kv, want_journal = reference(log, index, SHARDS, end)
+        assert _state(clean, index) == (end, want_kv, want_journal)
+        assert want_journal, "the script committed nothing on this shard: a vacuous run"
+        for crash_at in range(1, statements + 1):
+            path = tmp_path / f"s{index}-{crash_at}.sqlite3"
+            assert crash_child(path, log, index, SHARDS, crash_at) == CRASH_EXIT
+            applied, kv, journal = _state(path, index)
+            # whatever it stored, it stored with its position: exactly the reference at it
+            assert (kv, journal) == reference(log, index, SHARDS, applied), (crash_at, applied)
+            run_shard(path, log, index, SHARDS)  # restarted: resumes from what it stored
+            assert _state(path, index) == (end, want_kv, want_journal), crash_at
+            for p in path.parent.glob(path.name + "*"):
+                p.unlink()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_coordinator_decides_what_the_shards_apply(tmp_path: Path, seed: int) -> None:
+    log = make_log(seed, turns=60)
+    core = CoordinatorCore()
+    for recs, position in log.turns:
+        for gsn, shard, data in recs:
+            core.on_record(gsn, shard, data)
+        core.on_position(position)
+    committed = {d.txn: d for d in core.validator.decided.values() if d.committed}
+    for index in range(SHARDS):
+        path = tmp_path / f"kv{index}.sqlite3"
+        run_shard(path, log, index, SHARDS)
+        _, kv, journal = _state(path, index)
+        for gsn, txn, keys in journal:
+            assert committed[txn].gsn == gsn
+            assert keys == sum(1 for w in committed[txn].writes if owner(w[0], SHARDS) == index)
+        applied_txns = {t for _, t, _ in journal}
+        assert applied_txns == {t for t, d in committed.items() if any(owner(w[0], SHARDS) == index for w in d.writes)}
+    # what a client asks of the coordinator agrees with what it decided
+    some = next(iter(committed.values()))
+    (route, frame), = core.on_request(b"r", f.encode(f.Outcome(req=1, txn=some.txn, commit_gsn=some.gsn)))
+    answer = f.decode_answer(frame)
+    assert type(answer) is f.OutcomeIs and answer.committed and answer.gsn == some.gsn

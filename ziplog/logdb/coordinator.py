@@ -1,0 +1,235 @@
+"""A LogDB coordinator replica: ``python -m ziplog.logdb.coordinator --zk HOSTS --id N``.
+
+:class:`CoordinatorDriver` is the thin driver over :class:`CoordinatorCore`: the log's
+records and positions and the clients' requests in, answers out, a snapshot of the
+validator to disk every ``SNAPSHOT_NS`` (a restart replays only what follows it).
+Every replica replays the same log and answers any client (the answers are a function
+of the log prefix); the replicas elect a leader through ZooKeeper, which clients ask
+first and which alone collects garbage: every ``GC_EVERY_S`` it trims the log below
+the smallest position every KV shard and coordinator replica can replay from
+(:func:`ziplog.logdb.coordination.collectable`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ziplog.logdb.core.coordinator import CoordinatorCore, Send
+from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
+from ziplog.server.elected import ElectedDriver, ElectionPort
+
+log = logging.getLogger("ziplog.logdb.coordinator")
+
+#: a snapshot of the validator is written this often (if the position moved)
+SNAPSHOT_NS = 5_000_000_000
+#: the leader looks for a new trim point this often
+GC_EVERY_S = 2.0
+
+
+class SnapshotFile:
+    """The validator snapshot on disk, replaced atomically (write, fsync, rename)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def save(self, data: bytes) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        dfd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class CoordinatorDriver(ElectedDriver):
+    kind = "logdb-coordinator"
+
+    def __init__(self, rt: Any, election: ElectionPort, election_path: str, replica_id: int,
+                 core: CoordinatorCore, send: Callable[[Send], None],
+                 save_snapshot: Callable[[int, bytes], None], snapshot_ns: int = SNAPSHOT_NS) -> None:
+        super().__init__(rt, election, election_path, replica_id)
+        self.snapshot_ns = snapshot_ns
+        self.core = core
+        self.send = send
+        self.save_snapshot = save_snapshot
+        self._snapshot_at = rt.now()
+        self._snapshot_position = core.position
+
+    def _send_all(self, answers: list[Send]) -> None:
+        for a in answers:
+            self.send(a)
+
+    def on_record(self, gsn: int, shard: int, data: bytes) -> None:
+        self._send_all(self.core.on_record(gsn, shard, data))
+
+    def on_position(self, gsn: int) -> None:
+        self._send_all(self.core.on_position(gsn))
+
+    def on_request(self, route: Any, frame: bytes) -> None:
+        self._send_all(self.core.on_request(route, frame))
+
+    def on_tick(self) -> None:
+        now = self.rt.now()
+        self._send_all(self.core.on_tick(now))
+        if now - self._snapshot_at >= self.snapshot_ns and self.core.position > self._snapshot_position:
+            self._snapshot_at = now
+            self._snapshot_position = self.core.position
+            self.save_snapshot(self.core.position, encode_snapshot(self.core.validator))
+
+    def lead_begin(self) -> None:
+        pass  # the process's collector looks at ``leading``
+
+    def lead_end(self) -> None:
+        pass
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import zmq
+    import zmq.asyncio
+
+    from ziplog.client.aio import AsyncClient
+    from ziplog.io import zk
+    from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.logdb.coordination import collectable, db_path, ensure_db, publish_gc
+    from ziplog.protocol.errors import TrimmedError, ZiplogError
+    from ziplog.protocol.types import RecordId
+    from ziplog.server.process import load_cluster_key
+
+    key = load_cluster_key(args.cluster_key_file)
+    loop = asyncio.get_running_loop()
+    rt = AsyncioRuntime(loop)
+    session = zk.ElectedSession(args.zk, key, rt)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ctx = zmq.asyncio.Context()
+    client = None
+    try:
+        ensure_db(session.zk, args.name, args.kv_shards)
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        snapshots = SnapshotFile(args.data_dir / f"coordinator-{args.id}.snapshot")
+        stored = snapshots.load()
+        core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
+        who = f"coordinator-{args.id}"
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        addr = f"tcp://127.0.0.1:{port}"
+
+        def send(answer: Send) -> None:
+            route, frame = answer
+            router.send_multipart([route, frame], zmq.NOBLOCK)
+
+        async def save(position: int, data: bytes) -> None:
+            await loop.run_in_executor(None, snapshots.save, data)
+            publish_gc(session.zk, args.name, who, position)
+
+        def save_snapshot(position: int, data: bytes) -> None:
+            loop.create_task(save(position, data))
+
+        path = db_path(args.name)
+        driver = CoordinatorDriver(rt, session.election, f"{path}/election", args.id, core, send, save_snapshot,
+                                   int(args.snapshot_every * 1e9))
+        log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
+        client = await AsyncClient.connect(args.zk)
+        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr})
+        driver.contend()
+
+        async def answer_clients() -> None:
+            while True:
+                route, frame = await router.recv_multipart()
+                driver.on_request(route, frame)
+
+        async def replay() -> None:
+            async with client.subscribe(RecordId(core.position + 1, -1)) as sub:
+                while True:
+                    rec = await sub.next(timeout=0.05)
+                    while rec is not None:
+                        driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
+                        rec = await sub.next(timeout=0)
+                    driver.on_position(sub.position)
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                driver.on_tick()
+
+        async def collect() -> None:
+            trimmed = 0
+            while True:
+                await asyncio.sleep(args.gc_every)
+                if not driver.leading or not args.gc:
+                    continue
+                try:
+                    point = await loop.run_in_executor(None, collectable, session.zk, args.name)
+                    if point > trimmed + 1:
+                        await client.trim(RecordId(point, -1))
+                        log.info("trimmed the log below gsn %d", point)
+                        trimmed = point
+                except (ZiplogError, Exception) as exc:
+                    log.warning("collection failed (tried again): %r", exc)
+
+        tasks = [asyncio.create_task(c()) for c in (answer_clients, replay, tick, collect)]
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+        for t in [*tasks, waiter]:
+            t.cancel()
+        for t in done:
+            if t is not waiter and t.exception() is not None:
+                exc = t.exception()
+                if isinstance(exc, TrimmedError):
+                    log.error("the log is trimmed past this replica's snapshot (gsn %d): copy a peer's snapshot "
+                              "file into its data directory", core.position)
+                    return 2
+                raise exc  # type: ignore[misc]
+        return 0
+    finally:
+        if client is not None:
+            await client.close()
+        session.close()
+        ctx.destroy(linger=0)
+        await rt.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ziplog.client.aio import run
+    from ziplog.server.process import add_cluster_key_argument
+    ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
+    ap.add_argument("--name", default="default", help="the LogDB's name")
+    ap.add_argument("--id", type=int, required=True, help="this replica's id")
+    ap.add_argument("--kv-shards", type=int, required=True, help="how many KV shards the LogDB has")
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--snapshot-every", type=float, default=SNAPSHOT_NS / 1e9,
+                    help="seconds between validator snapshots (a restart replays from the last one)")
+    ap.add_argument("--gc-every", type=float, default=GC_EVERY_S, help="seconds between the leader's trims")
+    ap.add_argument("--no-gc", dest="gc", action="store_false",
+                    help="never trim the log (it is shared with applications that still need old records)")
+    add_cluster_key_argument(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s coordinator{args.id} %(levelname)s %(name)s %(message)s")
+    return run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

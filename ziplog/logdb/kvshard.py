@@ -1,0 +1,209 @@
+"""A LogDB KV shard: ``python -m ziplog.logdb.kvshard --zk HOSTS --index I --shards N``.
+
+:class:`KvShardDriver` is the thin driver over :class:`KvShardCore` and a store
+(:class:`SqliteStore`): records and positions in, one atomic store write per turn out,
+reads of applied values answered. The process runs it on asyncio with its own
+subscription of the log (from the validator snapshot's position), a ROUTER socket for
+clients' ``KvGet`` and ZooKeeper for its registration and its collection position. The
+simulation in ``tests`` runs the same driver over a scripted log and a crashing store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ziplog.logdb.core import frames as f
+from ziplog.logdb.core.kvshard import SNAPSHOT_NS, KvShardCore, owner
+from ziplog.logdb.store import SqliteStore
+
+log = logging.getLogger("ziplog.logdb.kvshard")
+
+#: a store write that failed (a full disk) is tried again this often
+STORE_RETRY_NS = 200_000_000
+
+
+class KvShardDriver:
+    def __init__(self, core: KvShardCore, store: Any, now: Callable[[], int],
+                 on_snapshot: Callable[[int], None] = lambda position: None) -> None:
+        self.core = core
+        self.store = store
+        self.now = now
+        self.on_snapshot = on_snapshot
+        #: a batch the store refused (a full disk): tried again before anything else
+        self._unstored: Any = None
+        self._retry_at = 0
+        self.store_failures = 0
+
+    @property
+    def blocked(self) -> bool:
+        """The store refused a write: read no more of the log until it takes it."""
+        return self._unstored is not None
+
+    def on_record(self, gsn: int, shard: int, data: bytes) -> None:
+        self.core.on_record(gsn, shard, data)
+
+    def on_position(self, gsn: int) -> None:
+        self.core.on_position(gsn)
+
+    def flush(self) -> bool:
+        """Store what is due (one atomic write); False when the store refused it."""
+        now = self.now()
+        batch = self._unstored
+        if batch is not None and now < self._retry_at:
+            return False
+        if batch is None:
+            batch = self.core.due(now)
+            if batch is None:
+                return True
+        try:
+            self.store.apply(batch)
+        except sqlite3.IntegrityError:
+            raise  # a transaction applied twice: a bug that must stop the shard, loudly
+        except sqlite3.Error as exc:
+            if self._unstored is None:
+                log.error("the store refused a write (%s): applying stops until it takes it", exc)
+            self.store_failures += 1
+            self._unstored = batch
+            self._retry_at = now + STORE_RETRY_NS
+            return False
+        if self._unstored is not None:
+            log.warning("the store takes writes again")
+        self._unstored = None
+        self.core.on_stored(batch, now)
+        if batch.snapshot is not None:
+            self.on_snapshot(batch.position)
+        return True
+
+    def answer(self, data: bytes) -> bytes:
+        try:
+            req = f.decode_request(data)
+        except f.BadFrame as exc:
+            return f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}"))
+        if type(req) is not f.KvGet:
+            return f.encode(f.Failed(req=req.req, code=f.BAD_REQUEST, message="a KV shard serves KvGet only"))
+        if not self.core.owns(req.key):
+            return f.encode(f.Failed(req=req.req, code=f.NOT_OWNER, message=(
+                f"key {req.key!r} belongs to KV shard {owner(req.key, self.core.shards)}")))
+        row = self.store.get(req.key)
+        applied = self.core.applied
+        if row is None:
+            return f.encode(f.KvValue(req=req.req, found=False, value=None, gsn=0, shard=0, applied=applied))
+        value, gsn, shard = row
+        return f.encode(f.KvValue(req=req.req, found=True, value=value, gsn=gsn, shard=shard, applied=applied))
+
+
+# -- the process ------------------------------------------------------------------------------------
+async def serve(args: argparse.Namespace) -> int:
+    import zmq
+    import zmq.asyncio
+
+    from ziplog.client.aio import AsyncClient
+    from ziplog.io import zk
+    from ziplog.logdb.coordination import db_path, ensure_db, publish_gc
+    from ziplog.protocol.errors import TrimmedError
+    from ziplog.protocol.types import RecordId
+    from ziplog.server.process import load_cluster_key
+
+    key = load_cluster_key(args.cluster_key_file)
+    session = zk.Session(args.zk, key)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    client = None
+    ctx = zmq.asyncio.Context()
+    store = None
+    try:
+        ensure_db(session.zk, args.name, args.shards)
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        store = SqliteStore(args.data_dir / f"kv-{args.index}-of-{args.shards}.sqlite3", args.index, args.shards)
+        core = KvShardCore(args.index, args.shards, store.load(), time.monotonic_ns(),
+                           snapshot_ns=int(args.snapshot_every * 1e9))
+        who = f"kv-{args.index}"
+        driver = KvShardDriver(core, store, time.monotonic_ns,
+                               lambda position: publish_gc(session.zk, args.name, who, position))
+        log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
+                 core.applied, core.replay_from)
+        client = await AsyncClient.connect(args.zk)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1") if args.port == 0 else args.port
+        if args.port:
+            router.bind(f"tcp://127.0.0.1:{port}")
+        addr = f"tcp://127.0.0.1:{port}"
+        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr})
+
+        async def answer_clients() -> None:
+            while True:
+                route, frame = await router.recv_multipart()
+                await router.send_multipart([route, driver.answer(frame)])
+
+        async def apply_log() -> None:
+            async with client.subscribe(RecordId(core.replay_from, -1)) as sub:
+                while True:
+                    if driver.blocked:
+                        driver.flush()
+                        await asyncio.sleep(STORE_RETRY_NS / 1e9)
+                        continue
+                    rec = await sub.next(timeout=0.1)
+                    while rec is not None:
+                        driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
+                        rec = await sub.next(timeout=0)
+                    driver.on_position(sub.position)
+                    driver.flush()
+
+        tasks = [asyncio.create_task(answer_clients()), asyncio.create_task(apply_log())]
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+        for t in [*tasks, waiter]:
+            t.cancel()
+        for t in done:
+            if t is not waiter and t.exception() is not None:
+                exc = t.exception()
+                if isinstance(exc, TrimmedError):
+                    log.error("the log is trimmed past this shard's snapshot (gsn %d): restore the shard from a "
+                              "peer's copy or from the start of the log", core.position)
+                    return 2
+                raise exc  # type: ignore[misc]
+        driver.flush()
+        return 0
+    finally:
+        if client is not None:
+            await client.close()
+        ctx.destroy(linger=0)
+        if store is not None:
+            store.close()
+        session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ziplog.server.process import add_cluster_key_argument
+    ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
+    ap.add_argument("--name", default="default", help="the LogDB's name")
+    ap.add_argument("--index", type=int, required=True, help="this shard's index, 0..N-1")
+    ap.add_argument("--shards", type=int, required=True, help="N: how many KV shards the keys are spread over")
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--port", type=int, default=0, help="port for clients (0: any free one)")
+    ap.add_argument("--snapshot-every", type=float, default=SNAPSHOT_NS / 1e9,
+                    help="seconds between validator snapshots (the log can be trimmed only up to the last one)")
+    add_cluster_key_argument(ap)
+    args = ap.parse_args(argv)
+    if not 0 <= args.index < args.shards:
+        ap.error("--index must be in 0..N-1")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s kvshard{args.index} %(levelname)s %(name)s %(message)s")
+    from ziplog.client.aio import run
+    return run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
