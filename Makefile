@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml Makefile
 
 run: setup
 	$(PY) -m ziplog.tools.demo
+	$(PY) -m ziplog.logdb.demo
 
 test: setup
 	$(PY) -m pytest -q

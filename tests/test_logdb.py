@@ -228,7 +228,8 @@ def test_other_records_hostile_commits_and_dangling_writes(ldb: LocalLogDB, clus
         w = c.insert_after(encode(Write(txn=45, key=b"resent", value=b"once")))
         commit = encode(Commit(txn=45, reads={}, writes={b"resent": tuple(w)}))
         first = c.insert_after(commit, w)
-        c.insert_after(commit, first)
+        resent = c.insert_after(commit, first)
+        db.observe(resent.gsn)  # another client's records: this session reads past them
         assert db.get(b"hostile") == b"before"
         assert db.get(b"resent") == b"once"
         # the decisions, asked by commit rid, as a client would

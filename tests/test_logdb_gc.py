@@ -52,11 +52,12 @@ def test_after_trims_every_committed_key_reads_its_latest_value(ldb: LocalLogDB,
                     t.put(k, b"%s-v%d" % (k, version))
                 db.run(write)
                 latest[k] = b"%s-v%d" % (k, version)
-        db.run(lambda t: t.delete(keys[0]))
+        with db.transaction() as t:
+            t.delete(keys[0])
         latest[keys[0]] = None
-        last_write = db.position
+        assert t.commit_rid is not None
         # the newest records are trimmed too once everything moved past them
-        wait_trimmed(c, RecordId(last_write, 0))
+        wait_trimmed(c, t.commit_rid)
         for k in keys:
             assert db.get(k) == latest[k], k
         # a transaction on trimmed keys: its reads come from the KV shards

@@ -53,6 +53,7 @@ from .scalog_cuts import (
     check_advance,
     combine,
     flatten,
+    interleave,
     unflatten,
     zero_cut,
 )
@@ -60,6 +61,11 @@ from .scalog_cuts import (
 # client -> storage server
 APPEND = 1  # [APPEND, req_id, data]      -> [req_id, gsn]
 STATS = 2  # [STATS, req_id]              -> [req_id, {name: number}]
+READ = 8  # [READ, req_id, gsn]           -> [req_id, data or None]  (a record of this shard, once ordered)
+SUBSCRIBE = 9  # [SUBSCRIBE, req_id, gsn] -> [req_id, ordered, [[gsn, data], ...]] now and after every cut:
+#                this shard's records from gsn on, and ``ordered``: every gsn below it is assigned
+#: ordered records a server keeps for READ and SUBSCRIBE (oldest forgotten first)
+KEEP_ORDERED = 2_000_000
 # storage server -> peer storage server (two parts: header, then the client's APPEND frame)
 REPLICATE = 3  # [REPLICATE, origin_server, index]
 # storage server <-> ordering process
@@ -152,6 +158,14 @@ class StorageServer:
         #: reused: msgpack.packb builds a new Packer per call (about 1.5 us here)
         self.pack = msgpack.Packer().pack
         self.stats = {"appends": 0, "replicated": 0, "reports": 0, "ticks": 0, "cuts": 0}
+        #: for READ and SUBSCRIBE: the data of this shard's records by segment and index
+        #: until a cut orders them, then by gsn
+        self.unordered: list[dict[int, bytes]] = [{} for _ in range(n)]
+        self.ordered: dict[int, bytes] = {}
+        self.cut = zero_cut(shape)
+        self.ordered_total = 0
+        #: subscribers: client routing id -> (req_id, next gsn to send)
+        self.subscribers: dict[bytes, tuple[int, int]] = {}
 
     def wire_up(self) -> bool:
         """HELLO to the ordering process, then connect to the peers it names; False if
@@ -205,7 +219,9 @@ class StorageServer:
     def _on_cut(self, frame: bytes) -> None:
         op, number, flat = msgpack.unpackb(frame)
         assert op == CUT, op
-        span = self.order.on_cut(number, unflatten(self.shape, flat))
+        new = unflatten(self.shape, flat)
+        span = self.order.on_cut(number, new)
+        self._order_shard(new)
         self.stats["cuts"] += 1
         if not span.count:
             return
@@ -226,6 +242,43 @@ class StorageServer:
                 pass  # the client is gone
             gsn += 1
             self.order_wait.add(now - arrived)
+
+    def _order_shard(self, new: Any) -> None:
+        """Give this shard's newly ordered records their gsns; send subscribers what is new."""
+        fresh: list[list[Any]] = []
+        for sp in interleave(self.cut, new):
+            if sp.shard != self.shard:
+                continue
+            seg = self.unordered[sp.server]
+            for k in range(sp.count):
+                data = self.ordered[sp.first_gsn + k] = seg.pop(sp.first_index + k)
+                fresh.append([sp.first_gsn + k, data])
+        before = self.ordered_total
+        self.cut = new
+        self.ordered_total = sum(sum(row) for row in new)
+        while len(self.ordered) > KEEP_ORDERED:
+            del self.ordered[next(iter(self.ordered))]
+        self._publish(before, fresh)
+
+    def _publish(self, before: int = -1, fresh: list[list[Any]] | None = None) -> None:
+        """Send each subscriber what it has not seen (``fresh``: the records ordered
+        since ``before``, which is where a subscriber that kept up is)."""
+        if not self.subscribers:
+            return
+        pack, send = self.pack, self.router.send_multipart
+        for client, (req_id, nxt) in list(self.subscribers.items()):
+            if nxt >= self.ordered_total:
+                batch: list[list[Any]] = []
+            elif nxt == before and fresh is not None:
+                batch = fresh
+            else:
+                batch = [[g, d] for g, d in self.ordered.items() if g >= nxt]
+            try:
+                send([client, pack([req_id, self.ordered_total, batch])])
+            except zmq.ZMQError:
+                del self.subscribers[client]
+                continue
+            self.subscribers[client] = (req_id, self.ordered_total)
 
     def _stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.stats)
@@ -271,6 +324,7 @@ class StorageServer:
                             index = held[me]
                             held[me] = index + 1
                             waiting.append((client, msg[1], now))
+                            self.unordered[me][index] = msg[2]
                             header = packb([REPLICATE, me, index])
                             for peer in peers:  # replicate before anything else: FIFO per peer
                                 peer.send(header, SNDMORE)
@@ -282,6 +336,11 @@ class StorageServer:
                             limit = self.tick_due
                         elif msg[0] == STATS:
                             send_router([client, packb([msg[1], self._stats()])])
+                        elif msg[0] == READ:
+                            send_router([client, packb([msg[1], self.ordered.get(msg[2])])])
+                        elif msg[0] == SUBSCRIBE:
+                            self.subscribers[client] = (msg[1], msg[2])
+                            self._publish()
                     elif len(parts) == 3:  # [peer, REPLICATE header, client frame]
                         header = parts[1]
                         op, origin, index = unpackb(header)
@@ -290,6 +349,7 @@ class StorageServer:
                             raise AssertionError(f"replication from server {origin} skipped: got record {index}, "
                                                  f"holding {held[origin]}")
                         held[origin] = index + 1
+                        self.unordered[origin][index] = unpackb(parts[2])[2]
                         write(header)
                         write(parts[2])
                         st["replicated"] += 1

@@ -79,6 +79,11 @@ class _Base:
         """The session's position: every commit this client saw decided is at or below it."""
         return self._session.position
 
+    def observe(self, gsn: int) -> None:
+        """Make this client's later reads reflect every commit up to ``gsn`` (a position
+        or commit gsn learned elsewhere: another client's ``position``, a record id)."""
+        self._session.position = max(self._session.position, gsn)
+
 
 # -- blocking ----------------------------------------------------------------------------------------
 class _TxnBase:
@@ -94,6 +99,12 @@ class _TxnBase:
         """Its serialization point once committed: the commit record's gsn, or for a
         read-only transaction the position its reads were all current at."""
         return self._t.serialized_at
+
+    @property
+    def commit_rid(self) -> RecordId | None:
+        """Its commit record's id, once it inserted one."""
+        rid = self._t.commit_rid
+        return None if rid is None else RecordId(*rid)
 
     @property
     def reads(self) -> dict[bytes, bytes | None]:

@@ -28,6 +28,7 @@ from ziplog.protocol.layout import dec, enc
 log = logging.getLogger("ziplog.logdb")
 
 ROOT = "/ziplog/logdb"
+SUBDIRS = ("election", "coordinators", "kv", "gc")
 
 
 def db_path(name: str) -> str:
@@ -39,14 +40,21 @@ def db_path(name: str) -> str:
 def ensure_db(zk: KazooClient, name: str, kv_shards: int) -> None:
     """Create the LogDB's node with its shard count, or check the count it has."""
     path = db_path(name)
-    try:
-        zk.create(path, enc({"kv_shards": kv_shards}), makepath=True)
-    except NodeExistsError:
-        pass
+    zk.ensure_path(ROOT)
+    # the node and its children in one transaction: a client that sees the node finds
+    # the children to watch
+    tx = zk.transaction()
+    tx.create(path, enc({"kv_shards": kv_shards}))
+    for sub in SUBDIRS:
+        tx.create(f"{path}/{sub}")
+    results = tx.commit()
+    if any(isinstance(r, Exception) and not isinstance(r, NodeExistsError) for r in results):
+        if not zk.exists(path):
+            raise RuntimeError(f"could not create LogDB {name!r}: {results}")
     have = dec(zk.get(path)[0]) or {}
     if have.get("kv_shards") != kv_shards:
         raise SystemExit(f"LogDB {name!r} has {have.get('kv_shards')} KV shards, not {kv_shards}")
-    for sub in ("election", "coordinators", "kv", "gc"):
+    for sub in SUBDIRS:
         zk.ensure_path(f"{path}/{sub}")
 
 

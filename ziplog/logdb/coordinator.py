@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from ziplog.logdb.core.coordinator import CoordinatorCore, Send
 from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
@@ -101,7 +101,9 @@ class CoordinatorDriver(ElectedDriver):
         pass
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
+    """The process's body. ``open_log`` opens the log it replays (default: a ziplog
+    ``AsyncClient``; the benchmark runs the same process on another log)."""
     import zmq
     import zmq.asyncio
 
@@ -150,7 +152,7 @@ async def serve(args: argparse.Namespace) -> int:
         driver = CoordinatorDriver(rt, session.election, f"{path}/election", args.id, core, send, save_snapshot,
                                    int(args.snapshot_every * 1e9))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
-        client = await AsyncClient.connect(args.zk)
+        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
         session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr})
         driver.contend()
 
@@ -210,7 +212,7 @@ async def serve(args: argparse.Namespace) -> int:
         await rt.aclose()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.client.aio import run
     from ziplog.server.process import add_cluster_key_argument
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s coordinator{args.id} %(levelname)s %(name)s %(message)s")
-    return run(serve(args))
+    return run(serve(args, open_log))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.kvshard import SNAPSHOT_NS, KvShardCore, owner
@@ -101,7 +101,9 @@ class KvShardDriver:
 
 
 # -- the process ------------------------------------------------------------------------------------
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
+    """The process's body. ``open_log`` opens the log it replays (default: a ziplog
+    ``AsyncClient``; the benchmark runs the same process on another log)."""
     import zmq
     import zmq.asyncio
 
@@ -132,7 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
                                lambda position: publish_gc(session.zk, args.name, who, position))
         log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
                  core.applied, core.replay_from)
-        client = await AsyncClient.connect(args.zk)
+        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         port = router.bind_to_random_port("tcp://127.0.0.1") if args.port == 0 else args.port
@@ -184,7 +186,7 @@ async def serve(args: argparse.Namespace) -> int:
         session.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.server.process import add_cluster_key_argument
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s kvshard{args.index} %(levelname)s %(name)s %(message)s")
     from ziplog.client.aio import run
-    return run(serve(args))
+    return run(serve(args, open_log))
 
 
 if __name__ == "__main__":

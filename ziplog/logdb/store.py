@@ -10,8 +10,9 @@ Tables:
 * ``meta``: one row: the shard's index and the shard count it was created with, and
   ``applied``: every committed write up to this gsn is in ``kv``;
 * ``snapshot``: one row: the validator snapshot and its position (at or below applied);
-* ``journal(gsn, txn, keys)``: one row per applied transaction (``txn`` is UNIQUE: a
-  transaction applied twice is an error SQLite refuses, not a silent double write);
+* ``journal(gsn, txn, keys, applied_at)``: one row per applied transaction, with the
+  wall-clock time (ns) it was stored (``txn`` is UNIQUE: a transaction applied twice is
+  an error SQLite refuses, not a silent double write);
   rows older than the snapshot beyond ``JOURNAL_KEEP`` are dropped.
 
 WAL mode with ``synchronous=NORMAL``: each batch is atomic, and a power loss can lose the
@@ -23,6 +24,7 @@ the point the log may be trimmed to, so it must survive a power loss.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +40,8 @@ CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 0), shard_in
     shards INTEGER NOT NULL, applied INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshot (id INTEGER PRIMARY KEY CHECK (id = 0), position INTEGER NOT NULL,
     data BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS journal (gsn INTEGER PRIMARY KEY, txn BLOB NOT NULL UNIQUE, keys INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS journal (gsn INTEGER PRIMARY KEY, txn BLOB NOT NULL UNIQUE, keys INTEGER NOT NULL,
+    applied_at INTEGER NOT NULL);
 """
 
 
@@ -74,9 +77,10 @@ class SqliteStore:
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
+                at = time.time_ns()
                 for a in batch.applied:
-                    db.execute("INSERT INTO journal (gsn, txn, keys) VALUES (?, ?, ?)",
-                               (a.gsn, a.txn.to_bytes(8, "big"), len(a.writes)))
+                    db.execute("INSERT INTO journal (gsn, txn, keys, applied_at) VALUES (?, ?, ?, ?)",
+                               (a.gsn, a.txn.to_bytes(8, "big"), len(a.writes), at))
                     db.executemany(
                         "INSERT INTO kv (key, value, gsn, shard) VALUES (?, ?, ?, ?) ON CONFLICT (key) DO UPDATE"
                         " SET value = excluded.value, gsn = excluded.gsn, shard = excluded.shard",
@@ -115,6 +119,10 @@ class SqliteStore:
         """(gsn, txn, keys) of every transaction still in the journal, in gsn order."""
         return [(int(g), int.from_bytes(t, "big"), int(n))
                 for g, t, n in self.db.execute("SELECT gsn, txn, keys FROM journal ORDER BY gsn")]
+
+    def applied_times(self) -> dict[int, int]:
+        """gsn -> when (wall clock, ns) each journaled transaction was stored."""
+        return {int(g): int(t) for g, t in self.db.execute("SELECT gsn, applied_at FROM journal")}
 
     def close(self) -> None:
         self.db.close()

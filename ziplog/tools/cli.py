@@ -334,6 +334,46 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- LogDB ----------------------------------------------------------------------------------------
+def _logdb(args: argparse.Namespace) -> Any:
+    from ziplog.logdb import LogDB
+    hosts = _zk_hosts(args)
+    try:
+        return LogDB(hosts, name=args.name, timeout=args.timeout)
+    except ZiplogError:
+        raise
+    except Exception as e:  # no LogDB registered, ZooKeeper unreachable
+        raise ZiplogError(f"cannot open LogDB {args.name!r} at {hosts}: {type(e).__name__}: {e}") from e
+
+
+def cmd_logdb_get(args: argparse.Namespace) -> int:
+    with _logdb(args) as db:
+        value = db.get(args.key.encode("utf-8", "surrogateescape"))
+    if value is None:
+        print(f"ziplog logdb get: no value for {args.key!r}", file=sys.stderr)
+        return 1
+    _out(format_data(value))
+    return 0
+
+
+def cmd_logdb_put(args: argparse.Namespace) -> int:
+    key, value = args.key.encode("utf-8", "surrogateescape"), args.value.encode("utf-8", "surrogateescape")
+    with _logdb(args) as db:
+        with db.transaction() as t:
+            t.put(key, value)
+    _out(f"committed at gsn {t.serialized_at}")
+    return 0
+
+
+def cmd_logdb_bank(args: argparse.Namespace) -> int:
+    from ziplog.logdb.bank import run_bank
+    report = run_bank(_zk_hosts(args), name=args.name, accounts=args.accounts, processes=args.processes,
+                      seconds=args.seconds)
+    for line in report.lines():
+        _out(line)
+    return 0 if report.total == report.expected_total else 1
+
+
 # -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ziplog", description="A totally ordered, sharded, replicated shared log.")
@@ -411,6 +451,29 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("gsn", type=_positive_int, metavar="GSN")
 
     client_cmd("status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions", cmd_status)
+
+    ld = sub.add_parser("logdb", help="transactions on a LogDB running on the log",
+                        description="Transactions on a LogDB (its coordinators and KV shards must run).")
+    ldsub = ld.add_subparsers(dest="logdb_command", metavar="ACTION")
+    ldsub.required = True
+
+    def logdb_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        sp = ldsub.add_parser(name, help=help, description=help)
+        sp.add_argument("--zk", metavar="HOSTS", default=None, help=f"ZooKeeper hosts (default: ${ENV_ZK})")
+        sp.add_argument("--name", default="default", help="the LogDB's name (default 'default')")
+        sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-request timeout (default 30)")
+        sp.set_defaults(func=func)
+        return sp
+
+    lg = logdb_cmd("get", "print the latest committed value of KEY", cmd_logdb_get)
+    lg.add_argument("key", metavar="KEY")
+    lp = logdb_cmd("put", "set KEY to VALUE in one transaction", cmd_logdb_put)
+    lp.add_argument("key", metavar="KEY")
+    lp.add_argument("value", metavar="VALUE")
+    lb = logdb_cmd("bank", "open accounts and run concurrent transfers; checks the total balance", cmd_logdb_bank)
+    lb.add_argument("--accounts", type=_positive_int, default=20)
+    lb.add_argument("--processes", type=_positive_int, default=3)
+    lb.add_argument("--seconds", type=float, default=5.0)
     return p
 
 
@@ -421,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage errors (2) and --help (0)
         return e.code if isinstance(e.code, int) else 2
     name = {"cluster": f"cluster {getattr(args, 'cluster_command', '')}",
-            "replica": f"replica {getattr(args, 'replica_command', '')}"}.get(args.command, args.command)
+            "replica": f"replica {getattr(args, 'replica_command', '')}",
+            "logdb": f"logdb {getattr(args, 'logdb_command', '')}"}.get(args.command, args.command)
     try:
         return args.func(args)
     except _UsageError as e:
