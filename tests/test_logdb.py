@@ -284,6 +284,20 @@ def test_bad_frames_get_typed_errors_and_servers_keep_serving(ldb: LocalLogDB) -
         ctx.term()
 
 
+def test_cli_put_and_get(ldb: LocalLogDB) -> None:
+    import subprocess
+    import sys
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "logdb", *args, "--zk", ldb.zk_hosts],
+                              capture_output=True, text=True, timeout=120)
+    put = cli("put", "cli-key", "cli value")
+    assert put.returncode == 0 and "committed at gsn" in put.stdout, put.stderr
+    got = cli("get", "cli-key")
+    assert got.returncode == 0 and got.stdout.strip() == "cli value", got.stderr
+    missing = cli("get", "no-such-key")
+    assert missing.returncode == 1 and "no value" in missing.stderr
+
+
 def test_an_idle_kv_shard_keeps_its_position_moving(ldb: LocalLogDB) -> None:
     """A shard none of whose keys are written still stores its position and snapshot as
     the log moves: a restart starts near the head, not where it last applied."""
