@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 			zookeeper default-jre-headless nats-server redis-server nftables >/dev/null; \
 	fi
 	@test -d $(VENV) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast,bench]'
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast,bench,spark]'
 	@touch $(STAMP)
 
 run: setup

@@ -20,17 +20,31 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Coroutine, TypeVar
+from typing import Any, AsyncIterator, Coroutine, TypeVar
 
-from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
+from ziplog.client.common import (
+    PAST_EVERY_GSN,
+    ClientBase,
+    SubscriptionBase,
+    count_request,
+    new_client_id,
+    range_request,
+    shards_in,
+)
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.subscription import SubState
+from ziplog.cores.client.watermark import stable_watermark
 from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import ClientClosedError, NoShardAvailableError, ZiplogError
+from ziplog.protocol.errors import (
+    ClientClosedError,
+    NoShardAvailableError,
+    ZiplogError,
+    ZiplogTimeoutError,
+)
 from ziplog.protocol.types import RID_GENESIS, Policy, RecordId
 
 __all__ = ["AsyncClient", "AsyncSubscription", "Record", "run"]
@@ -189,23 +203,73 @@ class AsyncClient(ClientBase):
                                                                     "status", done))
         return {s: [r.status for r in reps] for s, reps in replies.items()}
 
-    def subscribe(self, start: RecordId = RID_GENESIS) -> "AsyncSubscription":
-        """Iterate the log in gsn order from ``start`` (inclusive), forever. For RID_RECENT
-        the position is found by a status round trip: ``async with`` or ``await`` the
-        subscription to know it is fixed before inserting what it must see."""
+    def subscribe(self, start: RecordId = RID_GENESIS, end: int | None = None) -> "AsyncSubscription":
+        """Iterate the log in gsn order from ``start`` (inclusive): forever, or up to gsn
+        ``end`` (inclusive). For RID_RECENT the position is found by a status round trip:
+        ``async with`` or ``await`` the subscription to know it is fixed before inserting
+        what it must see."""
         driver = self._live_driver()
-        sub = AsyncSubscription(self, driver.subscribe(start))
+        sub = AsyncSubscription(self, driver.subscribe(start), end)
         self._subs.append(sub)
         return sub
+
+    # -- ranges and the watermark ---------------------------------------------------------------
+    async def watermark(self) -> int:
+        """The stable-prefix watermark (see :meth:`ziplog.Client.watermark`)."""
+        driver = self._live_driver()
+        assert self.topology is not None
+        stables: dict[int, int] = {}
+        history = self.topology.history
+        while True:
+            ask = [s for s in shards_in(history) if s not in stables]
+
+            async def stable_of(shard: int) -> int:
+                try:
+                    msg = await self._wait(lambda done: driver.shard_query(
+                        shard, count_request(PAST_EVERY_GSN, PAST_EVERY_GSN, 0), "watermark", done))
+                    return int(msg.upto)
+                except ZiplogError:
+                    return 0  # unreachable now: the watermark waits for it
+            for shard, stable in zip(ask, await asyncio.gather(*(stable_of(s) for s in ask))):
+                stables[shard] = stable
+            # read after the stables: the history covers every epoch they reach
+            history = await asyncio.to_thread(zk.read_membership_history, self._zk)
+            if all(s in stables for s in shards_in(history)):
+                return stable_watermark(history, stables)
+
+    async def count_range(self, shard: int, lo: int, hi: int, nth: int = 0) -> tuple[int, int, int]:
+        """See :meth:`ziplog.Client.count_range`."""
+        driver = self._live_driver()
+        msg = await self._wait(lambda done: driver.shard_query(shard, count_request(lo, hi, nth), "count", done))
+        return msg.count, msg.nth_gsn, msg.upto
+
+    async def read_range(self, shard: int, lo: int, hi: int) -> AsyncIterator[Record]:
+        """See :meth:`ziplog.Client.read_range`."""
+        driver = self._live_driver()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while lo <= hi:
+            make = range_request(lo, hi)
+            msg = await self._wait(lambda done: driver.shard_query(shard, make, "range", done))
+            for g, data in msg.records:
+                yield Record(RecordId(g, shard), data)
+            if msg.upto >= lo:
+                lo = msg.upto + 1
+                deadline = loop.time() + self.timeout
+            elif loop.time() > deadline:
+                raise ZiplogTimeoutError(f"shard {shard} is not stable up to gsn {hi}")
+            else:
+                await asyncio.sleep(0.005)  # the replica asked is behind the watermark: ask again
 
 
 class AsyncSubscription(SubscriptionBase):
     """Async iterator over records in gsn order. ``aclose()`` it (or use ``async with``) to
     free its sockets; iteration ends once it is closed."""
 
-    def __init__(self, client: AsyncClient, sub: SubscriptionDriver) -> None:
+    def __init__(self, client: AsyncClient, sub: SubscriptionDriver, end: int | None = None) -> None:
         self._client = client
         self._sub = sub
+        self.end = end
         self._wake = asyncio.Event()
         self._closed = False
         sub.on_change = self._wake.set
@@ -241,12 +305,15 @@ class AsyncSubscription(SubscriptionBase):
             rec = await self.next()
         except ClientClosedError:
             raise StopAsyncIteration from None
-        assert rec is not None
+        if rec is None:
+            assert self.ended
+            raise StopAsyncIteration
         return rec
 
     async def next(self, timeout: float | None = None) -> Record | None:
-        """The next record, or None if none arrives within ``timeout`` seconds. Raises
-        ClientClosedError once closed, and the error that broke the subscription if any."""
+        """The next record, or None if none arrives within ``timeout`` seconds (or the
+        subscription reached its ``end``: see :attr:`ended`). Raises ClientClosedError
+        once closed, and the error that broke the subscription if any."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         sub = self._sub
@@ -254,6 +321,8 @@ class AsyncSubscription(SubscriptionBase):
         while True:
             if self._closed:
                 raise ClientClosedError("subscription is closed")
+            if self.end is not None and self.ended:
+                return None
             rec = sub.pop()
             if rec is not None:
                 return rec

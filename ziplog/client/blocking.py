@@ -14,16 +14,31 @@ a call of this client waits.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any, Iterator
 
-from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
+from ziplog.client.common import (
+    PAST_EVERY_GSN,
+    ClientBase,
+    SubscriptionBase,
+    count_request,
+    new_client_id,
+    range_request,
+    shards_in,
+)
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
+from ziplog.cores.client.watermark import stable_watermark
 from ziplog.io import zk
 from ziplog.io.zmq_runtime import ZmqRuntime
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import ClientClosedError, NoShardAvailableError, ZiplogError
+from ziplog.protocol.errors import (
+    ClientClosedError,
+    NoShardAvailableError,
+    ZiplogError,
+    ZiplogTimeoutError,
+)
 from ziplog.protocol.types import RID_GENESIS, Policy, RecordId
 
 __all__ = ["Client", "Record", "Subscription"]
@@ -117,39 +132,101 @@ class Client(ClientBase):
         replies = self._wait(self._driver.each_replica(shards, lambda req: wire.Status(req_id=req), "status"))
         return {s: [r.status for r in reps] for s, reps in replies.items()}
 
-    def subscribe(self, start: RecordId = RID_GENESIS) -> "Subscription":
-        """Iterate the log in gsn order from ``start`` (inclusive), forever."""
+    def subscribe(self, start: RecordId = RID_GENESIS, end: int | None = None) -> "Subscription":
+        """Iterate the log in gsn order from ``start`` (inclusive): forever, or up to gsn
+        ``end`` (inclusive; iteration stops once every record up to it was returned)."""
         self._check_open()
-        sub = Subscription(self, self._driver.subscribe(start))
+        sub = Subscription(self, self._driver.subscribe(start), end)
         self._subs.append(sub)
         return sub
+
+    # -- ranges and the watermark ---------------------------------------------------------------
+    def watermark(self) -> int:
+        """The stable-prefix watermark W: every gsn <= W is decided on every member shard
+        of its epoch, so no record can appear at or below W any more (it moves every
+        epoch, also when nothing is written)."""
+        self._check_open()
+        stables: dict[int, int] = {}
+        history = self.topology.history
+        while True:
+            ask = [s for s in shards_in(history) if s not in stables]
+            calls = {s: self._driver.shard_query(s, count_request(PAST_EVERY_GSN, PAST_EVERY_GSN, 0), "watermark")
+                     for s in ask}
+            for s, call in calls.items():
+                try:
+                    stables[s] = self._wait(call).upto
+                except ZiplogError:
+                    stables[s] = 0  # unreachable now: the watermark waits for it
+            # read after the stables: the history covers every epoch they reach
+            history = zk.read_membership_history(self._zk)
+            if all(s in stables for s in shards_in(history)):
+                return stable_watermark(history, stables)
+
+    def count_range(self, shard: int, lo: int, hi: int, nth: int = 0) -> tuple[int, int, int]:
+        """On ``shard``: how many stable records have ``lo <= gsn <= hi``, the gsn of the
+        ``nth`` of them (1-based; 0 if there are fewer or nth is 0), and up to which gsn
+        that was counted (``hi``, or less when the replica's stable watermark is below
+        it). Moves no data."""
+        self._check_open()
+        msg = self._wait(self._driver.shard_query(shard, count_request(lo, hi, nth), "count"))
+        return msg.count, msg.nth_gsn, msg.upto
+
+    def read_range(self, shard: int, lo: int, hi: int) -> Iterator[Record]:
+        """Every record of ``shard`` with ``lo <= gsn <= hi``, in gsn order, a batch per
+        request (``hi`` at or below the watermark: those are all stable). Raises
+        TrimmedError if ``lo`` is below the trim point."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout
+        while lo <= hi:
+            msg = self._wait(self._driver.shard_query(shard, range_request(lo, hi), "range"))
+            for g, data in msg.records:
+                yield Record(RecordId(g, shard), data)
+            if msg.upto >= lo:
+                lo = msg.upto + 1
+                deadline = time.monotonic() + self.timeout
+            elif time.monotonic() > deadline:
+                raise ZiplogTimeoutError(f"shard {shard} is not stable up to gsn {hi}")
+            else:
+                time.sleep(0.005)  # the replica asked is behind the watermark: ask again
 
 
 class Subscription(SubscriptionBase):
     """Iterator over records in gsn order. Close it (or use ``with``) to free its sockets."""
 
-    def __init__(self, client: Client, sub: SubscriptionDriver) -> None:
+    def __init__(self, client: Client, sub: SubscriptionDriver, end: int | None = None) -> None:
         self._client = client
         self._sub = sub
         self._closed = False
+        self.end = end
 
     def __iter__(self) -> Iterator[Record]:
         return self
 
     def __next__(self) -> Record:
         rec = self.next(timeout=None)
-        assert rec is not None
+        if rec is None:
+            assert self.ended
+            raise StopIteration
         return rec
 
     def next(self, timeout: float | None = None) -> Record | None:
-        """The next record, or None if none arrives within ``timeout`` seconds."""
+        """The next record, or None if none arrives within ``timeout`` seconds (or the
+        subscription reached its ``end``: see :attr:`ended`)."""
         if self._closed:
             raise ClientClosedError("subscription is closed")
         sub = self._sub
         sub.read()
         core = sub.core
-        self._client._rt.run_until(lambda: core.has_record() or core.error is not None,
-                                   None if timeout is None else int(timeout * 1e9))
+        end = self.end
+        if end is None:
+            self._client._rt.run_until(lambda: core.has_record() or core.error is not None,
+                                       None if timeout is None else int(timeout * 1e9))
+        else:
+            def ready() -> bool:
+                return core.has_record() or core.error is not None or self.ended
+            self._client._rt.run_until(ready, None if timeout is None else int(timeout * 1e9))
+            if self.ended:
+                return None
         rec = sub.pop()
         if rec is None:
             core.raise_error()

@@ -4,10 +4,11 @@ counters, and what a client learned of the shards' stable watermarks."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from ziplog.client.driver import SubscriptionDriver
 from ziplog.cores.client.state import ClientState
+from ziplog.protocol import frames as wire
 from ziplog.protocol.types import Policy
 
 
@@ -41,8 +42,39 @@ class ClientBase:
         return self._state.stable.get(shard, 0)
 
 
+#: a gsn above every real one: COUNT from here answers with the replica's stable watermark
+PAST_EVERY_GSN = (1 << 63) - 1
+#: a RANGE answer carries about this much data
+RANGE_BYTES = 1 << 20
+
+
+def range_request(lo: int, hi: int) -> Callable[[int], Any]:
+    """A RANGE frame for a request id."""
+    return lambda req: wire.Range(req_id=req, lo=lo, hi=hi, max_bytes=RANGE_BYTES)
+
+
+def count_request(lo: int, hi: int, nth: int) -> Callable[[int], Any]:
+    """A COUNT frame for a request id."""
+    return lambda req: wire.Count(req_id=req, lo=lo, hi=hi, nth=nth)
+
+
+def shards_in(history: list[list[Any]]) -> list[int]:
+    return sorted({s for _, members in history for s in members})
+
+
 class SubscriptionBase:
     _sub: SubscriptionDriver
+    #: the last gsn this subscription returns (None: it goes on forever)
+    end: int | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Every record up to ``end`` has been returned: the subscription is over."""
+        end = self.end
+        if end is None:
+            return False
+        core = self._sub.core
+        return core.position >= end and not core.has_record_upto(end)
 
     @property
     def position(self) -> int:

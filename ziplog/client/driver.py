@@ -13,7 +13,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from ziplog.cores.client.calls import Call, EachReplicaCall, InsertCall, ReadCall
+from ziplog.cores.client.calls import (
+    Call,
+    EachReplicaCall,
+    InsertCall,
+    ReadCall,
+    ShardQueryCall,
+)
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.subscription import SubscriptionCore
 from ziplog.io.ports import Connector, Endpoint, Runtime, Timer
@@ -75,6 +81,13 @@ class ClientDriver:
         now = self.rt.now()
         call = ReadCall(self.client, rid, now + self.client.timeout_ns)
         self.start(call, on_done, now)
+        return call
+
+    def shard_query(self, shard: int, make: Callable[[int], wire.Frame], what: str,
+                    on_done: Callable[[], None] | None = None) -> ShardQueryCall:
+        """RANGE or COUNT: one replica of ``shard`` answers (the primary first)."""
+        call = ShardQueryCall(self.client, shard, make, self.rt.now() + self.client.timeout_ns, what)
+        self.start(call, on_done)
         return call
 
     def each_replica(self, shards: list[int], make: Callable[[int], wire.Frame], what: str,

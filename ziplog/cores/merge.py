@@ -146,6 +146,9 @@ class SubscriberMerge:
         self.last_delivered_gsn = last
         self.delivered = limit
 
+    def first_ready_gsn(self) -> int | None:
+        return self._ready[0][0] if self._ready else None
+
     @property
     def position(self) -> int:
         """Every gsn up to here has been handed out by :meth:`pop` (or holds no record):

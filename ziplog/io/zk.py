@@ -214,6 +214,17 @@ def stop(zk: KazooClient) -> None:
         pass
 
 
+def read_membership_history(zk: KazooClient) -> list[list[Any]]:
+    """The committed membership history, read fresh (after a sync): at least as new as
+    anything a replica answered before this call."""
+    try:
+        zk.sync(MEMBERSHIP_PATH)
+        data, _ = zk.get(MEMBERSHIP_PATH)
+    except NoNodeError:
+        return []
+    return dec(data) or []
+
+
 def register(zk: KazooClient, path: str, info: dict[str, Any]) -> None:
     """Create this process's ephemeral node at ``path`` (with its pid), replacing a stale
     one of its previous life."""

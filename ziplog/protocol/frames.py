@@ -43,12 +43,16 @@ SUBSCRIBE = 4
 CREDIT = 5
 UNSUBSCRIBE = 6
 STATUS = 7
+RANGE = 8
+COUNT = 9
 # -- storage server -> client ----------------------------------------------------------
 ACK = 16
 READ_OK = 17
 TRIM_OK = 18
 SUB_BATCH = 19
 STATUS_OK = 20
+RANGE_OK = 21
+COUNT_OK = 22
 ERROR = 31
 # -- replica <-> replica ---------------------------------------------------------------
 HELLO = 32
@@ -166,6 +170,26 @@ class Status(Frame, kw_only=True):
     req_id: U64
 
 
+class Range(Frame, kw_only=True):
+    """This shard's stable records with ``lo <= gsn <= hi``, from ``lo`` on, up to about
+    ``max_bytes`` of data (at least one record)."""
+    op: int = RANGE
+    req_id: U64
+    lo: U64
+    hi: U64
+    max_bytes: U64
+
+
+class Count(Frame, kw_only=True):
+    """How many stable records this shard holds with ``lo <= gsn <= hi``, and the gsn of
+    the ``nth`` of them (1-based; 0: not asked). Moves no data."""
+    op: int = COUNT
+    req_id: U64
+    lo: U64
+    hi: U64
+    nth: U64
+
+
 # -- storage server -> client ----------------------------------------------------------
 class Ack(Frame, kw_only=True):
     """``gsn`` for the insert ``req_id``: the decision when ``decided`` (always from the
@@ -212,6 +236,27 @@ class StatusOk(Frame, kw_only=True):
     op: int = STATUS_OK
     req_id: U64
     status: dict[str, Any]
+
+
+class RangeOk(Frame, kw_only=True):
+    """``records`` (gsn order) are every record of the range up to ``upto``: the next
+    request starts at ``upto + 1``. ``upto < hi`` when the batch was full, or when the
+    replica's stable watermark (``stable``) is below ``hi``."""
+    op: int = RANGE_OK
+    req_id: U64
+    records: list[tuple[U64, bytes]]
+    upto: U64
+    stable: U64
+
+
+class CountOk(Frame, kw_only=True):
+    """``count`` records with ``lo <= gsn <= min(hi, upto)``; ``nth_gsn`` the gsn of the
+    ``nth`` (0 if there are fewer); ``upto`` = min(hi, the replica's stable watermark)."""
+    op: int = COUNT_OK
+    req_id: U64
+    count: U64
+    nth_gsn: U64
+    upto: U64
 
 
 class Error(Frame, kw_only=True):
@@ -330,17 +375,17 @@ class Rate(Frame, kw_only=True):
     duration_ns: U64
 
 
-ClientRequest = Union[Insert, Read, Trim, Subscribe, Credit, Unsubscribe, Status]
+ClientRequest = Union[Insert, Read, Trim, Subscribe, Credit, Unsubscribe, Status, Range, Count]
 PeerRequest = Union[Hello, Prefix]
 RecoveryRequest = Union[Probe, Acquired, Fetch, Install, Resume]
 Request = Union[ClientRequest, PeerRequest, RecoveryRequest]
-Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, Error]
+Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, RangeOk, CountOk, Error]
 
 #: Frames a storage server's ROUTER takes bare, by op (FORWARD is not one of them: it
 #: comes only from the primary, on a backup's own connection).
 REQUESTS: dict[int, type[Frame]] = {
     INSERT: Insert, READ: Read, TRIM: Trim, SUBSCRIBE: Subscribe, CREDIT: Credit, UNSUBSCRIBE: Unsubscribe,
-    STATUS: Status, SIGNED: Signed,
+    STATUS: Status, RANGE: Range, COUNT: Count, SIGNED: Signed,
 }
 #: Frames a storage server's ROUTER takes only sealed by a cluster member.
 MEMBER_REQUESTS: dict[int, type[Frame]] = {
@@ -350,7 +395,8 @@ MEMBER_REQUESTS: dict[int, type[Frame]] = {
 MEMBER_OPS = frozenset((*MEMBER_REQUESTS, SUSPECT, RATE))
 #: Frames a client's DEALER takes.
 REPLIES: dict[int, type[Frame]] = {
-    ACK: Ack, READ_OK: ReadOk, TRIM_OK: TrimOk, SUB_BATCH: SubBatch, STATUS_OK: StatusOk, ERROR: Error,
+    ACK: Ack, READ_OK: ReadOk, TRIM_OK: TrimOk, SUB_BATCH: SubBatch, STATUS_OK: StatusOk, RANGE_OK: RangeOk,
+    COUNT_OK: CountOk, ERROR: Error,
 }
 FROM_PRIMARY: dict[int, type[Frame]] = {FORWARD: Forward, ERROR: Error}
 RECOVERY_REPLIES: dict[int, type[Frame]] = {RECOVERY_OK: RecoveryOk, ERROR: Error}

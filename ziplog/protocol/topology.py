@@ -83,6 +83,12 @@ class TopologyView:
             cache[shard] = found
         return found
 
+    def registered_addrs(self, shard: int) -> tuple[str, ...]:
+        """The addresses of the replicas of ``shard`` registered now, by replica number
+        (some may be missing: one restarting)."""
+        addrs = self.replicas.get(shard, {})
+        return tuple(addrs[i] for i in sorted(addrs))
+
     def shards(self) -> list[int]:
         """Every shard ever registered (removed ones included: they stay readable)."""
         return sorted(self.replica_counts)

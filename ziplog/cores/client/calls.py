@@ -345,3 +345,52 @@ class EachReplicaCall(Call):
         if now >= self.retry_at:
             return self._send_missing(now, topo)
         return []
+
+
+class ShardQueryCall(Call):
+    """A read-only request one replica of a shard answers (RANGE, COUNT): to the primary
+    first (its stable watermark is the shard's), to the next replica when one does not
+    answer within the retry interval. The first answer, or an ERROR, ends it."""
+
+    def __init__(self, client: ClientState, shard: int, make: Callable[[int], wire.Frame], deadline_ns: int,
+                 what: str) -> None:
+        super().__init__(deadline_ns)
+        self.client = client
+        self.shard = shard
+        self.make = make
+        self.what = what
+        self.tries = 0
+        self.target: str | None = None
+        self.msg: wire.Frame | None = None
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        req = self.client.next_req()
+        self.req_ids.append(req)
+        self.msg = self.make(req)
+        return self._send(now, topo)
+
+    def _send(self, now: int, topo: TopologyView) -> Sends:
+        assert self.msg is not None
+        addrs = topo.replica_addrs(self.shard) or topo.registered_addrs(self.shard)
+        self.wake_at = min(now + self.client.retry_after_ns, self.deadline_ns)
+        if not addrs:
+            self.target = None
+            return []
+        self.target = addrs[self.tries % len(addrs)]
+        self.tries += 1
+        return [((self.target,), self.msg)]
+
+    def waiting_on(self) -> Sequence[str]:
+        return (self.target,) if self.target is not None else ()
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        if self.done or addr != self.target or msg.req_id not in self.req_ids:
+            return []
+        if isinstance(msg, wire.Error):
+            return self.fail(from_reply(msg.code, msg.message))
+        return self._finish(msg)
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        if now >= self.deadline_ns:
+            return self.fail(ZiplogTimeoutError(f"{self.what} on shard {self.shard} not answered in time"))
+        return self._send(now, topo)

@@ -244,6 +244,11 @@ class SubscriptionCore:
     def has_record(self) -> bool:
         return self.merge is not None and len(self.merge) > 0
 
+    def has_record_upto(self, gsn: int) -> bool:
+        """A record at or below ``gsn`` waits to be read."""
+        return self.merge is not None and self.merge.first_ready_gsn() is not None and \
+            self.merge.first_ready_gsn() <= gsn  # type: ignore[operator]
+
     def raise_error(self) -> None:
         if self.error is not None:
             raise self.error

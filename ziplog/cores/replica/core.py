@@ -55,6 +55,8 @@ class ReplicaCore:
         self._handlers: dict[type, Callable[[bytes, Any, int], None]] = {
             f.Insert: self._on_insert,
             f.Read: self.fanout.on_read,
+            f.Range: self.fanout.on_range,
+            f.Count: self.fanout.on_count,
             f.Subscribe: self.fanout.on_subscribe,
             f.Credit: self.fanout.on_credit,
             f.Unsubscribe: lambda route, msg, now: self.fanout.on_unsubscribe(route, msg),

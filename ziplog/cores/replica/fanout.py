@@ -83,6 +83,45 @@ class Fanout:
             return
         self.out.send(route, f.ReadOk(req_id=req_id, gsn=gsn, data=rec.data, stable=log.stable))
 
+    def on_range(self, route: bytes, msg: f.Range, now: int) -> None:
+        """Stable records of ``[lo, hi]``, a batch at a time (never beyond what
+        subscribers may be served: the same positions a subscription would show)."""
+        self.stats["reads"] += 1
+        log = self.log
+        if msg.lo < log.trim_point and msg.lo <= msg.hi:
+            self.error(route, msg.req_id, f.E_TRIMMED, f"gsn {msg.lo} is below the trim point {log.trim_point}")
+            return
+        limit = min(msg.hi, log.servable)
+        gsns, records_by_gsn = log.gsns, log.records
+        i = bisect.bisect_left(gsns, msg.lo)
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        upto = limit
+        cap = min(max(msg.max_bytes, 1), self.s.sub_batch_bytes)
+        while i < len(gsns) and gsns[i] <= limit:
+            if out and size >= cap:
+                upto = out[-1][0]
+                break
+            g = gsns[i]
+            data = records_by_gsn[g].data
+            out.append((g, data))
+            size += len(data) + 16
+            i += 1
+        self.out.send(route, f.RangeOk(req_id=msg.req_id, records=out, upto=max(upto, msg.lo - 1),
+                                       stable=log.servable))
+
+    def on_count(self, route: bytes, msg: f.Count, now: int) -> None:
+        log = self.log
+        if msg.lo < log.trim_point and msg.lo <= msg.hi:
+            self.error(route, msg.req_id, f.E_TRIMMED, f"gsn {msg.lo} is below the trim point {log.trim_point}")
+            return
+        upto = min(msg.hi, log.servable)
+        gsns = log.gsns
+        first = bisect.bisect_left(gsns, msg.lo)
+        count = max(0, bisect.bisect_right(gsns, upto) - first)
+        nth = gsns[first + msg.nth - 1] if 0 < msg.nth <= count else 0
+        self.out.send(route, f.CountOk(req_id=msg.req_id, count=count, nth_gsn=nth, upto=upto))
+
     def serve_parked_reads(self) -> None:
         for p in self.parking.reads_upto(self.log.frontier):
             assert isinstance(p.msg, f.Read)

@@ -1,0 +1,115 @@
+"""The log's bounded reads on real processes: the stable-prefix watermark (no record ever
+appears at or below one returned, while writers insert), COUNT and RANGE per shard
+(exact against a subscription, trimmed starts refused), and a subscription that stops
+at an end. Plus the watermark rule itself, without I/O."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+
+import ziplog
+from ziplog import RecordId, TrimmedError
+from ziplog.client.aio import AsyncClient, run
+from ziplog.cores.client.watermark import stable_watermark
+from ziplog.protocol.gsna import epoch_base, epoch_end
+
+
+def test_the_watermark_rule() -> None:
+    history = [[0, [0, 1]], [5, [0, 1, 2]], [9, [1, 2]]]
+    # shard 2 has not reached epoch 5: the watermark stops at the end of epoch 4
+    assert stable_watermark(history, {0: epoch_base(6) + 3, 1: epoch_base(6) + 9, 2: 0}) == epoch_end(4)
+    # every member past epoch 8, and shard 0 (not a member from 9 on) no longer counts
+    stables = {0: epoch_end(8), 1: epoch_base(10) + 7, 2: epoch_base(10) + 5}
+    assert stable_watermark(history, stables) == epoch_base(10) + 5
+    assert stable_watermark(history, {0: 10, 1: 4}) == 4
+    assert stable_watermark([], {0: 100}) == 0
+    assert stable_watermark(history, {1: 4}, floor=50) == 50
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ziplog.LocalCluster]:
+    with ziplog.local_cluster(shards=2, replicas=2) as c:
+        yield c
+
+
+def test_nothing_appears_at_or_below_a_returned_watermark(cluster: ziplog.LocalCluster) -> None:
+    stop = threading.Event()
+    inserted: list[tuple[RecordId, int]] = []  # (rid, the highest watermark returned before its insert)
+    marks = [0]
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with cluster.client() as c:
+                while not stop.is_set():
+                    before = marks[0]
+                    inserted.append((c.insert_after(b"w"), before))
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        with cluster.client() as c:
+            for _ in range(60):
+                w = c.watermark()
+                assert w >= marks[0], "the watermark went back"
+                marks[0] = w
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors
+    assert len(inserted) > 20
+    for rid, mark in inserted:
+        assert rid.gsn > mark, f"{rid} appeared at or below watermark {mark} returned before its insert"
+
+
+def test_count_and_range_agree_with_a_subscription(cluster: ziplog.LocalCluster) -> None:
+    with cluster.client() as c:
+        rids = [c.insert_after(b"x%d" % i) for i in range(300)]
+        lo = min(r.gsn for r in rids)
+        w = c.watermark()
+        while w < max(r.gsn for r in rids):
+            w = c.watermark()
+        with c.subscribe(RecordId(lo, -1), end=w) as sub:
+            everything = list(sub)
+        assert sub.ended and sub.position >= w
+        assert set(rids) <= {r.rid for r in everything}
+        assert all(lo <= r.rid.gsn <= w for r in everything)
+        for shard in (0, 1):
+            mine = [r for r in everything if r.rid.shard == shard]
+            got = list(c.read_range(shard, lo, w))
+            assert [(r.rid, r.data) for r in got] == [(r.rid, r.data) for r in mine]
+            count, nth, upto = c.count_range(shard, lo, w, nth=7)
+            assert (count, upto) == (len(mine), w)
+            assert nth == mine[6].rid.gsn
+            # a sub-range: exact bounds, inclusive
+            a, b = mine[10].rid.gsn, mine[20].rid.gsn
+            assert [r.rid for r in c.read_range(shard, a, b)] == [r.rid for r in mine[10:21]]
+            assert c.count_range(shard, a, b)[0] == 11
+
+
+def test_async_ranges_and_trimmed_starts(cluster: ziplog.LocalCluster) -> None:
+    async def main() -> None:
+        async with AsyncClient(cluster.zk_hosts) as c:
+            rids = [await c.insert_after(b"a%d" % i) for i in range(50)]
+            w = await c.watermark()
+            while w < max(r.gsn for r in rids):
+                w = await c.watermark()
+            lo = min(r.gsn for r in rids)
+            got = [r async for r in c.read_range(0, lo, w)] + [r async for r in c.read_range(1, lo, w)]
+            assert set(rids) <= {r.rid for r in got}
+            async with c.subscribe(RecordId(lo, -1), end=w) as sub:
+                assert sorted(r.rid for r in got) == [r.rid async for r in sub]
+            await c.trim(RecordId(lo + 1, -1))
+            with pytest.raises(TrimmedError):
+                await c.count_range(rids[0].shard, lo, w)
+    run(main())
+    with cluster.client() as c, pytest.raises(TrimmedError):
+        list(c.read_range(0, 1, c.watermark()))
+    with cluster.client() as c, c.subscribe(RecordId(1, -1)) as sub:
+        with pytest.raises(TrimmedError):
+            sub.next(timeout=10)
