@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) -m ziplog.tools.demo
 	$(PY) -m ziplog.logdb.demo
+	$(PY) -m ziplog.spark.demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -1,0 +1,55 @@
+"""Spark replay: ``format("ziplog")`` for batch and streaming reads, and a sink.
+
+    from ziplog.spark import register
+    register(spark)
+    df = spark.read.format("ziplog").option("zk", hosts).load()
+    q = (spark.readStream.format("ziplog").option("zk", hosts).option("maxRecordsPerTrigger", 10000).load()
+         .writeStream.format("parquet").option("checkpointLocation", ckpt).start(out))
+
+Needs the extra ``ziplog[spark]`` (pyspark 4.3). Options, offsets and the exactly-once
+conditions: :mod:`ziplog.spark.source`, :mod:`ziplog.spark.sink`, the README.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceWriter,
+)
+from pyspark.sql.types import StructType
+
+from ziplog.spark.options import ReadOptions, WriteOptions
+from ziplog.spark.sink import ZiplogStreamWriter, ZiplogWriter
+from ziplog.spark.source import SCHEMA, ZiplogBatchReader, ZiplogStreamReader
+
+__all__ = ["register", "ZiplogDataSource", "SCHEMA"]
+
+
+class ZiplogDataSource(DataSource):  # type: ignore[misc]
+    @classmethod
+    def name(cls) -> str:
+        return "ziplog"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return ZiplogBatchReader(ReadOptions.parse(self.options, streaming=False))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return ZiplogStreamReader(ReadOptions.parse(self.options, streaming=True))
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        return ZiplogWriter(WriteOptions.parse(self.options))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        return ZiplogStreamWriter(WriteOptions.parse(self.options))
+
+
+def register(spark: Any) -> None:
+    """Register the short name ``ziplog`` with a Spark session."""
+    spark.dataSource.register(ZiplogDataSource)
