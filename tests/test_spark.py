@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,9 +21,12 @@ from ziplog import RID_GENESIS, RecordId
 
 pyspark = pytest.importorskip("pyspark")
 
+from pyspark import cloudpickle  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
+from pyspark.sql.datasource import DataSourceStreamWriter  # noqa: E402
 
-from ziplog.spark import register  # noqa: E402
+from ziplog.spark import ZiplogDataSource, local_session  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +37,12 @@ def cluster() -> Iterator[ziplog.LocalCluster]:
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[SparkSession]:
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable  # the workers import ziplog
-    session = (SparkSession.builder.master("local[2]").appName("ziplog-tests")
-               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.pyspark.python", sys.executable).config("spark.pyspark.driver.python", sys.executable)
-               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-               .config("spark.sql.streaming.noDataProgressEventInterval", "0")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_session("ziplog-tests", **{"spark.sql.streaming.noDataProgressEventInterval": "0"})
     try:
-        register(session)
+        # a sink that fails once at commit (registered before any query starts; its
+        # classes travel to the workers by value, not by a module they could not import)
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        session.dataSource.register(FailingSink)
         yield session
     finally:
         session.stop()
@@ -174,3 +173,116 @@ def test_the_sink_writes_each_row_once_when_a_write_runs_again(cluster: ziplog.L
                 break
             w = c.watermark()
     assert sorted(got) == sorted(r[0] for r in rows), "each row exactly once"
+
+
+class _FailFirstCommitWriter(DataSourceStreamWriter):  # type: ignore[misc]
+    """A stream writer whose first commit fails (a sink failure between a batch's write
+    and its commit); a marker file remembers that it failed."""
+
+    def __init__(self, inner: Any, marker: str) -> None:
+        self.inner = inner
+        self.marker = marker
+
+    def write(self, iterator: Any) -> Any:
+        return self.inner.write(iterator)
+
+    def commit(self, messages: Any, batchId: int) -> None:
+        if not os.path.exists(self.marker):
+            Path(self.marker).write_text("failed once")
+            raise RuntimeError("injected sink failure at commit")
+        self.inner.commit(messages, batchId)
+
+    def abort(self, messages: Any, batchId: int) -> None:
+        self.inner.abort(messages, batchId)
+
+
+class FailingSink(ZiplogDataSource):  # type: ignore[misc]
+    """format("ziplog_failing_commit"): the ziplog sink whose first commit fails (the
+    option ``failMarker`` names the file that remembers it failed)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "ziplog_failing_commit"
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> Any:
+        inner = super().streamWriter(schema, overwrite)
+        return _FailFirstCommitWriter(inner, self.options["failMarker"])
+
+
+def test_a_sink_failure_at_commit_replays_the_batch_and_the_log_holds_one_copy(
+        cluster: ziplog.LocalCluster, spark: SparkSession, tmp_path: Path) -> None:
+    marker = str(tmp_path / "failed")
+    with cluster.client() as c:
+        w0 = watermark_past(c, 0)
+        src = [c.insert_after(b"src-%d" % i) for i in range(200)]
+        upto = watermark_past(c, max(r.gsn for r in src))
+
+    def start() -> Any:
+        return (spark.readStream.format("ziplog").option("zk", cluster.zk_hosts)
+                .option("startingOffsets", json.dumps({"gsn": w0})).load()
+                .where(F.col("gsn") <= upto).where(F.col("data").cast("string").startswith("src-"))
+                .select(F.concat(F.lit("copy-"), F.col("data").cast("string")).cast("binary").alias("data"))
+                .writeStream.format("ziplog_failing_commit").option("zk", cluster.zk_hosts).option("failMarker", marker)
+                .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+
+    q = start()
+    with pytest.raises(Exception, match="injected sink failure"):
+        q.awaitTermination(120)
+    assert os.path.exists(marker)
+    q = start()  # the same checkpoint: the failed batch runs again, under the same ids
+    try:
+        q.awaitTermination(120)
+        rerun = sum(p["numInputRows"] for p in q.recentProgress)
+    finally:
+        q.stop()
+    assert rerun >= 200, "the failed batch was not run again: the check would prove nothing"
+    with cluster.client() as c:
+        w = watermark_past(c, 0)
+        with c.subscribe(RecordId(upto + 1, -1), end=w) as sub:
+            copies = [r.data for r in sub if r.data.startswith(b"copy-src-")]
+    assert sorted(copies) == sorted(b"copy-src-%d" % i for i in range(200)), "each row once in the log"
+
+
+# Last in the module: after this query (stopped while a replica restarts), Spark no longer
+# finds data sources registered in the session (seen with pyspark 4.3.0; not understood).
+def test_processing_time_under_a_live_writer_and_a_replica_kill(cluster: ziplog.LocalCluster, spark: SparkSession,
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with cluster.client() as c:
+        w0 = watermark_past(c, 0)
+    written: list[RecordId] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with cluster.client() as w:
+                while not stop.is_set() or len(written) < 1000:
+                    written.append(w.insert_after(b"live-%d" % len(written)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    q = _stream(spark, cluster, out, tmp_path / "ckpt", startingOffsets=json.dumps({"gsn": w0})) \
+        .trigger(processingTime="200 milliseconds").start()
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(p["numInputRows"] for p in q.recentProgress) < 300:
+            assert time.monotonic() < deadline and q.isActive, "the query read nothing"
+            q.awaitTermination(0.2)
+        cluster.kill_replica(0, 0)  # the primary of shard 0, SIGKILLed mid-run (started again)
+        while sum(p["numInputRows"] for p in q.recentProgress) < 700:
+            assert time.monotonic() < deadline and q.isActive, "the query stalled after the kill"
+            q.awaitTermination(0.2)
+        stop.set()
+        th.join()
+        assert not errors, errors
+        q.processAllAvailable()
+    finally:
+        stop.set()
+        th.join()
+        q.stop()
+    got = sorted((r.gsn, r.shard, bytes(r.data)) for r in spark.read.parquet(str(out)).collect())
+    want = sorted((r.gsn, r.shard, b"live-%d" % i) for i, r in enumerate(written))
+    assert len(want) >= 1000 and got == want

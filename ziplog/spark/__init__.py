@@ -26,7 +26,7 @@ from ziplog.spark.options import ReadOptions, WriteOptions
 from ziplog.spark.sink import ZiplogStreamWriter, ZiplogWriter
 from ziplog.spark.source import SCHEMA, ZiplogBatchReader, ZiplogStreamReader
 
-__all__ = ["register", "ZiplogDataSource", "SCHEMA"]
+__all__ = ["register", "local_session", "ZiplogDataSource", "SCHEMA"]
 
 
 class ZiplogDataSource(DataSource):  # type: ignore[misc]
@@ -53,3 +53,25 @@ class ZiplogDataSource(DataSource):  # type: ignore[misc]
 def register(spark: Any) -> None:
     """Register the short name ``ziplog`` with a Spark session."""
     spark.dataSource.register(ZiplogDataSource)
+
+
+def local_session(app_name: str = "ziplog", **conf: str) -> Any:
+    """A local Spark session (``local[2]``, bound to 127.0.0.1, no UI) whose Python
+    workers run this interpreter (they import ziplog), with ``ziplog`` registered. Stop
+    it when done (``session.stop()``, in a ``finally``)."""
+    import os
+    import sys
+
+    from pyspark.sql import SparkSession
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    builder = (SparkSession.builder.master("local[2]").appName(app_name)
+               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2"))
+    for k, v in conf.items():
+        builder = builder.config(k, v)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    return session

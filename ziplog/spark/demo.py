@@ -28,25 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="how long each of the two runs follows the writer")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     import ziplog
-    from ziplog.spark import register
+    from ziplog.spark import local_session
 
     written: Counter[str] = Counter()
     stop = threading.Event()
     print("starting a local cluster and a local Spark...", flush=True)
     with ziplog.local_cluster(shards=2, replicas=2) as cluster, tempfile.TemporaryDirectory() as tmp:
-        spark = (SparkSession.builder.master("local[2]").appName("ziplog-demo")
-                 .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-                 .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-                 .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = local_session("ziplog-demo")
         try:
-            register(spark)
             with cluster.client() as c:
                 start = c.watermark()
 
