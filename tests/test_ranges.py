@@ -6,7 +6,8 @@ at an end. Plus the watermark rule itself, without I/O."""
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+import time
+from typing import Any, Iterator
 
 import pytest
 
@@ -113,3 +114,57 @@ def test_async_ranges_and_trimmed_starts(cluster: ziplog.LocalCluster) -> None:
     with cluster.client() as c, c.subscribe(RecordId(1, -1)) as sub:
         with pytest.raises(TrimmedError):
             sub.next(timeout=10)
+
+
+def test_watermarks_stay_safe_across_shard_changes_and_a_recovery(cluster: ziplog.LocalCluster) -> None:
+    """Last in the module (it adds and removes a shard): while a writer inserts, a shard
+    joins, a primary is SIGKILLed (failure recovery) and the new shard leaves; every
+    watermark returned is at least the one before, and no record lands at or below a
+    watermark returned before its insert began."""
+    stop = threading.Event()
+    inserted: list[tuple[RecordId, int]] = []
+    marks = [0]
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with cluster.client() as c:
+                while not stop.is_set():
+                    before = marks[0]
+                    inserted.append((c.insert_after(b"w"), before))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def watch(c: ziplog.Client, until: Any, what: str) -> None:
+        """Take watermarks until ``until()`` holds (a condition on the writer's inserts)."""
+        deadline = time.monotonic() + 90
+        while not until():
+            assert time.monotonic() < deadline and not errors, f"waited too long for {what}: {errors}"
+            w = c.watermark()
+            assert w >= marks[0], "the watermark went back"
+            marks[0] = w
+
+    def landed_on(shard: int, after: int) -> Any:
+        return lambda: sum(1 for r, _ in inserted[after:] if r.shard == shard) >= 20
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        with cluster.client() as c:
+            watch(c, lambda: len(inserted) >= 50, "the first inserts")
+            added = cluster.add_shard()
+            watch(c, landed_on(added, 0), "inserts on the new shard")
+            n, restarts = len(inserted), len(cluster.restarts)
+            cluster.kill_replica(0, 0)  # failure recovery of shard 0; the supervisor restarts it
+            back = landed_on(0, n)
+            watch(c, lambda: len(cluster.restarts) > restarts and back(),
+                  "shard 0 to take inserts again after its restart and recovery")
+            cluster.remove_shard(added)
+            n = len(inserted)
+            watch(c, lambda: len(inserted) >= n + 100, "inserts after the removal")
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors
+    for rid, mark in inserted:
+        assert rid.gsn > mark, f"{rid} appeared at or below watermark {mark} returned before its insert"
