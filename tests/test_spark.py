@@ -1,8 +1,11 @@
 """``format("ziplog")`` on a real local cluster and a real local Spark (local[2], bound to
-127.0.0.1): batch reads exact against a subscription and bounded by their offsets,
-availableNow in limited batches across a restart of the same checkpoint, an idle log
-that runs no batch, failOnDataLoss both ways, and the sink writing each row once when a
-write runs again."""
+127.0.0.1), one session and one cluster for the module: batch reads exact against a
+subscription and bounded by their offsets; availableNow in limited batches across a
+restart of the same checkpoint; an idle log that plans no batch; failOnDataLoss both
+ways, for a batch start and for a checkpoint trimmed past; the sink writing each row
+once when a write runs again, and when a streaming sink fails at commit and restarts;
+key-routed rows; a task whose planned replica is gone; processingTime under a live
+writer with a replica SIGKILLed."""
 
 from __future__ import annotations
 
@@ -16,17 +19,15 @@ from typing import Any, Iterator
 
 import pytest
 
+# pyspark comes with the spark extra, which `make setup` installs: no skip when it is missing
+from pyspark import cloudpickle
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.datasource import DataSourceStreamWriter
+
 import ziplog
 from ziplog import RID_GENESIS, RecordId
-
-pyspark = pytest.importorskip("pyspark")
-
-from pyspark import cloudpickle  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
-from pyspark.sql import functions as F  # noqa: E402
-from pyspark.sql.datasource import DataSourceStreamWriter  # noqa: E402
-
-from ziplog.spark import ZiplogDataSource, local_session  # noqa: E402
+from ziplog.spark import ZiplogDataSource, local_session
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +243,69 @@ def test_a_sink_failure_at_commit_replays_the_batch_and_the_log_holds_one_copy(
             copies = [r.data for r in sub if r.data.startswith(b"copy-src-")]
     assert sorted(copies) == sorted(b"copy-src-%d" % i for i in range(200)), "each row once in the log"
 
+
+
+def test_fail_on_data_loss_after_a_checkpoint_is_trimmed_past(cluster: ziplog.LocalCluster, spark: SparkSession,
+                                                              tmp_path: Path) -> None:
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    with cluster.client() as c:
+        w0 = watermark_past(c, 0)
+        first = [c.insert_after(b"sl-%d" % i) for i in range(30)]
+        watermark_past(c, max(r.gsn for r in first))
+
+        def run(**opts: str) -> Any:
+            return _stream(spark, cluster, out, ckpt, startingOffsets=json.dumps({"gsn": w0}), **opts) \
+                .trigger(availableNow=True).start()
+        q = run()
+        try:
+            q.awaitTermination(120)
+        finally:
+            q.stop()
+        second = [c.insert_after(b"sl2-%d" % i) for i in range(30)]
+        cut = max(r.gsn for r in second[:10]) + 1
+        c.trim(RecordId(cut, -1))  # past the checkpoint: sl2 records below cut are gone unread
+        watermark_past(c, max(r.gsn for r in second))
+    q = run()
+    with pytest.raises(Exception, match="trim point"):
+        q.awaitTermination(120)
+    q.stop()
+    q = run(failOnDataLoss="false")
+    try:
+        q.awaitTermination(120)
+    finally:
+        q.stop()
+    got = sorted(bytes(r.data) for r in spark.read.parquet(str(out)).collect())
+    want = sorted([b"sl-%d" % i for i in range(30)] + [b"sl2-%d" % i for i, r in enumerate(second) if r.gsn >= cut])
+    assert got == want
+
+
+def test_the_sink_routes_rows_with_a_key_to_one_shard(cluster: ziplog.LocalCluster, spark: SparkSession) -> None:
+    rows = [(b"k%d" % (i % 5), b"keyed-%03d" % i) for i in range(100)]
+    with cluster.client() as c:
+        before = watermark_past(c, 0)
+    spark.createDataFrame(rows, "key binary, data binary").repartition(2) \
+        .write.format("ziplog").option("zk", cluster.zk_hosts).option("writeId", "keyed-1").mode("append").save()
+    with cluster.client() as c:
+        w = c.watermark()
+        while c.count_range(0, before + 1, w)[0] + c.count_range(1, before + 1, w)[0] < 100:
+            w = c.watermark()
+        with c.subscribe(RecordId(before + 1, -1), end=w) as sub:
+            shard_of = {r.data: r.rid.shard for r in sub if r.data.startswith(b"keyed-")}
+    assert len(shard_of) == 100
+    for k in range(5):
+        assert len({shard_of[b"keyed-%03d" % i] for i in range(k, 100, 5)}) == 1, "one key, one shard"
+
+
+def test_a_task_finds_moved_replicas_through_zookeeper(cluster: ziplog.LocalCluster) -> None:
+    from ziplog.spark.task import read_partition
+    with cluster.client() as c:
+        rids = [c.insert_after(b"moved-%d" % i) for i in range(40)]
+        w = watermark_past(c, max(r.gsn for r in rids))
+        lo = min(r.gsn for r in rids)
+        want = [(r.rid.gsn, 0, r.data) for r in c.read_range(0, lo, w)]
+    # the partition names a replica address where nothing listens any more
+    got = [(g, s, d) for g, s, _, d in read_partition(cluster.zk_hosts, 0, lo, w, ("tcp://127.0.0.1:9",))]
+    assert got == want and got
 
 # Last in the module: after this query (stopped while a replica restarts), Spark no longer
 # finds data sources registered in the session (seen with pyspark 4.3.0; not understood).
