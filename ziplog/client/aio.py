@@ -22,20 +22,12 @@ import asyncio
 import random
 from typing import Any, AsyncIterator, Coroutine, TypeVar
 
-from ziplog.client.common import (
-    PAST_EVERY_GSN,
-    ClientBase,
-    SubscriptionBase,
-    count_request,
-    new_client_id,
-    range_request,
-    shards_in,
-)
+from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.subscription import SubState
-from ziplog.cores.client.watermark import stable_watermark
+from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
 from ziplog.protocol import frames as wire
@@ -218,29 +210,26 @@ class AsyncClient(ClientBase):
         """The stable-prefix watermark (see :meth:`ziplog.Client.watermark`)."""
         driver = self._live_driver()
         assert self.topology is not None
-        stables: dict[int, int] = {}
-        history = self.topology.history
-        while True:
-            ask = [s for s in shards_in(history) if s not in stables]
+        query = WatermarkQuery(self.topology.history)
 
-            async def stable_of(shard: int) -> int:
-                try:
-                    msg = await self._wait(lambda done: driver.shard_query(
-                        shard, count_request(PAST_EVERY_GSN, PAST_EVERY_GSN, 0), "watermark", done))
-                    return int(msg.upto)
-                except ZiplogError:
-                    return 0  # unreachable now: the watermark waits for it
-            for shard, stable in zip(ask, await asyncio.gather(*(stable_of(s) for s in ask))):
-                stables[shard] = stable
+        async def ask(shard: int) -> None:
+            try:
+                query.got(shard, await self._wait(lambda done: driver.shard_query(shard, query.request, "watermark",
+                                                                                   done)))
+            except ZiplogError:
+                query.got(shard, None)
+        while True:
+            await asyncio.gather(*(ask(s) for s in query.to_ask()))
             # read after the stables: the history covers every epoch they reach
-            history = await asyncio.to_thread(zk.read_membership_history, self._zk)
-            if all(s in stables for s in shards_in(history)):
-                return stable_watermark(history, stables)
+            w = query.on_history(await asyncio.to_thread(zk.read_membership_history, self._zk))
+            if w is not None:
+                return w
 
     async def count_range(self, shard: int, lo: int, hi: int, nth: int = 0) -> tuple[int, int, int]:
         """See :meth:`ziplog.Client.count_range`."""
         driver = self._live_driver()
-        msg = await self._wait(lambda done: driver.shard_query(shard, count_request(lo, hi, nth), "count", done))
+        msg = await self._wait(lambda done: driver.shard_query(
+            shard, lambda req: wire.Count(req_id=req, lo=lo, hi=hi, nth=nth), "count", done))
         return msg.count, msg.nth_gsn, msg.upto
 
     async def read_range(self, shard: int, lo: int, hi: int) -> AsyncIterator[Record]:
@@ -248,13 +237,13 @@ class AsyncClient(ClientBase):
         driver = self._live_driver()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        while lo <= hi:
-            make = range_request(lo, hi)
+        pager = RangePager(lo, hi)
+        while not pager.done:
+            make = pager.request()
             msg = await self._wait(lambda done: driver.shard_query(shard, make, "range", done))
             for g, data in msg.records:
                 yield Record(RecordId(g, shard), data)
-            if msg.upto >= lo:
-                lo = msg.upto + 1
+            if pager.on_answer(msg):
                 deadline = loop.time() + self.timeout
             elif loop.time() > deadline:
                 raise ZiplogTimeoutError(f"shard {shard} is not stable up to gsn {hi}")

@@ -17,19 +17,11 @@ import random
 import time
 from typing import Any, Iterator
 
-from ziplog.client.common import (
-    PAST_EVERY_GSN,
-    ClientBase,
-    SubscriptionBase,
-    count_request,
-    new_client_id,
-    range_request,
-    shards_in,
-)
+from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import ClientState
-from ziplog.cores.client.watermark import stable_watermark
+from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.zmq_runtime import ZmqRuntime
 from ziplog.protocol import frames as wire
@@ -146,21 +138,18 @@ class Client(ClientBase):
         of its epoch, so no record can appear at or below W any more (it moves every
         epoch, also when nothing is written)."""
         self._check_open()
-        stables: dict[int, int] = {}
-        history = self.topology.history
+        query = WatermarkQuery(self.topology.history)
         while True:
-            ask = [s for s in shards_in(history) if s not in stables]
-            calls = {s: self._driver.shard_query(s, count_request(PAST_EVERY_GSN, PAST_EVERY_GSN, 0), "watermark")
-                     for s in ask}
+            calls = {s: self._driver.shard_query(s, query.request, "watermark") for s in query.to_ask()}
             for s, call in calls.items():
                 try:
-                    stables[s] = self._wait(call).upto
+                    query.got(s, self._wait(call))
                 except ZiplogError:
-                    stables[s] = 0  # unreachable now: the watermark waits for it
+                    query.got(s, None)
             # read after the stables: the history covers every epoch they reach
-            history = zk.read_membership_history(self._zk)
-            if all(s in stables for s in shards_in(history)):
-                return stable_watermark(history, stables)
+            w = query.on_history(zk.read_membership_history(self._zk))
+            if w is not None:
+                return w
 
     def count_range(self, shard: int, lo: int, hi: int, nth: int = 0) -> tuple[int, int, int]:
         """On ``shard``: how many stable records have ``lo <= gsn <= hi``, the gsn of the
@@ -168,7 +157,8 @@ class Client(ClientBase):
         that was counted (``hi``, or less when the replica's stable watermark is below
         it). Moves no data."""
         self._check_open()
-        msg = self._wait(self._driver.shard_query(shard, count_request(lo, hi, nth), "count"))
+        msg = self._wait(self._driver.shard_query(
+            shard, lambda req: wire.Count(req_id=req, lo=lo, hi=hi, nth=nth), "count"))
         return msg.count, msg.nth_gsn, msg.upto
 
     def read_range(self, shard: int, lo: int, hi: int) -> Iterator[Record]:
@@ -177,12 +167,12 @@ class Client(ClientBase):
         TrimmedError if ``lo`` is below the trim point."""
         self._check_open()
         deadline = time.monotonic() + self.timeout
-        while lo <= hi:
-            msg = self._wait(self._driver.shard_query(shard, range_request(lo, hi), "range"))
+        pager = RangePager(lo, hi)
+        while not pager.done:
+            msg = self._wait(self._driver.shard_query(shard, pager.request(), "range"))
             for g, data in msg.records:
                 yield Record(RecordId(g, shard), data)
-            if msg.upto >= lo:
-                lo = msg.upto + 1
+            if pager.on_answer(msg):
                 deadline = time.monotonic() + self.timeout
             elif time.monotonic() > deadline:
                 raise ZiplogTimeoutError(f"shard {shard} is not stable up to gsn {hi}")

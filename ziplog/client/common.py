@@ -4,11 +4,10 @@ counters, and what a client learned of the shards' stable watermarks."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Callable
 
 from ziplog.client.driver import SubscriptionDriver
 from ziplog.cores.client.state import ClientState
-from ziplog.protocol import frames as wire
 from ziplog.protocol.types import Policy
 
 
@@ -40,26 +39,6 @@ class ClientBase:
         """The highest stable watermark of ``shard`` this client has seen in a reply: a
         read of a gsn at or below it needs one replica's answer."""
         return self._state.stable.get(shard, 0)
-
-
-#: a gsn above every real one: COUNT from here answers with the replica's stable watermark
-PAST_EVERY_GSN = (1 << 63) - 1
-#: a RANGE answer carries about this much data
-RANGE_BYTES = 1 << 20
-
-
-def range_request(lo: int, hi: int) -> Callable[[int], Any]:
-    """A RANGE frame for a request id."""
-    return lambda req: wire.Range(req_id=req, lo=lo, hi=hi, max_bytes=RANGE_BYTES)
-
-
-def count_request(lo: int, hi: int, nth: int) -> Callable[[int], Any]:
-    """A COUNT frame for a request id."""
-    return lambda req: wire.Count(req_id=req, lo=lo, hi=hi, nth=nth)
-
-
-def shards_in(history: list[list[Any]]) -> list[int]:
-    return sorted({s for _, members in history for s in members})
 
 
 class SubscriptionBase:

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from ziplog.client.common import RANGE_BYTES
+from ziplog.cores.client.watermark import RangePager
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import TrimmedError, from_reply
 from ziplog.protocol.gsna import epoch_of
@@ -24,9 +24,9 @@ DIRECT_TIMEOUT_MS = 2_000
 Row = tuple[int, int, int, bytes]
 
 
-def _direct(addrs: tuple[str, ...], shard: int, lo: int, hi: int, done: list[int]) -> Iterator[Row]:
-    """Read [lo, hi] from the first replica that answers; ``done[0]`` is the last gsn
-    returned. Stops (without raising) when no replica answers."""
+def _direct(addrs: tuple[str, ...], shard: int, pager: RangePager) -> Iterator[Row]:
+    """Read the pager's range from the first replica that answers; stops (without
+    raising) when none does."""
     ctx: Any = zmq.Context.instance()
     for addr in addrs:
         sock = ctx.socket(zmq.DEALER)
@@ -34,9 +34,9 @@ def _direct(addrs: tuple[str, ...], shard: int, lo: int, hi: int, done: list[int
         sock.connect(addr)
         try:
             req = 0
-            while done[0] < hi:
+            while not pager.done:
                 req += 1
-                sock.send(wire.encode(wire.Range(req_id=req, lo=done[0] + 1, hi=hi, max_bytes=RANGE_BYTES)))
+                sock.send(wire.encode(pager.request()(req)))
                 if not sock.poll(DIRECT_TIMEOUT_MS):
                     break  # this replica is gone or slow: the next one
                 msg = wire.decode_reply(sock.recv())
@@ -49,11 +49,9 @@ def _direct(addrs: tuple[str, ...], shard: int, lo: int, hi: int, done: list[int
                     break
                 for g, data in msg.records:
                     yield (g, shard, epoch_of(g), data)
-                    done[0] = g
-                if msg.upto < done[0] + 1 and not msg.records:
+                if not pager.on_answer(msg):
                     break  # this replica is behind: another may not be
-                done[0] = max(done[0], msg.upto)
-            if done[0] >= hi:
+            if pager.done:
                 return
         finally:
             sock.close(0)
@@ -61,12 +59,12 @@ def _direct(addrs: tuple[str, ...], shard: int, lo: int, hi: int, done: list[int
 
 def read_partition(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...]) -> Iterator[Row]:
     """Rows ``(gsn, shard, epoch, data)`` of ``shard`` with ``lo <= gsn <= hi``, in gsn order."""
-    done = [lo - 1]
-    yield from _direct(addrs, shard, lo, hi, done)
-    if done[0] >= hi:
+    pager = RangePager(lo, hi)
+    yield from _direct(addrs, shard, pager)
+    if pager.done:
         return
     log.info("shard %d: the replicas the plan named did not answer; finding them in ZooKeeper", shard)
     from ziplog.client.blocking import Client
     with Client(zk) as client:
-        for rec in client.read_range(shard, done[0] + 1, hi):
+        for rec in client.read_range(shard, pager.next, hi):
             yield (rec.rid.gsn, shard, epoch_of(rec.rid.gsn), rec.data)
