@@ -36,36 +36,53 @@ def cluster() -> Iterator[ziplog.LocalCluster]:
         yield c
 
 
-def test_nothing_appears_at_or_below_a_returned_watermark(cluster: ziplog.LocalCluster) -> None:
-    stop = threading.Event()
-    inserted: list[tuple[RecordId, int]] = []  # (rid, the highest watermark returned before its insert)
-    marks = [0]
-    errors: list[BaseException] = []
+class WatermarkWatch:
+    """A writer thread inserting while the test takes watermarks: every insert is kept
+    with the highest watermark returned before it began; :meth:`check` asserts none landed
+    at or below it."""
 
-    def writer() -> None:
+    def __init__(self, cluster: ziplog.LocalCluster) -> None:
+        self.cluster = cluster
+        self.stop = threading.Event()
+        self.inserted: list[tuple[RecordId, int]] = []
+        self.mark = 0
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._write)
+
+    def _write(self) -> None:
         try:
-            with cluster.client() as c:
-                while not stop.is_set():
-                    before = marks[0]
-                    inserted.append((c.insert_after(b"w"), before))
+            with self.cluster.client() as c:
+                while not self.stop.is_set():
+                    before = self.mark
+                    self.inserted.append((c.insert_after(b"w"), before))
         except BaseException as exc:
-            errors.append(exc)
+            self.errors.append(exc)
 
-    th = threading.Thread(target=writer)
-    th.start()
-    try:
-        with cluster.client() as c:
-            for _ in range(60):
-                w = c.watermark()
-                assert w >= marks[0], "the watermark went back"
-                marks[0] = w
-    finally:
-        stop.set()
-        th.join()
-    assert not errors, errors
-    assert len(inserted) > 20
-    for rid, mark in inserted:
-        assert rid.gsn > mark, f"{rid} appeared at or below watermark {mark} returned before its insert"
+    def take(self, c: ziplog.Client) -> None:
+        w = c.watermark()
+        assert w >= self.mark, "the watermark went back"
+        self.mark = w
+
+    def __enter__(self) -> "WatermarkWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def check(self) -> None:
+        assert not self.errors, self.errors
+        for rid, mark in self.inserted:
+            assert rid.gsn > mark, f"{rid} appeared at or below watermark {mark} returned before its insert"
+
+
+def test_nothing_appears_at_or_below_a_returned_watermark(cluster: ziplog.LocalCluster) -> None:
+    with WatermarkWatch(cluster) as watch, cluster.client() as c:
+        for _ in range(60):
+            watch.take(c)
+    watch.check()
+    assert len(watch.inserted) > 20
 
 
 def test_count_and_range_agree_with_a_subscription(cluster: ziplog.LocalCluster) -> None:
@@ -121,50 +138,28 @@ def test_watermarks_stay_safe_across_shard_changes_and_a_recovery(cluster: ziplo
     joins, a primary is SIGKILLed (failure recovery) and the new shard leaves; every
     watermark returned is at least the one before, and no record lands at or below a
     watermark returned before its insert began."""
-    stop = threading.Event()
-    inserted: list[tuple[RecordId, int]] = []
-    marks = [0]
-    errors: list[BaseException] = []
+    with WatermarkWatch(cluster) as watch, cluster.client() as c:
+        inserted = watch.inserted
 
-    def writer() -> None:
-        try:
-            with cluster.client() as c:
-                while not stop.is_set():
-                    before = marks[0]
-                    inserted.append((c.insert_after(b"w"), before))
-        except BaseException as exc:
-            errors.append(exc)
+        def watch_until(until: Any, what: str) -> None:
+            """Take watermarks until ``until()`` holds (a condition on the writer's inserts)."""
+            deadline = time.monotonic() + 90
+            while not until():
+                assert time.monotonic() < deadline and not watch.errors, f"waited too long for {what}: {watch.errors}"
+                watch.take(c)
 
-    def watch(c: ziplog.Client, until: Any, what: str) -> None:
-        """Take watermarks until ``until()`` holds (a condition on the writer's inserts)."""
-        deadline = time.monotonic() + 90
-        while not until():
-            assert time.monotonic() < deadline and not errors, f"waited too long for {what}: {errors}"
-            w = c.watermark()
-            assert w >= marks[0], "the watermark went back"
-            marks[0] = w
+        def landed_on(shard: int, after: int) -> Any:
+            return lambda: sum(1 for r, _ in inserted[after:] if r.shard == shard) >= 20
 
-    def landed_on(shard: int, after: int) -> Any:
-        return lambda: sum(1 for r, _ in inserted[after:] if r.shard == shard) >= 20
-
-    th = threading.Thread(target=writer)
-    th.start()
-    try:
-        with cluster.client() as c:
-            watch(c, lambda: len(inserted) >= 50, "the first inserts")
-            added = cluster.add_shard()
-            watch(c, landed_on(added, 0), "inserts on the new shard")
-            n, restarts = len(inserted), len(cluster.restarts)
-            cluster.kill_replica(0, 0)  # failure recovery of shard 0; the supervisor restarts it
-            back = landed_on(0, n)
-            watch(c, lambda: len(cluster.restarts) > restarts and back(),
-                  "shard 0 to take inserts again after its restart and recovery")
-            cluster.remove_shard(added)
-            n = len(inserted)
-            watch(c, lambda: len(inserted) >= n + 100, "inserts after the removal")
-    finally:
-        stop.set()
-        th.join()
-    assert not errors, errors
-    for rid, mark in inserted:
-        assert rid.gsn > mark, f"{rid} appeared at or below watermark {mark} returned before its insert"
+        watch_until(lambda: len(inserted) >= 50, "the first inserts")
+        added = cluster.add_shard()
+        watch_until(landed_on(added, 0), "inserts on the new shard")
+        n, restarts = len(inserted), len(cluster.restarts)
+        cluster.kill_replica(0, 0)  # failure recovery of shard 0; the supervisor restarts it
+        back = landed_on(0, n)
+        watch_until(lambda: len(cluster.restarts) > restarts and back(),
+                    "shard 0 to take inserts again after its restart and recovery")
+        cluster.remove_shard(added)
+        n = len(inserted)
+        watch_until(lambda: len(inserted) >= n + 100, "inserts after the removal")
+    watch.check()

@@ -94,23 +94,22 @@ def test_available_now_in_limited_batches_across_a_restart(cluster: ziplog.Local
         w0 = watermark_past(c, 0)
         first = [c.insert_after(b"an-%d" % i) for i in range(250)]
         watermark_past(c, max(r.gsn for r in first))
-        q = _stream(spark, cluster, out, ckpt, maxRecordsPerTrigger="60",
-                    startingOffsets=json.dumps({"gsn": w0})).trigger(availableNow=True).start()
-        try:
-            q.awaitTermination(120)
-            sizes = [p["numInputRows"] for p in q.recentProgress]
-        finally:
-            q.stop()
+
+        def run() -> list[int]:
+            """One availableNow run on the checkpoint: the rows of each of its batches."""
+            q = _stream(spark, cluster, out, ckpt, maxRecordsPerTrigger="60",
+                        startingOffsets=json.dumps({"gsn": w0})).trigger(availableNow=True).start()
+            try:
+                q.awaitTermination(120)
+                return [p["numInputRows"] for p in q.recentProgress]
+            finally:
+                q.stop()
+
+        sizes = run()
         assert sum(sizes) == 250 and max(sizes) <= 60, sizes
         second = [c.insert_after(b"an2-%d" % i) for i in range(130)]
         watermark_past(c, max(r.gsn for r in second))
-        q = _stream(spark, cluster, out, ckpt, maxRecordsPerTrigger="60",
-                    startingOffsets=json.dumps({"gsn": w0})).trigger(availableNow=True).start()
-        try:
-            q.awaitTermination(120)
-            sizes = [p["numInputRows"] for p in q.recentProgress]
-        finally:
-            q.stop()
+        sizes = run()
         assert sum(sizes) == 130 and max(sizes) <= 60, sizes
     got = sorted((r.gsn, r.shard, bytes(r.data)) for r in spark.read.parquet(str(out)).collect())
     want = sorted((r.gsn, r.shard, b"an-%d" % i) for i, r in enumerate(first))

@@ -2,6 +2,8 @@
 of a log, so the same LogDB code (client, coordinator, KV shards) runs on it: the
 paper's comparison (dissertation 4.4.6: appendToShard + readRecord).
 
+(asyncio: what the coordinator and KV shard processes and the benchmark's clients use)
+
 * ``insert_after(data, after)``: an append to a random shard; Scalog acknowledges a
   record once a cut orders it, so any record appended after ``after`` was acknowledged
   gets a higher gsn (asserted): InsertAfter is an append;
@@ -37,46 +39,6 @@ def _dealer(ctx: Any, addr: str) -> Any:
     s.setsockopt(zmq.RCVHWM, 100_000)
     s.connect(addr)
     return s
-
-
-class ScalogLog:
-    """Blocking: one request at a time."""
-
-    def __init__(self, addrs: list[list[str]], timeout_s: float = 10.0, seed: int | None = None) -> None:
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self.rng = random.Random(seed)
-        self.socks = [_dealer(self.ctx, servers[self.rng.randrange(len(servers))]) for servers in addrs]
-        self.timeout_ms = int(timeout_s * 1000)
-        self.req = 0
-
-    def _call(self, shard: int, msg: list[Any]) -> Any:
-        self.req += 1
-        msg[1] = self.req
-        sock = self.socks[shard]
-        sock.send(msgpack.packb(msg))
-        while True:
-            if not sock.poll(self.timeout_ms):
-                raise ZiplogTimeoutError(f"Scalog-style shard {shard}: no answer")
-            req, value = msgpack.unpackb(sock.recv())
-            if req == self.req:
-                return value
-
-    def insert_after(self, data: bytes, after: RecordId = RID_GENESIS) -> RecordId:
-        shard = self.rng.randrange(len(self.socks))
-        gsn = int(self._call(shard, [APPEND, 0, data])) + 1
-        assert gsn > after.gsn, (gsn, after)
-        return RecordId(gsn, shard)
-
-    def read_record(self, rid: RecordId) -> bytes:
-        data = self._call(rid.shard, [READ, 0, rid.gsn - 1])
-        if data is None:
-            raise NotFoundError(f"no record at {rid}")
-        return bytes(data)
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close(0)
-        self.ctx.term()
 
 
 class AsyncScalogLog:

@@ -23,6 +23,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
+from ziplog.logdb.core.coordinator import collection_point
 from ziplog.protocol.layout import dec, enc
 
 log = logging.getLogger("ziplog.logdb")
@@ -90,9 +91,7 @@ def collectable(zk: KazooClient, name: str) -> int:
             continue
         if type(meta.get("position")) is int:
             positions[who] = meta["position"]
-    if not isinstance(shards, int) or any(f"kv-{i}" not in positions for i in range(shards)):
-        return 0
-    return min(positions.values())
+    return collection_point(positions, shards if isinstance(shards, int) else None)
 
 
 class Directory:

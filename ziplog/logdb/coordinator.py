@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -111,7 +110,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.logdb.coordination import collectable, db_path, ensure_db, publish_gc
-    from ziplog.protocol.errors import TrimmedError, ZiplogError
+    from ziplog.logdb.process import bind_router, replay, run_until_stopped, stop_event
     from ziplog.protocol.types import RecordId
     from ziplog.server.process import load_cluster_key
 
@@ -119,9 +118,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     loop = asyncio.get_running_loop()
     rt = AsyncioRuntime(loop)
     session = zk.ElectedSession(args.zk, key, rt)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     ctx = zmq.asyncio.Context()
     client = None
     try:
@@ -131,11 +128,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         stored = snapshots.load()
         core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
         who = f"coordinator-{args.id}"
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        addr = f"tcp://127.0.0.1:{port}"
+        router, addr = bind_router(ctx)
 
         def send(answer: Send) -> None:
             route, frame = answer
@@ -161,15 +154,6 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                 route, frame = await router.recv_multipart()
                 driver.on_request(route, frame)
 
-        async def replay() -> None:
-            async with client.subscribe(RecordId(core.position + 1, -1)) as sub:
-                while True:
-                    rec = await sub.next(timeout=0.05)
-                    while rec is not None:
-                        driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
-                        rec = await sub.next(timeout=0)
-                    driver.on_position(sub.position)
-
         async def tick() -> None:
             while True:
                 await asyncio.sleep(0.1)
@@ -187,23 +171,13 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                         await client.trim(RecordId(point, -1))
                         log.info("trimmed the log below gsn %d", point)
                         trimmed = point
-                except (ZiplogError, Exception) as exc:
+                except Exception as exc:
                     log.warning("collection failed (tried again): %r", exc)
 
-        tasks = [asyncio.create_task(c()) for c in (answer_clients, replay, tick, collect)]
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-        for t in [*tasks, waiter]:
-            t.cancel()
-        for t in done:
-            if t is not waiter and t.exception() is not None:
-                exc = t.exception()
-                if isinstance(exc, TrimmedError):
-                    log.error("the log is trimmed past this replica's snapshot (gsn %d): copy a peer's snapshot "
-                              "file into its data directory", core.position)
-                    return 2
-                raise exc  # type: ignore[misc]
-        return 0
+        return await run_until_stopped(
+            stop, [answer_clients(), replay(client, core.position + 1, driver, 0.05), tick(), collect()],
+            lambda: f"the log is trimmed past this replica's snapshot (gsn {core.position}): copy a peer's "
+                    "snapshot file into its data directory")
     finally:
         if client is not None:
             await client.close()

@@ -11,9 +11,7 @@ simulation in ``tests`` runs the same driver over a scripted log and a crashing 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sqlite3
 import sys
 import time
@@ -40,7 +38,6 @@ class KvShardDriver:
         #: a batch the store refused (a full disk): tried again before anything else
         self._unstored: Any = None
         self._retry_at = 0
-        self.store_failures = 0
 
     @property
     def blocked(self) -> bool:
@@ -70,7 +67,6 @@ class KvShardDriver:
         except sqlite3.Error as exc:
             if self._unstored is None:
                 log.error("the store refused a write (%s): applying stops until it takes it", exc)
-            self.store_failures += 1
             self._unstored = batch
             self._retry_at = now + STORE_RETRY_NS
             return False
@@ -104,22 +100,17 @@ class KvShardDriver:
 async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     """The process's body. ``open_log`` opens the log it replays (default: a ziplog
     ``AsyncClient``; the benchmark runs the same process on another log)."""
-    import zmq
     import zmq.asyncio
 
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
     from ziplog.logdb.coordination import db_path, ensure_db, publish_gc
-    from ziplog.protocol.errors import TrimmedError
-    from ziplog.protocol.types import RecordId
+    from ziplog.logdb.process import bind_router, replay, run_until_stopped, stop_event
     from ziplog.server.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     client = None
     ctx = zmq.asyncio.Context()
     store = None
@@ -135,12 +126,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
                  core.applied, core.replay_from)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1") if args.port == 0 else args.port
-        if args.port:
-            router.bind(f"tcp://127.0.0.1:{port}")
-        addr = f"tcp://127.0.0.1:{port}"
+        router, addr = bind_router(ctx, args.port)
         session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr})
 
         async def answer_clients() -> None:
@@ -148,35 +134,13 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                 route, frame = await router.recv_multipart()
                 await router.send_multipart([route, driver.answer(frame)])
 
-        async def apply_log() -> None:
-            async with client.subscribe(RecordId(core.replay_from, -1)) as sub:
-                while True:
-                    if driver.blocked:
-                        driver.flush()
-                        await asyncio.sleep(STORE_RETRY_NS / 1e9)
-                        continue
-                    rec = await sub.next(timeout=0.1)
-                    while rec is not None:
-                        driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
-                        rec = await sub.next(timeout=0)
-                    driver.on_position(sub.position)
-                    driver.flush()
-
-        tasks = [asyncio.create_task(answer_clients()), asyncio.create_task(apply_log())]
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-        for t in [*tasks, waiter]:
-            t.cancel()
-        for t in done:
-            if t is not waiter and t.exception() is not None:
-                exc = t.exception()
-                if isinstance(exc, TrimmedError):
-                    log.error("the log is trimmed past this shard's snapshot (gsn %d): restore the shard from a "
-                              "peer's copy or from the start of the log", core.position)
-                    return 2
-                raise exc  # type: ignore[misc]
+        code = await run_until_stopped(
+            stop, [answer_clients(), replay(client, core.replay_from, driver, 0.1, driver.flush,
+                                            lambda: driver.blocked, STORE_RETRY_NS / 1e9)],
+            lambda: f"the log is trimmed past this shard's snapshot (gsn {core.position}): restore the shard "
+                    "from a peer's copy or from the start of the log")
         driver.flush()
-        return 0
+        return code
     finally:
         if client is not None:
             await client.close()

@@ -19,6 +19,7 @@ from ziplog.io import zk
 from ziplog.logdb.coordination import db_path
 from ziplog.logdb.store import SqliteStore
 from ziplog.tools import procs
+from ziplog.tools.cluster import kill_leader
 
 
 class LocalLogDB:
@@ -93,12 +94,7 @@ class LocalLogDB:
     def kill_coordinator_leader(self) -> int:
         """SIGKILL the coordinator leader (it is started again at once, on its snapshot);
         returns its id."""
-        leader = self.leader()
-        if leader is None:
-            raise RuntimeError("no coordinator leads")
-        procs.kill(self.coordinators[leader])
-        self._spawn_coordinator(leader)
-        return leader
+        return kill_leader(self._zk, f"{db_path(self.name)}/election", self.coordinators, self._spawn_coordinator)
 
     def kill_kv_shard(self, i: int) -> None:
         """SIGKILL KV shard ``i`` (it stays down until :meth:`restart_kv_shard`)."""

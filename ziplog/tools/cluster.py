@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ziplog.io import zk as discovery
 from ziplog.io.segments import replica_dir
@@ -216,13 +216,7 @@ class LocalCluster:
         return self._kill_leader(layout.fh_election_path(0), self.fh, self._spawn_fh)
 
     def _kill_leader(self, election: str, procs_by_id: dict[int, Any], respawn: Any) -> int:
-        contenders = self._zkc.Election(election).contenders()
-        if not contenders:
-            raise RuntimeError(f"no leader at {election}")
-        leader = int(contenders[0])
-        procs.kill(procs_by_id[leader])
-        respawn(leader)
-        return leader
+        return kill_leader(self._zkc, election, procs_by_id, respawn)
 
     def add_shard(self, timeout: float = 60.0) -> int:
         """Start a new shard; returns its id once it is in the membership and serving."""
@@ -247,6 +241,18 @@ class LocalCluster:
     def client(self, **kw: Any) -> Any:
         from ziplog.client.blocking import Client
         return Client(self.zk_hosts, **kw)
+
+
+def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: Callable[[int], None]) -> int:
+    """SIGKILL the process leading the election at ``election`` (its id is the
+    contender's identifier), start it again with ``respawn``; returns its id."""
+    contenders = zkc.Election(election).contenders()
+    if not contenders:
+        raise RuntimeError(f"no leader at {election}")
+    leader = int(contenders[0])
+    procs.kill(procs_by_id[leader])
+    respawn(leader)
+    return leader
 
 
 def replica_status(ctx: Any, addr: str, timeout_ms: int) -> wire.Reply | None:

@@ -246,8 +246,8 @@ class SubscriptionCore:
 
     def has_record_upto(self, gsn: int) -> bool:
         """A record at or below ``gsn`` waits to be read."""
-        return self.merge is not None and self.merge.first_ready_gsn() is not None and \
-            self.merge.first_ready_gsn() <= gsn  # type: ignore[operator]
+        first = self.merge.first_ready_gsn() if self.merge is not None else None
+        return first is not None and first <= gsn
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -29,6 +29,15 @@ WAIT_LIMIT_NS = 20_000_000_000
 Send = tuple[Any, bytes]
 
 
+def collection_point(positions: dict[str, int], kv_shards: int | None) -> int:
+    """Where the log may be trimmed: below the smallest position a replayer (``kv-<i>``,
+    ``coordinator-<id>``) published a durable snapshot at, once all ``kv_shards`` KV
+    shards published one (0 until then: a shard that never did replays from the start)."""
+    if kv_shards is None or any(f"kv-{i}" not in positions for i in range(kv_shards)):
+        return 0
+    return min(positions.values())
+
+
 class CoordinatorCore:
     def __init__(self, validator: Validator | None = None, max_waiting: int = MAX_WAITING) -> None:
         self.validator = validator or Validator()
@@ -37,8 +46,6 @@ class CoordinatorCore:
         self._waiting: list[tuple[int, int, int, Any, f.Request]] = []
         self._order = itertools.count()
         self.now = 0
-        self.bad_requests = 0
-        self.decisions = 0
 
     @property
     def position(self) -> int:
@@ -46,8 +53,7 @@ class CoordinatorCore:
 
     # -- the log ----------------------------------------------------------------------------------
     def on_record(self, gsn: int, shard: int, data: bytes) -> list[Send]:
-        if self.validator.on_record(gsn, shard, data) is not None:
-            self.decisions += 1
+        self.validator.on_record(gsn, shard, data)
         return self._release()
 
     def on_position(self, gsn: int) -> list[Send]:
@@ -59,7 +65,6 @@ class CoordinatorCore:
         try:
             req = f.decode_request(data)
         except f.BadFrame as exc:
-            self.bad_requests += 1
             return [(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}")))]
         if type(req) is f.KvGet:
             return [(route, f.encode(f.Failed(req=req.req, code=f.BAD_REQUEST,

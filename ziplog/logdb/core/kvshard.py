@@ -98,7 +98,6 @@ class KvShardCore:
         self._pending: list[Applied] = []
         self._stored_at = now
         self._snapshot_at = now
-        self.skipped_replays = 0  # decisions at or below ``applied`` met again after a restart
 
     @property
     def replay_from(self) -> int:
@@ -118,8 +117,7 @@ class KvShardCore:
         if d is None or not d.committed or d.duplicate:
             return d
         if gsn <= self.applied:
-            self.skipped_replays += 1  # applied before the restart: only the validation state was rebuilt
-            return d
+            return d  # applied before the restart: replaying it only rebuilt the validation state
         mine = tuple(w for w in d.writes if self.owns(w[0]))
         if mine:
             assert not self._pending or self._pending[-1].gsn < gsn

@@ -1,0 +1,84 @@
+"""What the coordinator and KV shard processes share around their drivers: the stop
+signals, the ROUTER clients talk to, the loop that feeds the log's records and positions
+to a driver, and running the process's tasks until a signal or a failure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any, Callable, Coroutine, Protocol
+
+import zmq
+import zmq.asyncio
+
+from ziplog.protocol.errors import TrimmedError
+from ziplog.protocol.types import RecordId
+
+log = logging.getLogger("ziplog.logdb")
+
+
+class Replayer(Protocol):
+    def on_record(self, gsn: int, shard: int, data: bytes) -> None: ...
+
+    def on_position(self, gsn: int) -> None: ...
+
+
+def stop_event() -> asyncio.Event:
+    """Set on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def bind_router(ctx: zmq.asyncio.Context, port: int = 0) -> tuple[zmq.asyncio.Socket, str]:
+    """A ROUTER on loopback (``port`` 0: any free one) and its address."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    if port:
+        router.bind(f"tcp://127.0.0.1:{port}")
+    else:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+    return router, f"tcp://127.0.0.1:{port}"
+
+
+async def replay(log_client: Any, first_gsn: int, driver: Replayer, idle_s: float,
+                 turn_end: Callable[[], object] = lambda: None, paused: Callable[[], bool] = lambda: False,
+                 retry_s: float = 0.2) -> None:
+    """Feed ``driver`` the log from ``first_gsn`` on, for good: every record, then the
+    subscription's position, then ``turn_end``, per batch (or every ``idle_s`` when the
+    log is idle). While ``paused()`` no more is read (``turn_end`` is tried every
+    ``retry_s``)."""
+    async with log_client.subscribe(RecordId(first_gsn, -1)) as sub:
+        while True:
+            while paused():
+                await asyncio.sleep(retry_s)
+                turn_end()
+            rec = await sub.next(timeout=idle_s)
+            while rec is not None:
+                driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
+                rec = await sub.next(timeout=0)
+            driver.on_position(sub.position)
+            turn_end()
+
+
+async def run_until_stopped(stop: asyncio.Event, bodies: list[Coroutine[Any, Any, None]],
+                            when_trimmed: Callable[[], str]) -> int:
+    """Run the process's tasks until ``stop`` is set (0) or one of them fails: the log
+    trimmed past where it must replay from is logged with ``when_trimmed()`` (2); any
+    other failure is raised."""
+    tasks = [asyncio.create_task(b) for b in bodies]
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+    for t in [*tasks, waiter]:
+        t.cancel()
+    for t in done:
+        exc = None if t is waiter else t.exception()
+        if isinstance(exc, TrimmedError):
+            log.error("%s", when_trimmed())
+            return 2
+        if exc is not None:
+            raise exc
+    return 0
