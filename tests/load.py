@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ziplog
 from ziplog.protocol import layout
@@ -171,6 +171,26 @@ def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen:
     zk.DataWatch(path, watch)
     assert done.wait(timeout), f"shard {shard}: recovery did not reach {phase} (record {recovery_record(cluster, shard)})"
     return seen
+
+
+#: status() has no change event: a test waiting for a replica's state asks this often
+STATUS_POLL_S = 0.05
+
+
+def wait_status(client: ziplog.Client, shards: list[int] | None = None,
+                until: Callable[[dict[int, list[dict[str, Any]]]], bool] = lambda st: True,
+                timeout: float = 60.0) -> dict[int, list[dict[str, Any]]]:
+    """``client.status()`` of ``shards`` (default: every shard) once every replica of them
+    answered and ``until(status)`` holds: a replica restarting or recovering is waited
+    for, never indexed while it may be missing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status(wait=min(5.0, max(0.1, deadline - time.monotonic())))
+        got = st if shards is None else {s: st.get(s, []) for s in shards}
+        if all(got.values()) and all(r["answer"] == "ok" for reps in got.values() for r in reps) and until(got):
+            return got
+        assert time.monotonic() < deadline, f"the replicas never reached the state wanted: {got}"
+        time.sleep(STATUS_POLL_S)
 
 
 class RegistrationWatch:

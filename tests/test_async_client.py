@@ -152,10 +152,11 @@ def test_policies_and_status(cluster: ziplog.LocalCluster, written: dict[RecordI
             await c.insert_after(b"nowhere")
         with pytest.raises(TypeError):
             c.set_policy("random")  # type: ignore[arg-type]
-        st = await c.status()
+        st = await c.status(wait=60)
         assert sorted(st) == [0, 1]
         for shard, reps in st.items():
             assert [r["replica"] for r in reps] == [0, 1]
+            assert all(r["answer"] == "ok" for r in reps)
             assert all(r["shard"] == shard for r in reps)
 
     run(body, cluster)

@@ -11,6 +11,7 @@ import zmq
 
 import ziplog
 from ziplog.protocol import frames as wire
+from tests.load import wait_status
 
 V = wire.PROTOCOL_VERSION
 
@@ -87,7 +88,7 @@ def test_server_keeps_serving_and_nothing_is_lost(cluster: ziplog.LocalCluster, 
         assert after.gsn > rid.gsn
         assert c.read_record(rid) == b"before the garbage"
         assert c.read_record(after) == b"after the garbage"
-        for reps in c.status().values():
+        for reps in wait_status(c).values():
             for r in reps:
                 assert r["records"] >= 2
     for p in cluster.servers.values():

@@ -16,6 +16,7 @@ import pytest
 import ziplog
 from ziplog import RecordId
 from ziplog.tools.cli import main, parse_rid
+from tests.load import wait_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +95,7 @@ def test_read_missing_record_is_one_clear_error_line(zk: str, capsys: pytest.Cap
 def test_tail_n_prints_records_in_gsn_order(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Insert after every replica's frontier, so no earlier record has a gsn above ours.
     with ziplog.Client(zk) as c:
-        top = max(r["frontier"] for reps in c.status().values() for r in reps)
+        top = max(r["frontier"] for reps in wait_status(c).values() for r in reps)
     rc, out, _ = run(capsys, "insert", "--zk", zk, "--after", f"{top}:0", "t1", "t2", "t3")
     assert rc == 0
     mine = rids(out)
@@ -130,6 +131,23 @@ def test_status_table(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows:
         assert int(r["epoch"]) >= 0 and int(r["records"]) > 0
         assert int(r["stable"]) <= int(r["frontier"])
+
+
+def test_status_table_lists_replicas_that_did_not_answer() -> None:
+    from ziplog.tools.cli import format_status, status_rows
+    st = {0: [{"shard": 0, "replica": 0, "answer": "ok", "primary": True, "epoch": 3, "frontier": 9, "stable": 9,
+               "records": 2},
+              {"shard": 0, "replica": 1, "addr": None, "answer": "not registered"}],
+          1: [{"shard": 1, "replica": 0, "addr": "tcp://h:1", "answer": "unreachable"},
+              {"shard": 1, "replica": 1, "answer": "ok", "primary": False, "epoch": 3, "frontier": 9, "stable": 9,
+               "records": 2}]}
+    lines = format_status(status_rows(st)).splitlines()
+    header = lines[0].split()
+    rows = [dict(zip(header, line.split())) for line in lines[1:]]
+    assert [(r["shard"], r["replica"], r["answer"], r["role"]) for r in rows] == [
+        ("0", "0", "ok", "primary"), ("0", "1", "not-registered", "backup"),
+        ("1", "0", "unreachable", "primary"), ("1", "1", "ok", "backup")]
+    assert rows[1]["frontier"] == "-" and rows[3]["frontier"] == "9"
 
 
 @pytest.mark.parametrize("bad", ["abc", "12", "x:0", "0:0", "5:-1"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ziplog.cores.client.calls import InsertCall, InsertState
+from ziplog.cores.client.calls import InsertCall, InsertState, StatusCall
 from ziplog.cores.client.state import AVOID_NS, RETRY_AFTER_NS, ClientState
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import NoShardAvailableError
@@ -71,3 +71,43 @@ def test_a_pinned_insert_waits_for_its_shard_and_fails_at_the_deadline() -> None
     assert call.start(0, topo) == [] and call.state is InsertState.WAITING_FOR_SHARD and call.wake_at == 2 * S
     call.on_timer(2 * S, topo)
     assert call.done and isinstance(call.error, NoShardAvailableError)
+
+
+def _status_ok(req: int, shard: int, replica: int) -> wire.StatusOk:
+    return wire.StatusOk(req_id=req, status={"shard": shard, "replica": replica, "frontier": 7})
+
+
+def test_status_lists_every_replica_the_topology_names_answered_or_not() -> None:
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    del topo.replicas[1][1]  # shard 1's backup is not registered (restarting)
+    call = StatusCall(c, 10 * S, wait_ns=S)
+    (addrs, msg), = call.start(0, topo)
+    assert sorted(addrs) == ["tcp://s0r0", "tcp://s0r1", "tcp://s1r0"] and isinstance(msg, wire.Status)
+    call.on_reply("tcp://s0r0", _status_ok(msg.req_id, 0, 0), 1, topo)
+    call.on_reply("tcp://s1r0", _status_ok(msg.req_id, 1, 0), 1, topo)
+    call.on_reply("tcp://s1r0", _status_ok(msg.req_id + 1, 1, 0), 1, topo)  # another request's answer: ignored
+    # s0r1 is silent: asked again every retry interval, then reported unreachable
+    (again, msg2), = call.on_timer(RETRY_AFTER_NS, topo)
+    assert again == ("tcp://s0r1",) and msg2.req_id == msg.req_id and not call.done
+    call.on_timer(S, topo)
+    assert call.done
+    st = call.result()
+    assert [[r["answer"] for r in st[s]] for s in (0, 1)] == [["ok", "unreachable"], ["ok", "not registered"]]
+    assert st[0][0]["frontier"] == 7 and st[0][1]["addr"] == "tcp://s0r1" and st[1][1]["addr"] is None
+
+
+def test_status_asks_a_replica_that_registers_while_it_waits_and_ends_when_all_answered() -> None:
+    c, topo = _client(Policy.random()), _topology([0])
+    gone = topo.replicas[0].pop(1)
+    call = StatusCall(c, 10 * S, wait_ns=S)
+    (_, msg), = call.start(0, topo)
+    call.on_reply("tcp://s0r0", _status_ok(msg.req_id, 0, 0), 1, topo)
+    assert call.done and call.result()[0][1]["answer"] == "not registered"  # a snapshot: not waited for
+    call = StatusCall(c, 10 * S, wait_ns=S)
+    (_, msg), = call.start(0, topo)
+    topo.replicas[0][1] = gone
+    (addrs, _), = call.on_topology(2, topo)
+    assert addrs == ("tcp://s0r0", "tcp://s0r1")
+    call.on_reply("tcp://s0r1", wire.Error(req_id=msg.req_id, code=wire.E_OVERLOADED, message="busy"), 3, topo)
+    call.on_reply("tcp://s0r0", _status_ok(msg.req_id, 0, 0), 3, topo)
+    assert call.done and [r["answer"] for r in call.result()[0]] == ["ok", "error"]

@@ -10,6 +10,7 @@ import pytest
 
 import ziplog
 from ziplog import RID_GENESIS, Policy, RecordId
+from tests.load import wait_status
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_read_recent_and_stable_records(cluster: ziplog.LocalCluster) -> None:
         assert c.read_record(rids[-1]) == b"r19" * 100  # teaches the client the stable watermark
 
         def reads_served() -> int:
-            return sum(r["reads"] for reps in c.status().values() for r in reps)
+            return sum(r["reads"] for reps in wait_status(c).values() for r in reps)
 
         before = reads_served()
         for i, rid in enumerate(rids):

@@ -20,6 +20,7 @@ from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
+from tests.load import wait_status
 
 STRANGER = ClusterKey(b"not this cluster's secret at all")
 
@@ -82,7 +83,7 @@ def ask(sock: zmq.Socket, frame: bytes) -> Any:
 
 
 def primary_status(client: ziplog.Client, shard: int) -> dict[str, Any]:
-    return client.status()[shard][0]
+    return wait_status(client, [shard])[shard][0]
 
 
 def recovery_generations(cluster: ziplog.LocalCluster) -> dict[int, int]:
@@ -207,7 +208,7 @@ def test_junk_on_every_control_plane_edge_changes_nothing(cluster: ziplog.LocalC
     # to every replica follows it).
     rids = [client.insert_after(f"after junk {i}".encode()) for i in range(20)]
     assert {r.shard for r in rids} == set(cluster.shard_ids)
-    status = client.status()
+    status = wait_status(client)
     for shard, replicas in status.items():
         for st in replicas:
             assert not st["frozen"] and st["recovery"] == "normal", (shard, st)

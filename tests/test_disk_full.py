@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 
 import ziplog
-from tests.load import Load
+from tests.load import Load, wait_status
 from ziplog.protocol.types import Policy, RecordId
 
 TMPFS_BYTES = 1 << 20
@@ -61,7 +61,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCl
 
 
 def _disk_states(client: ziplog.Client, shard: int) -> list[str]:
-    return [st["disk"] for st in client.status()[shard]]
+    return [st["disk"] for st in wait_status(client, [shard])[shard]]
 
 
 def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cluster: ziplog.LocalCluster) -> None:

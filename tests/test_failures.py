@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import pytest
 
 import ziplog
-from tests.load import Load, recovery_record, wait_recovery
+from tests.load import Load, recovery_record, wait_recovery, wait_status
 from ziplog.protocol import layout
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ def test_replica_sigkill_is_recovered(cluster: ziplog.LocalCluster, replica: int
     load.finish()
     assert any(s == 0 and r == replica for _, s, r in cluster.restarts)
     with cluster.client() as c:
-        st = c.status()[0]
-    assert all(r["recovery_gen"] >= gen and not r["frozen"] for r in st), st
+        # every replica of the shard answers, out of recovery (the restarted one may still be starting)
+        wait_status(c, [0], until=lambda st: all(r["recovery_gen"] >= gen and not r["frozen"] for r in st[0]))
 
 
 def test_failure_handler_leader_killed_mid_recovery(cluster: ziplog.LocalCluster) -> None:

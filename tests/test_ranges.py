@@ -30,6 +30,31 @@ def test_the_watermark_rule() -> None:
     assert stable_watermark(history, {1: 4}, floor=50) == 50
 
 
+def test_a_watermark_never_goes_back_when_a_replica_answers_less() -> None:
+    """A restarted replica reports the stable point it persisted, below what its peer
+    reported before: the client keeps the best answer per shard and its last watermark."""
+    import random
+
+    from ziplog.cores.client.state import ClientState
+    from ziplog.cores.client.watermark import WatermarkQuery
+    from ziplog.protocol import frames as wire
+
+    client = ClientState(1, None, random.Random(1), 10**9)
+    history = [[0, [0, 1]]]
+
+    def ask(uptos: dict[int, int]) -> int | None:
+        query = WatermarkQuery(history, client)
+        for s in query.to_ask():
+            query.got(s, wire.CountOk(req_id=1, count=0, nth_gsn=0, upto=uptos[s]))
+        return query.on_history(history)
+
+    assert ask({0: 500, 1: 700}) == 500
+    assert ask({0: 300, 1: 800}) == 500  # shard 0 answered by a replica behind the one before
+    assert ask({0: 900, 1: 600}) == 800  # shard 1 counts with its best answer (800), not 600
+    client.watermark = 10**6  # a floor it returned: never less
+    assert ask({0: 1, 1: 1}) == 10**6
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ziplog.LocalCluster]:
     with ziplog.local_cluster(shards=2, replicas=2) as c:

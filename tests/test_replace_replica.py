@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 import ziplog
-from tests.load import Load, recovery_record, wait_recovery
+from tests.load import Load, recovery_record, wait_recovery, wait_status
 from ziplog.protocol.types import Policy
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def test_a_replica_lost_for_good_is_replaced_on_an_empty_disk(cluster: ziplog.Lo
         assert pinned.topology.wait(lambda: shard in pinned.live_shards(), 30), "the shard is not whole again"
         rid = pinned.insert_after(b"on the whole shard again")
         assert rid.shard == shard
-        status = pinned.status()[shard]
+        status = wait_status(pinned, [shard])[shard]
     assert [st["frozen"] for st in status] == [False, False]
     assert status[replica]["records"] >= held_before, "the replacement did not get the shard's state"
     load.wait_acked(200)

@@ -3,11 +3,15 @@ would) catches up from its primary; nothing acknowledged is lost and writes resu
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import ziplog
 from ziplog import RID_GENESIS, Policy
+from ziplog.tools import procs
+from tests.load import wait_status
 
 
 def test_backup_sigkill_and_restart() -> None:
@@ -44,8 +48,8 @@ def test_backup_sigkill_and_restart() -> None:
                 got.append(rec.rid)
                 want.discard(rec.rid)
             assert got == sorted(got) and len(set(got)) == len(got)
-            status = c.status()[0]
-            assert status[0]["frontier"] >= acked[-1].gsn and status[1]["frontier"] >= acked[-1].gsn
+            # both replicas hold everything acknowledged
+            wait_status(c, [0], until=lambda st: all(r["frontier"] >= acked[-1].gsn for r in st[0]))
             sub.close()
 
 
@@ -69,13 +73,8 @@ def test_primary_sigkill_and_restart_never_forks_the_log() -> None:
             # The restarted primary settles one way or the other: blocked (its backup is
             # ahead), or deciding again (it lost nothing, or failure recovery rolled it
             # forward). Until then it waits for its backup's HELLO or is frozen.
-            deadline = time.monotonic() + 60
-            while True:
-                st = {r["replica"]: r for r in c.status()[0]}
-                if st[0]["blocked"] is not None or (st[0]["qualified"] and not st[0]["frozen"]):
-                    break
-                assert time.monotonic() < deadline, f"the restarted primary never settled: {st[0]}"
-                time.sleep(0.05)
+            st = wait_status(c, [0], until=lambda st: st[0][0]["blocked"] is not None
+                             or (st[0][0]["qualified"] and not st[0][0]["frozen"]))[0]
             if st[0]["blocked"] is None:
                 # It holds everything that was acknowledged: all that every replica held
                 # (the backup's stable point) and every record read back below.
@@ -155,3 +154,40 @@ def test_subscribers_follow_a_restarted_serving_replica() -> None:
             assert not errors, errors
             assert async_seen == sorted(async_seen) and set(later) <= set(async_seen)
             sub.close()
+
+
+def test_status_lists_a_replica_while_it_is_silent_gone_and_restarting() -> None:
+    """status() names every replica the topology names: a paused one as unreachable, one
+    whose registration is gone as not registered, and the restarted one again once it
+    answers; never a shard or replica left out."""
+    with ziplog.local_cluster(shards=1, replicas=2) as cluster:
+        cluster.restart_delay_s = 3600.0  # the test brings the replica back itself
+        with cluster.client() as c:
+            wait_status(c)
+            backup = cluster.servers[(0, 1)]
+            os.kill(backup.pid, signal.SIGSTOP)
+            try:
+                st = c.status(wait=0.3)[0]
+            finally:
+                os.kill(backup.pid, signal.SIGCONT)
+            assert [r["replica"] for r in st] == [0, 1]
+            assert st[1]["answer"] == "unreachable" and st[1]["addr"] == c.topology.replicas[0][1]
+            procs.stop(backup)  # a clean exit closes its ZooKeeper session: the registration goes at once
+            assert c.topology.wait(lambda: 1 not in c.topology.replicas.get(0, {}), 30)
+            st = c.status(wait=0.3)[0]
+            assert [r["replica"] for r in st] == [0, 1]
+            assert st[1] == {"shard": 0, "replica": 1, "addr": None, "answer": "not registered"}
+            cluster.restart_replica(0, 1)
+            back = wait_status(c, [0])[0]
+            assert [(r["replica"], r["answer"]) for r in back] == [(0, "ok"), (1, "ok")]
+            # the primary SIGKILLed and restarted at once: every status taken meanwhile lists it
+            cluster.restart_delay_s = 0.0
+            restarts = len(cluster.restarts)
+            cluster.kill_replica(0, 0)
+            deadline = time.monotonic() + 60
+            while True:
+                st = c.status(wait=0.3)
+                assert sorted(st) == [0] and [r["replica"] for r in st[0]] == [0, 1], st
+                if len(cluster.restarts) > restarts and st[0][0]["answer"] == "ok":
+                    break
+                assert time.monotonic() < deadline, f"the restarted primary never answered: {st}"

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Coroutine, TypeVar
 from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
-from ziplog.cores.client.state import ClientState
+from ziplog.cores.client.state import NS_PER_S, ClientState
 from ziplog.cores.client.subscription import SubState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
@@ -186,14 +186,12 @@ class AsyncClient(ClientBase):
         await self._wait(lambda done: driver.each_replica(shards, lambda req: wire.Trim(req_id=req, gsn=rid.gsn),
                                                           "trim", done))
 
-    async def status(self) -> dict[int, list[dict[str, Any]]]:
-        """Every replica's status map, by shard."""
+    async def status(self, wait: float = 1.0) -> dict[int, list[dict[str, Any]]]:
+        """Every replica the topology names, answered or not (see :meth:`ziplog.Client.status`)."""
         driver = self._live_driver()
-        topo = driver.topology
-        shards = [s for s in topo.shards() if topo.replica_addrs(s) is not None]
-        replies = await self._wait(lambda done: driver.each_replica(shards, lambda req: wire.Status(req_id=req),
-                                                                    "status", done))
-        return {s: [r.status for r in reps] for s, reps in replies.items()}
+        result: dict[int, list[dict[str, Any]]] = await self._wait(
+            lambda done: driver.status(int(wait * NS_PER_S), done))
+        return result
 
     def subscribe(self, start: RecordId = RID_GENESIS, end: int | None = None) -> "AsyncSubscription":
         """Iterate the log in gsn order from ``start`` (inclusive): forever, or up to gsn
@@ -210,7 +208,7 @@ class AsyncClient(ClientBase):
         """The stable-prefix watermark (see :meth:`ziplog.Client.watermark`)."""
         driver = self._live_driver()
         assert self.topology is not None
-        query = WatermarkQuery(self.topology.history)
+        query = WatermarkQuery(self.topology.history, self._state)
 
         async def ask(shard: int) -> None:
             try:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
-from ziplog.cores.client.state import ClientState
+from ziplog.cores.client.state import NS_PER_S, ClientState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.zmq_runtime import ZmqRuntime
@@ -117,12 +117,15 @@ class Client(ClientBase):
                 raise ZiplogError(f"shard {shard} is not fully up; cannot trim everywhere")
         self._wait(self._driver.each_replica(shards, lambda req: wire.Trim(req_id=req, gsn=rid.gsn), "trim"))
 
-    def status(self) -> dict[int, list[dict[str, Any]]]:
-        """Every replica's status map, by shard."""
+    def status(self, wait: float = 1.0) -> dict[int, list[dict[str, Any]]]:
+        """Every shard ZooKeeper knows, with one entry per replica in replica order, each
+        with ``answer``: ``"ok"`` (the entry is the replica's status map), ``"not
+        registered"`` (no address in ZooKeeper: down or restarting), ``"unreachable"``
+        (registered, silent for ``wait`` seconds) or ``"error"``. Waits for no replica
+        longer than ``wait``."""
         self._check_open()
-        shards = [s for s in self.topology.shards() if self.topology.replica_addrs(s) is not None]
-        replies = self._wait(self._driver.each_replica(shards, lambda req: wire.Status(req_id=req), "status"))
-        return {s: [r.status for r in reps] for s, reps in replies.items()}
+        result: dict[int, list[dict[str, Any]]] = self._wait(self._driver.status(int(wait * NS_PER_S)))
+        return result
 
     def subscribe(self, start: RecordId = RID_GENESIS, end: int | None = None) -> "Subscription":
         """Iterate the log in gsn order from ``start`` (inclusive): forever, or up to gsn
@@ -138,7 +141,7 @@ class Client(ClientBase):
         of its epoch, so no record can appear at or below W any more (it moves every
         epoch, also when nothing is written)."""
         self._check_open()
-        query = WatermarkQuery(self.topology.history)
+        query = WatermarkQuery(self.topology.history, self._state)
         while True:
             calls = {s: self._driver.shard_query(s, query.request, "watermark") for s in query.to_ask()}
             for s, call in calls.items():

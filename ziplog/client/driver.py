@@ -19,6 +19,7 @@ from ziplog.cores.client.calls import (
     InsertCall,
     ReadCall,
     ShardQueryCall,
+    StatusCall,
 )
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.subscription import SubscriptionCore
@@ -88,6 +89,12 @@ class ClientDriver:
         """RANGE or COUNT: one replica of ``shard`` answers (the primary first)."""
         call = ShardQueryCall(self.client, shard, make, self.rt.now() + self.client.timeout_ns, what)
         self.start(call, on_done)
+        return call
+
+    def status(self, wait_ns: int, on_done: Callable[[], None] | None = None) -> StatusCall:
+        now = self.rt.now()
+        call = StatusCall(self.client, now + self.client.timeout_ns, wait_ns)
+        self.start(call, on_done, now)
         return call
 
     def each_replica(self, shards: list[int], make: Callable[[int], wire.Frame], what: str,

@@ -222,26 +222,30 @@ def cmd_trim(args: argparse.Namespace) -> int:
     return 0
 
 
-STATUS_COLUMNS = ["shard", "replica", "role", "epoch", "frontier", "stable", "trim_point", "records", "subscriptions",
-                  "disk"]
+STATUS_COLUMNS = ["shard", "replica", "answer", "role", "epoch", "frontier", "stable", "trim_point", "records",
+                  "subscriptions", "disk"]
 
 
 def status_rows(status: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per replica the topology names, answered or not (``answer`` says)."""
     rows = []
     for shard, replicas in sorted(status.items()):
         for i, st in enumerate(replicas):
             row = dict(st)
             row.setdefault("shard", shard)
             row.setdefault("replica", i)
-            row["role"] = "primary" if st.get("primary") else "backup"
+            row.setdefault("answer", "ok")
+            # replica 0 is the primary by construction; only an answer can say it is blocked
+            row["role"] = "primary" if st.get("primary", row["replica"] == 0) else "backup"
             rows.append(row)
     return rows
 
 
 def format_status(rows: list[dict[str, Any]], columns: Sequence[str] = STATUS_COLUMNS) -> str:
-    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    # one word per cell, so the table splits on whitespace ("not registered" -> "not-registered")
+    cells = [[("-" if r.get(c) is None else str(r.get(c)).replace(" ", "-")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    left = {"role"}
+    left = {"role", "answer"}
 
     def line(vals: Sequence[str]) -> str:
         return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, columns)).rstrip()
@@ -253,15 +257,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as log:
         live = set(log.live_shards())
         st = log.status()
-        known = set(log.topology.replica_counts)
     rows = status_rows(st)
     if not rows:
-        _out("no shard has all of its replicas up")
+        _out("no shard is registered in ZooKeeper")
         return 1
     _out(format_status(rows))
-    down = sorted(known - set(st))
-    if down:
-        _out(f"not fully up (not shown): shards {', '.join(map(str, down))}")
+    for r in rows:
+        if r["answer"] != "ok":
+            why = r.get("error") or r["answer"]
+            _out(f"shard {r['shard']} replica {r['replica']}: {why}" + (f" ({r['addr']})" if r.get("addr") else ""))
     not_live = sorted(set(st) - live)
     if not_live:
         _out(f"not accepting inserts: shards {', '.join(map(str, not_live))}")

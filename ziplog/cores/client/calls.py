@@ -347,6 +347,107 @@ class EachReplicaCall(Call):
         return []
 
 
+#: status(): how long a registered replica may stay silent before it is reported unreachable
+STATUS_WAIT_NS = 1_000_000_000
+
+
+class ReplicaAnswer(str, enum.Enum):
+    """How a replica answered status(), in its entry's ``answer``."""
+    OK = "ok"                          # it answered: the entry is its status map
+    UNREACHABLE = "unreachable"        # registered, silent for the whole wait
+    NOT_REGISTERED = "not registered"  # ZooKeeper holds no address for it (down, restarting)
+    ERROR = "error"                    # it answered with an ERROR (``error`` says which)
+
+
+class StatusCall(Call):
+    """``status()``: one entry for every replica the topology names, in replica order,
+    whether it answers or not. A registered replica is asked (again every retry
+    interval, at the address ZooKeeper holds then: STATUS is idempotent); the call ends
+    once every registered replica answered, or after ``wait_ns``, when the silent ones
+    are reported unreachable. A replica with no address is reported at once: a status
+    is a snapshot, and waiting for a restart is the caller's choice."""
+
+    def __init__(self, client: ClientState, deadline_ns: int, wait_ns: int = STATUS_WAIT_NS) -> None:
+        super().__init__(deadline_ns)
+        self.client = client
+        self.wait_ns = wait_ns
+        self.req = 0
+        #: (shard, replica) -> its entry, once it answered
+        self.entries: dict[tuple[int, int], dict[str, Any]] = {}
+        #: (shard, replica) -> the address asked (what an answer must come from)
+        self.asked: dict[tuple[int, int], str] = {}
+        self.until = 0
+        self.retry_at = 0
+
+    def start(self, now: int, topo: TopologyView) -> Sends:
+        self.req = self.client.next_req()
+        self.req_ids.append(self.req)
+        self.until = min(now + self.wait_ns, self.deadline_ns)
+        return self._ask(now, topo)
+
+    def _ask(self, now: int, topo: TopologyView) -> Sends:
+        """Ask every registered replica that has not answered (at its current address)."""
+        self.asked = {(s, i): addr for s in topo.shards() for i, addr in topo.replicas.get(s, {}).items()
+                      if i < topo.replica_counts.get(s, 0) and (s, i) not in self.entries}
+        if not self.asked:
+            return self._finish(self._entries(topo))
+        self.retry_at = now + self.client.retry_after_ns
+        self.wake_at = min(self.retry_at, self.until)
+        msg = wire.Status(req_id=self.req)
+        return [(tuple(self.asked.values()), msg)]
+
+    def waiting_on(self) -> Sequence[str]:
+        return tuple(self.asked.values())
+
+    def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
+        if self.done or msg.req_id != self.req:
+            return []
+        for key, asked in list(self.asked.items()):
+            if asked != addr:
+                continue
+            shard, replica = key
+            if isinstance(msg, wire.StatusOk):
+                self.entries[key] = {**msg.status, "shard": shard, "replica": replica, "addr": addr,
+                                     "answer": ReplicaAnswer.OK.value}
+            elif isinstance(msg, wire.Error):
+                self.entries[key] = {"shard": shard, "replica": replica, "answer": ReplicaAnswer.ERROR.value,
+                                     "error": f"{msg.code}: {msg.message}", "addr": addr}
+            else:
+                continue
+            del self.asked[key]
+        if not self.asked:
+            return self._finish(self._entries(topo))
+        return []
+
+    def on_timer(self, now: int, topo: TopologyView) -> Sends:
+        if now >= self.until:
+            return self._finish(self._entries(topo))
+        return self._ask(now, topo)
+
+    def on_topology(self, now: int, topo: TopologyView) -> Sends:
+        # a replica that registered (again) since: ask it at its new address
+        if any(topo.replicas.get(s, {}).get(i) != a for (s, i), a in self.asked.items()) or any(
+                (s, i) not in self.asked and (s, i) not in self.entries
+                for s in topo.shards() for i in topo.replicas.get(s, {})):
+            return self._ask(now, topo)
+        return []
+
+    def _entries(self, topo: TopologyView) -> dict[int, list[dict[str, Any]]]:
+        out: dict[int, list[dict[str, Any]]] = {}
+        for s in topo.shards():
+            addrs = topo.replicas.get(s, {})
+            row = []
+            for i in range(topo.replica_counts.get(s, 0)):
+                entry = self.entries.get((s, i))
+                if entry is None:
+                    addr = addrs.get(i)
+                    entry = {"shard": s, "replica": i, "addr": addr, "answer": (
+                        ReplicaAnswer.UNREACHABLE if addr is not None else ReplicaAnswer.NOT_REGISTERED).value}
+                row.append(entry)
+            out[s] = row
+        return out
+
+
 class ShardQueryCall(Call):
     """A read-only request one replica of a shard answers (RANGE, COUNT): to the primary
     first (its stable watermark is the shard's), to the next replica when one does not

@@ -35,6 +35,12 @@ class ClientState:
         self._seq = 0
         self._req = 0
         self.stable: dict[int, int] = {}  # shard -> highest stable watermark a reply reported
+        #: shard -> the highest point a COUNT said it serves (stable, or fixed by a recovery),
+        #: and the highest watermark this client returned: replicas of one shard answer
+        #: differently (one restarted from its disk reports less than its peer did), so a
+        #: watermark is computed from the best answer ever had and never goes back
+        self.servable: dict[int, int] = {}
+        self.watermark = 0
         self.avoided: dict[int, int] = {}  # shard -> until when new records avoid it
         self.stats: dict[str, int] = {"fast_path": 0, "slow_path": 0, "retries": 0, "redirects": 0}
 
@@ -50,6 +56,13 @@ class ClientState:
         """Replies carry the replica's stable watermark; reads at or below it need one replica."""
         if stable > self.stable.get(shard, 0) and (shard in self.stable or len(self.stable) < MAX_SHARDS_REMEMBERED):
             self.stable[shard] = stable
+
+    def learn_servable(self, shard: int, upto: int) -> int:
+        """A COUNT's ``upto`` for ``shard``; the highest one known."""
+        best = self.servable.get(shard, 0)
+        if upto > best and (shard in self.servable or len(self.servable) < MAX_SHARDS_REMEMBERED):
+            self.servable[shard] = best = upto
+        return best
 
     def avoid(self, shard: int, now: int) -> None:
         """Send new records elsewhere for a while: the shard is recovering or refusing."""

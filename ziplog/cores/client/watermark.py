@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+from ziplog.cores.client.state import ClientState
 from ziplog.protocol import frames as wire
 from ziplog.protocol.gsna import epoch_end, epoch_of
 
@@ -60,10 +61,14 @@ class WatermarkQuery:
     """What a client does to learn the watermark: ask every shard of the history for its
     stable watermark (:meth:`to_ask`, :meth:`got`), then read the history again
     (:meth:`on_history`); a shard that history names and was not asked is asked in
-    another round."""
+    another round. Each shard counts with the best answer the client ever had from it,
+    and the result is never below a watermark the client returned before: every one of
+    them stays true, and a reader (a Spark offset, a LogBook position) must never see
+    the watermark move back."""
 
-    def __init__(self, history: Sequence[Sequence[Any]]) -> None:
+    def __init__(self, history: Sequence[Sequence[Any]], client: ClientState) -> None:
         self.history = history
+        self.client = client
         self.stables: dict[int, int] = {}
 
     def to_ask(self) -> list[int]:
@@ -76,12 +81,16 @@ class WatermarkQuery:
     def got(self, shard: int, answer: wire.CountOk | None) -> None:
         """``answer``: the shard's COUNT_OK, or None when it could not be asked (it counts
         as 0: the watermark waits for it)."""
-        self.stables[shard] = answer.upto if answer is not None else 0
+        self.stables[shard] = self.client.learn_servable(shard, answer.upto if answer is not None else 0)
 
     def on_history(self, history: Sequence[Sequence[Any]]) -> int | None:
         """The history read after the answers: the watermark, or None for another round."""
         self.history = history
-        return None if self.to_ask() else stable_watermark(history, self.stables)
+        if self.to_ask():
+            return None
+        w = stable_watermark(history, self.stables, self.client.watermark)
+        self.client.watermark = w
+        return w
 
 
 class RangePager:
