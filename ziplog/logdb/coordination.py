@@ -5,8 +5,8 @@ Under ``/ziplog/logdb/<name>`` (a cluster path: only members write, anyone reads
 * the node itself: ``{"kv_shards": N}``, fixed by the first process that starts (a KV
   shard started with another N refuses to run);
 * ``election/``: the coordinator replicas contend here; the lowest leads;
-* ``coordinators/<id>``: ephemeral ``{"addr": ...}`` of each coordinator replica;
-* ``kv/<i>``: ephemeral ``{"addr": ...}`` of KV shard i;
+* ``coordinators/<id>``: ephemeral ``{"addr": ..., "pid": ...}`` of each coordinator replica;
+* ``kv/<i>``: ephemeral ``{"addr": ..., "pid": ...}`` of KV shard i;
 * ``gc/<who>``: persistent ``{"position": P}``: ``who`` (``coordinator-<id>``,
   ``kv-<i>``) has a durable snapshot at P and could replay from P + 1. The coordinator
   leader trims the log below the smallest of them (all N KV shards and every coordinator

@@ -146,7 +146,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                                    int(args.snapshot_every * 1e9))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
-        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr})
+        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr, "pid": os.getpid()})
         driver.contend()
 
         async def answer_clients() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sqlite3
 import sys
 import time
@@ -127,7 +128,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                  core.applied, core.replay_from)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
         router, addr = bind_router(ctx, args.port)
-        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr})
+        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr, "pid": os.getpid()})
 
         async def answer_clients() -> None:
             while True:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from ziplog.io import zk
 from ziplog.logdb.coordination import db_path
+from ziplog.protocol.layout import dec
 from ziplog.logdb.store import SqliteStore
 from ziplog.tools import procs
 from ziplog.tools.cluster import kill_leader
@@ -60,11 +61,18 @@ class LocalLogDB:
             self._spawn_kv(i)
         self.wait_ready(timeout)
 
-    def _registered(self, sub: str) -> set[int]:
-        try:
-            return {int(c) for c in self._zk.get_children(f"{db_path(self.name)}/{sub}")}
-        except Exception:
-            return set()
+    def _registered(self, sub: str, procs_by_id: dict[int, subprocess.Popen[bytes]]) -> set[int]:
+        """The ids whose registration is the current process's (a SIGKILLed one's stays
+        until its ZooKeeper session expires)."""
+        out = set()
+        for i, p in procs_by_id.items():
+            try:
+                meta = dec(self._zk.get(f"{db_path(self.name)}/{sub}/{i}")[0]) or {}
+            except Exception:
+                continue
+            if meta.get("pid") == p.pid:
+                out.add(i)
+        return out
 
     def _alive(self, procs_by_id: dict[int, subprocess.Popen[bytes]], what: str) -> None:
         for i, p in procs_by_id.items():
@@ -72,12 +80,14 @@ class LocalLogDB:
                 raise RuntimeError(f"LogDB {what} {i} exited with {p.returncode}; see its log in {self.cluster.logs}")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until every coordinator replica and KV shard is registered and one leads."""
+        """Until every coordinator replica and KV shard is registered by the process
+        running now and one leads."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._alive(self.coordinators, "coordinator")
             self._alive(self.kv, "KV shard")
-            if (self._registered("coordinators") >= set(self.coordinators) and self._registered("kv") >= set(self.kv)
+            if (self._registered("coordinators", self.coordinators) == set(self.coordinators)
+                    and self._registered("kv", self.kv) == set(self.kv)
                     and self.leader() is not None):
                 return
             time.sleep(0.05)
