@@ -23,6 +23,8 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
+from ziplog.io.inbound import InboundGuard
+from ziplog.io.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
@@ -34,7 +36,6 @@ from ziplog.server.process import (
     load_cluster_key,
     serve_forever,
 )
-from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("failure_handler")
 
@@ -83,7 +84,8 @@ class FailureHandlerDriver(ElectedDriver):
         self.group, self.groups = group, groups
         # Only the leader reads suspicions (the replicas repeat theirs while they stay
         # suspicious); a follower's queue fills and senders drop theirs.
-        self.pull = net.puller(self.on_suspect_frame, host, paused=True)
+        self.guard = InboundGuard(log, rt)
+        self.pull = net.puller(self.guard.frames("the suspicion PULL", self.on_suspect_frame), host, paused=True)
         self.addr = self.pull.addr
         # -- one term of leadership -----------------------------------------------------------
         self.core: RecoveryCore | None = None
@@ -189,7 +191,7 @@ class FailureHandlerDriver(ElectedDriver):
         self._act()
 
     def _reply_handler(self, shard: int, replica: int) -> Callable[[bytes], None]:
-        return lambda frame: self._on_reply(shard, replica, frame)
+        return self.guard.frames("a replica's reply", lambda frame: self._on_reply(shard, replica, frame))
 
     def _arm(self) -> None:
         core = self.core

@@ -25,6 +25,8 @@ from typing import Any, Callable, Protocol
 
 from mms.planner import PlannerSettings
 from mms.sequencer import CommitBlock, EpochSequencer, EpochState
+from ziplog.io.inbound import InboundGuard
+from ziplog.io.throttled_log import ThrottledLog
 from ziplog.io.ports import Network, Runtime, Timer
 from ziplog.io.zk import ElectedSession
 from ziplog.protocol import frames as wire
@@ -37,7 +39,6 @@ from ziplog.server.process import (
     load_cluster_key,
     serve_forever,
 )
-from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("mms")
 
@@ -74,7 +75,8 @@ class MembershipDriver(ElectedDriver):
         self.pub = net.publisher(host)
         # Only the leader reads rate reports: a follower's queue fills and primaries then
         # drop theirs, at no cost to the follower.
-        self.pull = net.puller(self.on_rate_frame, host, paused=True)
+        self.guard = InboundGuard(log, rt)
+        self.pull = net.puller(self.guard.frames("the rate PULL", self.on_rate_frame), host, paused=True)
         self.addrs = {"pub": self.pub.addr, "pull": self.pull.addr}
         self.encoder = wire.EpochEncoder()
         self.key = key

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from ziplog.cores.client.calls import InsertCall, InsertState, StatusCall
+from ziplog.cores.client.calls import InsertCall, InsertState, ReadCall, StatusCall
 from ziplog.cores.client.state import AVOID_NS, RETRY_AFTER_NS, ClientState
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import NoShardAvailableError
+from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy, RecordId
 
@@ -111,3 +111,28 @@ def test_status_asks_a_replica_that_registers_while_it_waits_and_ends_when_all_a
     call.on_reply("tcp://s0r1", wire.Error(req_id=msg.req_id, code=wire.E_OVERLOADED, message="busy"), 3, topo)
     call.on_reply("tcp://s0r0", _status_ok(msg.req_id, 0, 0), 3, topo)
     assert call.done and [r["answer"] for r in call.result()[0]] == ["ok", "error"]
+
+
+def test_a_read_during_a_replica_restart_asks_the_registered_replicas_then_the_one_that_returns() -> None:
+    c, topo = _client(Policy.random()), _topology([0])
+    backup = topo.replicas[0].pop(1)  # restarting: not registered
+    call = ReadCall(c, RecordId(9, 0), 10 * S)
+    (addrs, msg), = call.start(0, topo)
+    assert addrs == ("tcp://s0r0",) and not call.done
+    # the primary's answer is not stable yet: it takes every replica's, so the call waits
+    call.on_reply("tcp://s0r0", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=5), 1, topo)
+    assert not call.done
+    topo.replicas[0][1] = backup
+    (again, msg2), = call.on_topology(2, topo)
+    assert again == ("tcp://s0r1",) and msg2.req_id == msg.req_id
+    call.on_reply("tcp://s0r1", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=5), 3, topo)
+    assert call.done and call.result() == b"r"
+    # a stable answer from the registered replica settles it alone
+    topo.replicas[0].pop(1)
+    call = ReadCall(c, RecordId(9, 0), 10 * S)
+    (_, msg), = call.start(0, topo)
+    call.on_reply("tcp://s0r0", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=9), 1, topo)
+    assert call.done and call.result() == b"r"
+    # a shard ZooKeeper never heard of fails at once
+    call = ReadCall(c, RecordId(9, 4), 10 * S)
+    assert call.start(0, topo) == [] and isinstance(call.error, UnknownRecordError)

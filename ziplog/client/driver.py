@@ -152,7 +152,13 @@ class ClientDriver:
         call = self.pending.get(msg.req_id)
         if call is None or call.done:
             return  # a late answer to a request that is over
-        self._run(call, call.on_reply(addr, msg, self.rt.now(), self.topology))
+        try:
+            sends = call.on_reply(addr, msg, self.rt.now(), self.topology)
+        except AssertionError:
+            raise
+        except Exception as exc:  # contained: this call fails, the client goes on
+            sends = call.fail(ZiplogError(f"a reply from {addr} could not be handled ({type(exc).__name__}: {exc})"))
+        self._run(call, sends)
 
     def _on_tick(self) -> None:
         """The earliest time a call wanted has come: every call whose time it is steps,
@@ -305,7 +311,14 @@ class SubscriptionDriver:
             msg = wire.decode_reply(frame)
         except wire.ProtocolError:
             return
-        self.perform(self.core.on_frame(shard, msg, self.driver.topology))
+        try:
+            effects = self.core.on_frame(shard, msg, self.driver.topology)
+        except AssertionError:
+            raise
+        except Exception as exc:  # contained: this subscription fails, the client goes on
+            effects = self.core.failed(ZiplogError(
+                f"a frame from shard {shard} could not be handled ({type(exc).__name__}: {exc})"))
+        self.perform(effects)
 
     def _on_timer(self) -> None:
         self.timer = self.timer_at = None

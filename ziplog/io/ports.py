@@ -19,6 +19,7 @@ network, clock, disk and ZooKeeper under the same drivers.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Protocol
 
 from ziplog.protocol.events import DiskEvent, SnapshotEvent
@@ -27,6 +28,16 @@ from ziplog.protocol.topology import TopologyView
 
 class Timer(Protocol):
     def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    def now(self) -> int:
+        """Monotonic nanoseconds."""
+
+
+class MonotonicClock:
+    """The process's monotonic clock, for code that needs a clock and no runtime."""
+    now = staticmethod(time.monotonic_ns)
 
 
 class Runtime(Protocol):

@@ -110,7 +110,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.logdb.coordination import collectable, db_path, ensure_db, publish_gc
-    from ziplog.logdb.process import bind_router, replay, run_until_stopped, stop_event
+    from ziplog.io.inbound import InboundGuard
+    from ziplog.logdb.process import answer_requests, bind_router, replay, run_until_stopped, stop_event
     from ziplog.protocol.types import RecordId
     from ziplog.server.process import load_cluster_key
 
@@ -149,10 +150,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr, "pid": os.getpid()})
         driver.contend()
 
-        async def answer_clients() -> None:
-            while True:
-                route, frame = await router.recv_multipart()
-                driver.on_request(route, frame)
+        guard = InboundGuard(log, rt)
 
         async def tick() -> None:
             while True:
@@ -175,7 +173,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                     log.warning("collection failed (tried again): %r", exc)
 
         return await run_until_stopped(
-            stop, [answer_clients(), replay(client, core.position + 1, driver, 0.05), tick(), collect()],
+            stop, [answer_requests(router, driver.on_request, guard), replay(client, core.position + 1, driver, 0.05),
+                   tick(), collect()],
             lambda: f"the log is trimmed past this replica's snapshot (gsn {core.position}): copy a peer's "
                     "snapshot file into its data directory")
     finally:

@@ -106,7 +106,11 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
     from ziplog.logdb.coordination import db_path, ensure_db, publish_gc
-    from ziplog.logdb.process import bind_router, replay, run_until_stopped, stop_event
+    import zmq
+
+    from ziplog.io.inbound import InboundGuard
+    from ziplog.io.ports import MonotonicClock
+    from ziplog.logdb.process import answer_requests, bind_router, replay, run_until_stopped, stop_event
     from ziplog.server.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
@@ -130,13 +134,12 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         router, addr = bind_router(ctx, args.port)
         session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr, "pid": os.getpid()})
 
-        async def answer_clients() -> None:
-            while True:
-                route, frame = await router.recv_multipart()
-                await router.send_multipart([route, driver.answer(frame)])
+        def answer(route: bytes, frame: bytes) -> None:
+            router.send_multipart([route, driver.answer(frame)], zmq.NOBLOCK)
 
+        guard = InboundGuard(log, MonotonicClock())
         code = await run_until_stopped(
-            stop, [answer_clients(), replay(client, core.replay_from, driver, 0.1, driver.flush,
+            stop, [answer_requests(router, answer, guard), replay(client, core.replay_from, driver, 0.1, driver.flush,
                                             lambda: driver.blocked, STORE_RETRY_NS / 1e9)],
             lambda: f"the log is trimmed past this shard's snapshot (gsn {core.position}): restore the shard "
                     "from a peer's copy or from the start of the log")

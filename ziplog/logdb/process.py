@@ -12,6 +12,8 @@ from typing import Any, Callable, Coroutine, Protocol
 import zmq
 import zmq.asyncio
 
+from ziplog.io.inbound import InboundGuard
+from ziplog.logdb.core import frames as f
 from ziplog.protocol.errors import TrimmedError
 from ziplog.protocol.types import RecordId
 
@@ -42,6 +44,34 @@ def bind_router(ctx: zmq.asyncio.Context, port: int = 0) -> tuple[zmq.asyncio.So
     else:
         port = router.bind_to_random_port("tcp://127.0.0.1")
     return router, f"tcp://127.0.0.1:{port}"
+
+
+async def answer_requests(router: zmq.asyncio.Socket, handle: Callable[[bytes, bytes], None],
+                          guard: InboundGuard) -> None:
+    """Serve the clients' ROUTER for good: each request is one frame after its route,
+    handled under ``guard`` (a failure answers the sender INTERNAL and the loop goes on);
+    a message of more parts is answered BAD_REQUEST."""
+
+    def internal(route: bytes, frame: bytes, exc: Exception) -> None:
+        router.send_multipart([route, f.encode(f.Failed(req=_req_of(frame), code=f.INTERNAL,
+                                                        message=f"{type(exc).__name__} while handling the request"))],
+                              zmq.NOBLOCK)
+
+    contained = guard.routed("the clients' ROUTER", handle, internal)
+    while True:
+        parts = await router.recv_multipart()
+        if len(parts) != 2:
+            router.send_multipart([parts[0], f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=(
+                f"a request is one frame, got {len(parts) - 1}")))], zmq.NOBLOCK)
+            continue
+        contained(parts[0], parts[1])
+
+
+def _req_of(frame: bytes) -> int:
+    try:
+        return f.decode_request(frame).req
+    except f.BadFrame:
+        return 0
 
 
 async def replay(log_client: Any, first_gsn: int, driver: Replayer, idle_s: float,

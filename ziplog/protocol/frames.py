@@ -103,6 +103,9 @@ E_UNAUTHENTICATED = "UNAUTHENTICATED"
 E_DISK_FULL = "DISK_FULL"
 #: The recovery generation is not the one the failure handler committed in ZooKeeper.
 E_UNCOMMITTED = "UNCOMMITTED"
+#: The server failed while handling this request (a bug: it dropped the request, logged
+#: it and goes on serving). Nothing of the request took effect; resending it is safe.
+E_INTERNAL = "INTERNAL"
 
 MAX_U64 = (1 << 64) - 1
 
@@ -436,20 +439,28 @@ class _EdgeDecoder:
         self.decoders: dict[int, Any] = {op: msgspec.msgpack.Decoder(cls) for op, cls in table.items()}
 
     def __call__(self, frame: bytes) -> Any:
+        """Total: any bytes give a typed message or raise :class:`ProtocolError`."""
         if len(frame) > 2 and 0x90 <= frame[0] <= 0x9F and frame[1] == PROTOCOL_VERSION:
             dec = self.decoders.get(frame[2])
             if dec is not None:
                 try:
                     return dec.decode(frame)
-                except msgspec.MsgspecError:
+                except (msgspec.MsgspecError, RecursionError):  # msgspec's depth limit is a RecursionError
                     pass
-        return self._slow(frame)
+        try:
+            return self._slow(frame)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # a shape no check above foresaw: still the frame's fault
+            raise ProtocolError(E_MALFORMED, f"undecodable frame ({type(exc).__name__})") from None
 
     def _slow(self, frame: bytes) -> Any:
         """The frame's message, or the ProtocolError it earns, checked in this order:
         msgpack, an array of two or more, the version, the op, the number of fields,
         their types. (A frame gets here when it is bad, or when a field is encoded in
-        an unusual but valid way, such as a version of an edge that does not check it.)"""
+        an unusual but valid way, such as a version of an edge that does not check it.)
+        Every value read from the frame may be any msgpack value (an array where an int
+        belongs, a map, a float, a huge integer): each is type-checked before it is used."""
         try:
             msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types; all mean the same here
@@ -459,12 +470,15 @@ class _EdgeDecoder:
         version, op = msg[0], msg[1]
         req_id = msg[2] if len(msg) > 2 and type(msg[2]) is int and 0 <= msg[2] <= MAX_U64 else None
         if self.check_version and (type(version) is not int or version != PROTOCOL_VERSION):
-            raise ProtocolError(E_VERSION, f"protocol version {version!r} unsupported, want {PROTOCOL_VERSION}", req_id)
-        cls = self.table.get(op) if type(op) is int else None
+            raise ProtocolError(E_VERSION, f"protocol version {_show(version)} unsupported, want {PROTOCOL_VERSION}",
+                                req_id)
+        if type(op) is not int:
+            raise ProtocolError(E_UNKNOWN_OP, f"op must be an integer, got {type(op).__name__}", req_id)
+        cls = self.table.get(op)
         if cls is None and op in self.sealed_ops:
             raise ProtocolError(E_UNAUTHENTICATED, f"op {op} is accepted only sealed by a cluster member", req_id)
         if cls is None:
-            raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", req_id)
+            raise ProtocolError(E_UNKNOWN_OP, f"unknown op {_show(op)}", req_id)
         nfields = len(cls.__struct_fields__)
         if len(msg) != nfields:
             raise ProtocolError(E_MALFORMED, f"op {op} takes {nfields - 2} fields, got {len(msg) - 2}", req_id)
@@ -472,6 +486,15 @@ class _EdgeDecoder:
             return msgspec.msgpack.decode(msgpack.packb([PROTOCOL_VERSION, *msg[1:]], use_bin_type=True), type=cls)
         except msgspec.ValidationError as exc:
             raise ProtocolError(E_BAD_ARGUMENT, f"op {op}: {_field_error(str(exc), cls)}", req_id) from None
+        except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
+            raise ProtocolError(E_BAD_ARGUMENT, f"op {op}: a field cannot be read ({type(exc).__name__})",
+                                req_id) from None
+
+
+def _show(value: Any) -> str:
+    """A value from a frame, for an error message: short whatever it is."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _field_error(text: str, cls: type[Frame]) -> str:
@@ -522,6 +545,18 @@ def open_envelope(key: ClusterKey, msg: Signed, inner: _EdgeDecoder) -> Any:
     if not key.verify(msg.frame, msg.mac):
         raise ProtocolError(E_UNAUTHENTICATED, "bad MAC: not sealed with this cluster's key")
     return inner(msg.frame)
+
+
+def request_id_of(frame: bytes) -> int | None:
+    """The request id a frame carries in the third place, if it can be read (for an
+    ERROR to a request whose handling failed after it decoded)."""
+    try:
+        msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+    except Exception:
+        return None
+    if type(msg) is list and len(msg) > 2 and type(msg[2]) is int and 0 <= msg[2] <= MAX_U64:
+        return msg[2]
+    return None
 
 
 def error_frame(req_id: int | None, code: str, message: str) -> bytes:

@@ -61,10 +61,15 @@ class EpochConfig:
     rates: tuple[int, ...]  # records per second, one per shard, each >= 1
 
     def __post_init__(self) -> None:
-        assert self.epoch >= 0, self.epoch
-        assert list(self.shards) == sorted(set(self.shards)), "shards must be sorted and unique"
-        assert len(self.rates) == len(self.shards), "one rate per shard"
-        assert all(1 <= r <= MAX_RATE for r in self.rates), "rates must be in [1, MAX_RATE]"
+        # ValueError, not assert: a configuration comes off the wire (EPOCH) and is input
+        if self.epoch < 0:
+            raise ValueError(f"epoch {self.epoch} is negative")
+        if list(self.shards) != sorted(set(self.shards)):
+            raise ValueError("shards must be sorted and unique")
+        if len(self.rates) != len(self.shards):
+            raise ValueError("one rate per shard")
+        if not all(1 <= r <= MAX_RATE for r in self.rates):
+            raise ValueError("rates must be in [1, MAX_RATE]")
 
     def at(self, epoch: int) -> EpochConfig:
         """The same shards and rates for ``epoch``. Skips the checks of ``__post_init__``

@@ -25,6 +25,8 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.io.inbound import InboundGuard
+from ziplog.io.throttled_log import ThrottledLog
 from ziplog.io.ports import (
     CoordinationUnavailable,
     Disk,
@@ -44,7 +46,6 @@ from ziplog.server.process import (
     load_cluster_key,
     serve_forever,
 )
-from ziplog.server.throttled_log import ThrottledLog
 
 log = logging.getLogger("ziplog.server")
 
@@ -72,7 +73,11 @@ class StorageDriver:
         self.coord = coord
         self.disk = disk
         self.core = ReplicaCore(settings)
-        self.router = net.router(self.on_request, self.on_multipart, host, port)
+        self.core.driver_stats["inbound_failures"] = 0
+        #: contains a failure in handling one inbound message (see ziplog.io.inbound)
+        self.guard = InboundGuard(log, rt, self._count_inbound_failure)
+        self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
+                                 self.on_multipart, host, port)
         self.addr = self.router.addr
         self.primary: Endpoint | None = None
         self.primary_addr: str | None = None
@@ -116,7 +121,7 @@ class StorageDriver:
             if pub not in self.epoch_pubs:
                 self.epoch_pubs.add(pub)
                 if self.epochs is None:
-                    self.epochs = net.subscriber(pub, self.on_epoch_frame)
+                    self.epochs = net.subscriber(pub, self.guard.frames("the epoch broadcast", self.on_epoch_frame))
                 else:
                     self.epochs.connect(pub)
         for pull in topo.mms_pulls():
@@ -130,7 +135,8 @@ class StorageDriver:
             if addr and addr != self.primary_addr:
                 if self.primary is not None:
                     self.primary.close()
-                self.primary = net.dealer(addr, self.on_primary_frame, "primary")
+                self.primary = net.dealer(addr, self.guard.frames("the primary's link", self.on_primary_frame),
+                                          "primary")
                 self.primary_addr = addr
                 self.core.connect_primary(self.rt.now())
                 self._perform(self.core.ready())
@@ -167,6 +173,14 @@ class StorageDriver:
             raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
                                   f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
 
+    def _count_inbound_failure(self, edge: str) -> None:
+        self.core.driver_stats["inbound_failures"] += 1
+
+    def _internal_error(self, route: bytes, frame: bytes, exc: Exception) -> None:
+        """The sender of a request whose handling failed hears so (and may resend it)."""
+        self.router.send_to(route, f.error_frame(f.request_id_of(frame), f.E_INTERNAL,
+                                                 f"{type(exc).__name__} while handling the request"))
+
     def on_multipart(self, route: bytes, extra_parts: int) -> None:
         self.core.error(route, None, f.E_MALFORMED, f"a request is one frame, got {extra_parts + 1}")
         self._perform(self.core.ready())
@@ -188,8 +202,8 @@ class StorageDriver:
         try:
             msg = f.decode_epoch(frame)
             cfg = EpochConfig(msg.epoch, tuple(msg.shards), tuple(msg.rates))
-        except (f.ProtocolError, AssertionError) as exc:
-            log.warning("bad epoch broadcast: %s", exc)
+        except (f.ProtocolError, ValueError) as exc:
+            self.trouble_log("bad epoch broadcast dropped", exc)
             return
         self.core.on_epoch(cfg, self.rt.now())
         self._perform(self.core.ready())

@@ -213,13 +213,17 @@ class ReadCall(Call):
     """``read_record``: a gsn the client knows is stable (every replica holds it) is read
     from one random replica, and from all if that one has not answered within
     STABLE_READ_WAIT; any other from all replicas, settled by the first answer that
-    reports it stable or by all answers agreeing (``ReadWait``)."""
+    reports it stable or by all answers agreeing (``ReadWait``). A replica that is not
+    registered (restarting) does not fail the read: the registered ones are asked (one
+    stable answer settles it), and the rest as they register, within the deadline."""
 
     def __init__(self, client: ClientState, rid: RecordId, deadline_ns: int) -> None:
         super().__init__(deadline_ns)
         self.client = client
         self.rid = rid
-        self.targets: tuple[str, ...] = ()
+        self.replicas = 0
+        #: address -> replica number, of every replica asked in the all-replica phase
+        self.asked: dict[str, int] = {}
         self.only: str | None = None  # the one replica asked, while asking one
         self.wait: ReadWait | None = None
 
@@ -227,17 +231,17 @@ class ReadCall(Call):
         rid = self.rid
         if rid.gsn <= 0 or rid.shard < 0:
             return self.fail(UnknownRecordError(f"{rid!r} names no record"))
+        self.replicas = topo.replica_counts.get(rid.shard, 0)
+        if self.replicas == 0:
+            return self.fail(UnknownRecordError(f"shard {rid.shard} is unknown"))
         addrs = topo.replica_addrs(rid.shard)
-        if addrs is None:
-            return self.fail(UnknownRecordError(f"shard {rid.shard} is unknown or not all of its replicas are up"))
-        self.targets = tuple(addrs)
-        if rid.gsn <= self.client.stable.get(rid.shard, 0):
+        if addrs is not None and rid.gsn <= self.client.stable.get(rid.shard, 0):
             # Stable: every replica holds it, so one answer suffices (and spreads the load).
-            self.only = self.targets[self.client.rng.randrange(len(self.targets))]
+            self.only = addrs[self.client.rng.randrange(len(addrs))]
             self.wait = ReadWait(self._req(), rid.gsn, 1)
             self.wake_at = min(self.deadline_ns, now + STABLE_READ_WAIT_NS)
             return [((self.only,), wire.Read(req_id=self.wait.req_id, gsn=rid.gsn))]
-        return self._ask_all()
+        return self._ask_all(topo)
 
     def _req(self) -> int:
         req = self.client.next_req()
@@ -245,13 +249,24 @@ class ReadCall(Call):
         return req
 
     def waiting_on(self) -> Sequence[str]:
-        return (self.only,) if self.only is not None else self.targets
+        return (self.only,) if self.only is not None else tuple(self.asked)
 
-    def _ask_all(self) -> Sends:
+    def _ask_all(self, topo: TopologyView) -> Sends:
         self.only = None
-        self.wait = ReadWait(self._req(), self.rid.gsn, len(self.targets))
+        self.wait = ReadWait(self._req(), self.rid.gsn, self.replicas)
+        self.asked = {}
         self.wake_at = self.deadline_ns
-        return [(self.targets, wire.Read(req_id=self.wait.req_id, gsn=self.rid.gsn))]
+        return self._ask_registered(topo)
+
+    def _ask_registered(self, topo: TopologyView) -> Sends:
+        """Ask every registered replica not asked yet (at its current address)."""
+        assert self.wait is not None
+        new = {addr: i for i, addr in topo.replicas.get(self.rid.shard, {}).items()
+               if i < self.replicas and addr not in self.asked}
+        if not new:
+            return []
+        self.asked.update(new)
+        return [(tuple(new), wire.Read(req_id=self.wait.req_id, gsn=self.rid.gsn))]
 
     def on_reply(self, addr: str, msg: wire.Reply, now: int, topo: TopologyView) -> Sends:
         wait = self.wait
@@ -261,8 +276,8 @@ class ReadCall(Call):
             if addr != self.only:
                 return []
             index = 0
-        elif addr in self.targets:
-            index = self.targets.index(addr)
+        elif addr in self.asked:
+            index = self.asked[addr]
         else:
             return []
         try:
@@ -278,8 +293,13 @@ class ReadCall(Call):
         if now >= self.deadline_ns:
             return self.fail(ZiplogTimeoutError(f"read of {self.rid!r} not answered in time"))
         if self.only is not None:
-            return self._ask_all()  # that replica is slow or gone: ask them all
+            return self._ask_all(topo)  # that replica is slow or gone: ask them all
         return []
+
+    def on_topology(self, now: int, topo: TopologyView) -> Sends:
+        if self.done or self.only is not None or self.wait is None:
+            return []
+        return self._ask_registered(topo)  # a replica registered (again): it is asked too
 
 
 class EachReplicaCall(Call):

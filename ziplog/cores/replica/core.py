@@ -44,6 +44,8 @@ class ReplicaCore:
         self.shard = settings.shard
         self.out = Outbox()
         self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
+        #: counters the driver keeps about its own work, reported in STATUS beside ours
+        self.driver_stats: dict[str, int] = {}
         self.log = DecidedLog(self.out)
         self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
         self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
@@ -282,4 +284,5 @@ class ReplicaCore:
             "disk": self.log.disk_fault or "ok",
             **self.role.status(),
             **self.stats,
+            **self.driver_stats,
         }

@@ -108,6 +108,7 @@ BAD_REQUEST = "BAD_REQUEST"  # the frame does not decode, or asks what this serv
 BUSY = "BUSY"  # too many requests wait here: ask again later
 UNKNOWN_TXN = "UNKNOWN_TXN"  # no decision for the transaction (forgotten, or its commit record is not LogDB's)
 NOT_OWNER = "NOT_OWNER"  # this KV shard does not own the key
+INTERNAL = "INTERNAL"  # the server failed while handling the request (logged; it goes on serving): ask again
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
@@ -123,14 +124,17 @@ def encode(frame: Request | Answer) -> bytes:
 
 
 def decode_request(data: bytes) -> Request:
+    """Total: a request, or :class:`BadFrame` (msgspec refuses whatever does not fit the
+    types, and its depth limit on nesting surfaces as a RecursionError)."""
     try:
         return _request_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadFrame(str(exc)) from None
+    except (msgspec.MsgspecError, RecursionError) as exc:
+        raise BadFrame(str(exc)[:200]) from None
 
 
 def decode_answer(data: bytes) -> Answer:
+    """Total, like :func:`decode_request`."""
     try:
         return _answer_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadFrame(str(exc)) from None
+    except (msgspec.MsgspecError, RecursionError) as exc:
+        raise BadFrame(str(exc)[:200]) from None

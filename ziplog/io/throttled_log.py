@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ziplog.io.ports import Runtime
+from ziplog.io.ports import Clock
 
 #: at most one line per kind this often
 INTERVAL_NS = 1_000_000_000
@@ -15,7 +15,7 @@ DETAIL_CHARS = 200
 
 
 class ThrottledLog:
-    def __init__(self, log: logging.Logger, rt: Runtime, level: int = logging.WARNING,
+    def __init__(self, log: logging.Logger, rt: Clock, level: int = logging.WARNING,
                  interval_ns: int = INTERVAL_NS) -> None:
         self.log = log
         self.level = level
