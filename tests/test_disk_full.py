@@ -3,7 +3,8 @@ keep their segment files on one small tmpfs each (they write the same bytes, so 
 together: the common case). Inserts fill it; the client gets DiskFullError when pinned
 to the shard and moves to the other shard when it may; no replica crashes or restarts;
 every acknowledged record is delivered once to two subscribers; a trim gives space back
-and the shard takes inserts again by itself; no empty segment files are left behind.
+and the shard takes inserts again by itself, also when every record sits in the one open
+segment; no empty segment files are left behind.
 
 Mounting needs root (these machines have it); elsewhere the test is skipped."""
 
@@ -40,8 +41,10 @@ def _umount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCluster]:
+@pytest.fixture(scope="module", params=[SEGMENT_BYTES, None], ids=["small-segments", "one-segment"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCluster]:
+    """Segments of 64 KiB (a trim deletes whole old ones), or the default 64 MiB: every
+    record in the one open segment, which a trim must replace to free anything."""
     data = tmp_path_factory.mktemp("diskfull")
     small = [data / "segments" / f"shard0-replica{r}" for r in range(2)]
     mounted = []
@@ -51,9 +54,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCl
             if why is not None:
                 pytest.skip(f"cannot mount a small tmpfs for a replica's data directory: {why}")
             mounted.append(path)
-        with ziplog.local_cluster(shards=2, replicas=2, data_dir=data,
-                                  server_args=["--segment-bytes", str(SEGMENT_BYTES)]) as c:
+        args = [] if request.param is None else ["--segment-bytes", str(request.param)]
+        with ziplog.local_cluster(shards=2, replicas=2, data_dir=data, server_args=args) as c:
             c.small_dirs = small  # type: ignore[attr-defined]
+            c.one_segment = request.param is None  # type: ignore[attr-defined]
             yield c
     finally:
         for path in mounted:
@@ -82,6 +86,8 @@ def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cl
             assert rid.shard == 0
             acked[rid] = data
         assert refused is not None, "a 1 MiB disk took 4 MiB of records"
+        if cluster.one_segment:  # type: ignore[attr-defined]
+            assert all(len(list(d.glob("seg-*.log"))) == 1 for d in cluster.small_dirs)  # type: ignore[attr-defined]
         states = _disk_states(pinned, 0)
         assert all(s != "ok" and "ENOSPC" in s for s in states), states  # both full: the common case
         # -- the shard serves what it holds; writers that may choose go elsewhere ---------------

@@ -29,6 +29,73 @@ def test_segments_below_a_trim_are_deleted(tmp_path: Path) -> None:
     assert set(range(60, 101)) <= set(gsns), "nothing at or above the cut is lost"
 
 
+def _load_state(path: Path) -> tuple[list[int], int, int]:
+    """(record gsns, frontier, trim point) a replica restarting on ``path`` would have."""
+    from ziplog.cores.effects import Outbox
+    from ziplog.cores.replica.log import DecidedLog
+    from ziplog.io.segments import SegmentLog
+    log = DecidedLog(Outbox())
+    log.replay(SegmentLog(path).load())
+    return list(log.gsns), log.frontier, log.trim_point
+
+
+def test_a_trim_frees_the_one_open_segment(tmp_path: Path) -> None:
+    """Every record in the open segment: a trim above them all opens a new segment (the
+    old one's state, trim raised) and deletes the old one; a restart has the state."""
+    from ziplog.io.segments import RESERVE_NAME, SegmentLog
+    from ziplog.protocol.events import EpochEvent, RecordEvent, SnapshotEvent
+    log = SegmentLog(tmp_path, fsync="always")
+    list(log.load())
+    log.start(SnapshotEvent([], 0, 0, 0))
+    ranges = [(0, 0, (0,))]
+    log.append([EpochEvent(0, 0, (0,))] + [RecordEvent(g, 0, 1, g, b"x" * 1000) for g in range(1, 51)],
+               SnapshotEvent(ranges, 60, 50, 0))
+    (only,) = log.segments()
+    assert (tmp_path / RESERVE_NAME).stat().st_size >= 64 << 10
+    assert log.drop_below(40) == 0, "records at or above the cut: the segment stays"
+    assert log.drop_below(51) == 1
+    (new,) = log.segments()
+    assert new != only and new.stat().st_size < 200, "the new segment holds the snapshot alone"
+    assert _load_state(tmp_path) == ([], 60, 51)
+    log.append([RecordEvent(61, 0, 1, 61, b"after")], SnapshotEvent(ranges, 61, 50, 51))
+    log.close()
+    assert _load_state(tmp_path) == ([61], 61, 51)
+
+
+def test_a_trim_frees_a_full_disk_through_the_reserve(tmp_path: Path) -> None:
+    """On a full disk (a 256 KiB tmpfs) the new segment's snapshot is written into the
+    reserve's room; the reserve is made again once the old segment is gone."""
+    import errno
+    import subprocess
+
+    from ziplog.io.segments import RESERVE_NAME, SegmentLog
+    from ziplog.protocol.events import EpochEvent, RecordEvent, SnapshotEvent
+    small = tmp_path / "small"
+    small.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {out.stderr!r}")
+    try:
+        log = SegmentLog(small, fsync="always")
+        list(log.load())
+        log.start(SnapshotEvent([], 0, 0, 0))
+        ranges = [(0, 0, (0,))]
+        log.append([EpochEvent(0, 0, (0,))], SnapshotEvent(ranges, 0, 0, 0))
+        g = 0
+        with pytest.raises(OSError) as full:
+            while True:
+                log.append([RecordEvent(g + 1, 0, 1, g + 1, b"y" * 4000)], SnapshotEvent(ranges, g + 1, g + 1, 0))
+                g += 1
+        assert full.value.errno == errno.ENOSPC and g > 10 and len(log.segments()) == 1
+        assert log.drop_below(g + 1) == 1
+        assert (small / RESERVE_NAME).exists(), "the reserve is made again"
+        log.append([RecordEvent(g + 5, 0, 1, g + 5, b"z" * 4000)], SnapshotEvent(ranges, g + 5, g, g + 1))
+        log.close()
+        assert _load_state(small) == ([g + 5], g + 5, g + 1)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
 def test_trim_then_restart_from_disk(tmp_path: Path) -> None:
     data_dir = tmp_path / "cluster"
     with ziplog.local_cluster(shards=2, replicas=2, data_dir=data_dir) as cluster:

@@ -14,10 +14,16 @@ reaches the OS; fsync, which can take milliseconds, runs on a helper thread.
 
 Each segment starts with a snapshot event (membership history, frontier,
 stable, trim point), so recovery never needs an older segment:
-:meth:`SegmentLog.drop_below` deletes whole segments (never the current one)
-whose records all lie below a gsn; the server calls it with
-min(trim point, stable + 1). A torn write at the tail (crash mid-append) is
-detected on load and cut off.
+:meth:`SegmentLog.drop_below` deletes whole segments whose records all lie below a
+gsn; the server calls it with min(trim point, stable + 1). When the open segment's
+records all lie below it too, a new segment is opened first (with the state the old
+one ends in) and the old one then deleted, so a trim frees space even when every
+record sits in one segment. On a full disk that new segment's few bytes come from a
+**reserve** file kept beside the segments (like CockroachDB's ballast file): it is
+released to make the room, and made again once there is space. The directory
+always holds a snapshot: a crash at any point of a rotation loses nothing that was
+not trimmed. A torn write at the tail (crash mid-append) is detected on load and cut
+off.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from ziplog.protocol.events import (
 )
 
 SEGMENT_BYTES = 64 << 20
+#: the reserve file's size, at least (and four times a segment's opening snapshot)
+RESERVE_BYTES = 64 << 10
+RESERVE_NAME = "reserve"
 
 
 def replica_dir(data_dir: Path, shard: int, replica: int) -> Path:
@@ -48,15 +57,18 @@ def replica_dir(data_dir: Path, shard: int, replica: int) -> Path:
 
 class SegmentLog:
     def __init__(self, directory: Path, fsync: str = "interval", fsync_interval: float = 0.05,
-                 segment_bytes: int = SEGMENT_BYTES) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, reserve_bytes: int = RESERVE_BYTES) -> None:
         assert fsync in ("never", "interval", "always"), fsync
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self.fsync_interval = fsync_interval
         self.segment_bytes = segment_bytes
+        self.reserve_bytes = reserve_bytes
         self._thread: threading.Thread | None = None
         self._fd: int | None = None
+        #: the segment ``_fd`` writes (None: none open; the next batch opens one)
+        self._open_seq: int | None = None
         self._rotate_due = False
         self._size = 0
         self._seq = 0
@@ -105,6 +117,7 @@ class SegmentLog:
         self._rotate_due = True
         self._thread = threading.Thread(target=self._run, name="segment-fsync", daemon=True)
         self._thread.start()
+        self._ensure_reserve()
 
     def _open_next(self) -> None:
         """Open the next segment and write its opening snapshot; on failure nothing is
@@ -122,6 +135,7 @@ class SegmentLog:
             raise
         old = self._fd
         self._fd, self._seq, self._size = fd, seq, len(opening)
+        self._open_seq = seq
         self._rotate_due = False
         if old is not None:
             if self.fsync != "never":
@@ -216,20 +230,90 @@ class SegmentLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+                self._open_seq = None
 
     def drop_below(self, gsn: int) -> int:
-        """Delete whole segments (not the current one) whose records all lie below ``gsn``
-        (also while writes fail: it is how a trim gives space back)."""
+        """Delete whole segments whose records all lie below ``gsn`` (also while writes
+        fail: it is how a trim gives space back). The newest one (open, or the last one
+        loaded) too: it is first replaced by a new segment opening with the state it ends
+        in, its trim point raised to ``gsn`` (every record below ``gsn`` is trimmed and
+        stable: the caller's promise). Raises OSError when even the reserve cannot make
+        room for that."""
         removed = 0
-        for path in self.segments():
+        paths = self.segments()
+        if not paths:
+            return 0
+        # The newest segment is never simply deleted: the directory must hold a snapshot
+        # (on disk before anything older goes).
+        newest = int(paths[-1].stem.split("-")[1])
+        for path in paths[:-1]:
             seq = int(path.stem.split("-")[1])
-            if seq >= self._seq:
-                continue
             if self.max_gsn.get(seq, 0) < gsn:
+                self._sync_open()
                 path.unlink(missing_ok=True)
                 self.max_gsn.pop(seq, None)
                 removed += 1
+        seq = newest
+        if self._snapshot is not None and seq in self.max_gsn and self.max_gsn[seq] < gsn:
+            snap = self._snapshot
+            self._snapshot = SnapshotEvent(snap.ranges, snap.frontier, snap.stable, max(snap.trim, gsn))
+            try:
+                self._open_next()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._release_reserve():
+                    raise
+                self._open_next()  # the reserve's room holds a snapshot many times over
+            self._sync_open()
+            old = self.dir / f"seg-{seq:08d}.log"
+            old.unlink(missing_ok=True)
+            self.max_gsn.pop(seq, None)
+            removed += 1
+            self._ensure_reserve()
         return removed
+
+    def _sync_open(self) -> None:
+        """The open segment (its opening snapshot at least) and its directory entry on
+        disk, under any policy but ``never``."""
+        if self._fd is None or self.fsync == "never":
+            return
+        os.fsync(self._fd)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    # -- the reserve -----------------------------------------------------------------------------
+    def _release_reserve(self) -> bool:
+        """Delete the reserve file (room for a new segment on a full disk); False if
+        there was none."""
+        path = self.dir / RESERVE_NAME
+        if not path.exists():
+            return False
+        path.unlink(missing_ok=True)
+        return True
+
+    def _ensure_reserve(self) -> None:
+        """Make the reserve file if it is missing or too small (best effort: on a full
+        disk it is made at a later rotation)."""
+        want = self.reserve_bytes
+        if self._snapshot is not None:
+            want = max(want, 4 * len(encode_event(self._snapshot)))
+        path = self.dir / RESERVE_NAME
+        try:
+            if path.stat().st_size >= want:
+                return
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, want)  # real blocks: a sparse file would reserve nothing
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            path.unlink(missing_ok=True)
 
 
 def _write_all(fd: int, blob: bytes) -> None:
