@@ -49,7 +49,7 @@ from typing import Any
 
 from ziplog.cores.replica import stream_events
 from ziplog.protocol import frames as wire
-from ziplog.protocol.events import RecordEvent
+from ziplog.protocol.events import RecordEvent, record_size
 from ziplog.protocol.gsna import epoch_end, epoch_of
 from ziplog.protocol.membership import history_ranges
 
@@ -85,6 +85,9 @@ class HandlerSettings:
     quiet_ns: int = 500_000_000
     #: Largest batch of records fetched in one FETCH.
     fetch_bytes: int = 4 << 20
+    #: An INSTALL carries at most this many bytes of records (or one larger record): a
+    #: replica's ROUTER refuses larger messages, so a big roll-forward goes in parts.
+    install_bytes: int = wire.INSTALL_PART_BYTES
 
 
 @dataclass
@@ -95,6 +98,9 @@ class _Replica:
     fetch_done: bool = False
     fetch_trim: int = 0
     installed: bool = False
+    #: the next INSTALL part starts here (the replica's frontier after the last part;
+    #: None: no part installed yet this generation)
+    install_from: int | None = None
     resumed: bool = False
     pending: tuple[int, int] | None = None  # (req_id, op) of the request in flight
     sent_at: int = -(1 << 62)
@@ -213,6 +219,7 @@ class RecoveryCore:
             r.info = None
             r.installed = r.resumed = False
             r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
+            r.install_from = None
             self._advance(rec, now)
             return
         payload = msg.payload
@@ -225,8 +232,11 @@ class RecoveryCore:
             if rec.phase == PROBING and rec.acquired is None and payload.get("qualified") and payload.get("frozen"):
                 self._acquire(rec, replica, payload)
         elif op == wire.INSTALL:
-            assert payload["frontier"] == rec.end, ("install ended elsewhere", payload, rec.end)
-            r.installed = True
+            assert payload["frontier"] <= rec.end, ("install ended beyond the recovery's end", payload, rec.end)
+            if payload["frontier"] == rec.end:
+                r.installed = True
+            else:  # one part of several: the next starts where this one ended
+                r.install_from = payload["frontier"]
         elif op == wire.RESUME:
             r.resumed = True
             if rec.acquired is not None and replica == rec.acquired["source"]:
@@ -339,6 +349,9 @@ class RecoveryCore:
         for i, r in rec.reps.items():
             if r.info is None or r.installed or not self._due(r, now):
                 continue
+            if r.install_from is not None:
+                self._install(rec, i, r, r.install_from, now)
+                continue
             base = min(r.info["frontier"], x)
             if base < x and not r.fetch_done:
                 self._fetch(rec, i, r, base, x, now)
@@ -401,14 +414,27 @@ class RecoveryCore:
         x = acq["stable"]
         below = [g for g in r.fetched if base < g[0] <= x]
         above = [g for g in acq["records"] if g[0] > x] + acq["guesses"]
-        records = sorted((RecordEvent(int(g[0]), 0, int(g[1]), int(g[2]), bytes(g[3])) for g in below + above),
-                         key=lambda r: r.gsn)
+        records = sorted((RecordEvent(int(g[0]), 0, int(g[1]), int(g[2]), bytes(g[3])) for g in below + above
+                          if g[0] > base), key=lambda r: r.gsn)
         assert all(a.gsn < b.gsn for a, b in zip(records, records[1:])), "two records at one gsn"
         keys = [(r.client_id, r.seq) for r in records]
         assert len(set(keys)) == len(keys), "a record twice in the recovered state"
+        # This part: records up to install_bytes (at least one), ending with the last of
+        # them unless they are all the rest (then at the recovery's end).
+        size, n = 0, 0
+        for rec_ev in records:
+            size += record_size(rec_ev.data)
+            if n and size > self.s.install_bytes:
+                break
+            n += 1
+        part, end = records[:n], rec.end
         membership = self._membership(rec)
+        if n < len(records):
+            end = part[-1].gsn
+            last = epoch_of(end)
+            membership = [[f, min(la, last), m] for f, la, m in membership if f <= last]
         known = epoch_of(base) if base > 0 else -1
-        events = list(stream_events(records, membership, known))
+        events = list(stream_events(part, membership, known))
         trim = max(r.info.get("trim", 0), r.fetch_trim)
         self._send(rec, i, wire.Install(req_id=next(self._req), gen=rec.gen, base=base, trim=trim, events=events,
-                                        end=rec.end), now)
+                                        end=end), now)

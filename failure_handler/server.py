@@ -85,7 +85,8 @@ class FailureHandlerDriver(ElectedDriver):
         # Only the leader reads suspicions (the replicas repeat theirs while they stay
         # suspicious); a follower's queue fills and senders drop theirs.
         self.guard = InboundGuard(log, rt)
-        self.pull = net.puller(self.guard.frames("the suspicion PULL", self.on_suspect_frame), host, paused=True)
+        self.pull = net.puller(self.guard.frames("the suspicion PULL", self.on_suspect_frame), host, paused=True,
+                               max_bytes=wire.CONTROL_FRAME_LIMIT)
         self.addr = self.pull.addr
         # -- one term of leadership -----------------------------------------------------------
         self.core: RecoveryCore | None = None
@@ -185,7 +186,8 @@ class FailureHandlerDriver(ElectedDriver):
                     continue
                 if cur is not None:
                     cur[1].close()
-                ep = self.net.dealer(addr, self._reply_handler(shard, replica), "handler")
+                ep = self.net.dealer(addr, self._reply_handler(shard, replica), "handler",
+                                     max_bytes=wire.RECOVERY_REPLY_LIMIT)
                 self.dealers[(shard, replica)] = (addr, ep)
         core.on_history(topo.history, now)
         self._act()

@@ -76,7 +76,8 @@ class MembershipDriver(ElectedDriver):
         # Only the leader reads rate reports: a follower's queue fills and primaries then
         # drop theirs, at no cost to the follower.
         self.guard = InboundGuard(log, rt)
-        self.pull = net.puller(self.guard.frames("the rate PULL", self.on_rate_frame), host, paused=True)
+        self.pull = net.puller(self.guard.frames("the rate PULL", self.on_rate_frame), host, paused=True,
+                               max_bytes=wire.CONTROL_FRAME_LIMIT)
         self.addrs = {"pub": self.pub.addr, "pull": self.pull.addr}
         self.encoder = wire.EpochEncoder()
         self.key = key

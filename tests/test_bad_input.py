@@ -93,3 +93,59 @@ def test_server_keeps_serving_and_nothing_is_lost(cluster: ziplog.LocalCluster, 
                 assert r["records"] >= 2
     for p in cluster.servers.values():
         assert p.poll() is None, "a server died on bad input"
+
+
+def _hwm_bytes(pid: int) -> int:
+    """The process's peak resident memory (VmHWM)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_64_mib_frame_is_refused_unread_and_its_sender_disconnected(cluster: ziplog.LocalCluster) -> None:
+    """libzmq reads the frame's size first and drops the connection: the replica never
+    holds the 64 MiB, and a writer pinned to its shard goes on without a recovery."""
+    import threading
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    from tests.load import recovery_record
+    primary = cluster.servers[(0, 0)]
+    before_hwm = _hwm_bytes(primary.pid)
+    gen_before = recovery_record(cluster, 0)
+    addr = cluster.topology.replica_addrs(0)[0]  # type: ignore[index]
+    stop, acked, errors = threading.Event(), [], []
+
+    def write() -> None:
+        try:
+            with cluster.client(policy=ziplog.Policy.fixed(0)) as w:
+                while not stop.is_set():
+                    acked.append(w.insert_after(b"beside the flood"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 10)
+        monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        s.connect(addr)
+        junk = b"\x00" * (64 << 20)
+        for _ in range(8):
+            s.send(junk, copy=False)
+            assert monitor.poll(60_000), "the replica did not drop the connection of an oversized sender"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        with cluster.client(policy=ziplog.Policy.fixed(0)) as c:
+            assert c.insert_after(b"after the flood").shard == 0  # the shard serves
+    finally:
+        stop.set()
+        writer.join()
+        ctx.destroy(linger=0)
+    assert not errors, errors
+    assert primary.poll() is None, "the replica died"
+    assert _hwm_bytes(primary.pid) < before_hwm + (32 << 20), "the replica read an oversized frame into memory"
+    assert recovery_record(cluster, 0) == gen_before, "a healthy shard went through recovery"

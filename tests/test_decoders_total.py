@@ -183,7 +183,8 @@ def test_the_frames_found_by_hand_are_refused() -> None:
     """The 5-byte frame that killed replicas, MMS and failure handlers (an op that is an
     array), a map as op, and a nesting past msgspec's depth limit in an Any field."""
     for frame in (bytes.fromhex("9301910105"), pack([1, Map([(1, 2)]), 5]),
-                  b"\x94\x01\x14\x05\x81\xa1a" + b"\x91" * 100_000 + b"\x01"):
+                  b"\x94\x01\x14\x05\x81\xa1a" + b"\x91" * 100_000 + b"\x01",
+                  pack([1, 1] + [1] * 200_000), pack([1, 1, 5, [[0] * 1000] * 200])):
         for decode, table in EDGES.values():
             check_total(decode, table, frame)
     with pytest.raises(wire.ProtocolError) as exc:

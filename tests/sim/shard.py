@@ -160,7 +160,9 @@ class ShardSim:
         self.rates = rates
         self.epoch_ms = epoch_ms
         self.settings = dict(noop_timeout_ns=noop_timeout_ns or r.choice([200 * US, 1 * MS, 3 * MS]),
-                             park_timeout_ns=200 * MS, stable_push_ns=1 * MS, lag_probe_ns=5 * MS, suspect_timeout_ns=0)
+                             park_timeout_ns=200 * MS, stable_push_ns=1 * MS, lag_probe_ns=5 * MS, suspect_timeout_ns=0,
+                             # a third of the seeds forward in parts of a few records
+                             forward_batch_bytes=random.Random(seed * 7919 + 1).choice([4 << 20, 4 << 20, 200]))
         self.drivers: dict[int, StorageDriver] = {}
         self.procs: dict[int, SimProcess] = {}
         for i in range(2):

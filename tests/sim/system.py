@@ -54,7 +54,7 @@ from ziplog.protocol.errors import (
     ZiplogError,
     ZiplogTimeoutError,
 )
-from ziplog.protocol.events import EpochEvent
+from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
 from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.protocol.types import RID_GENESIS, Policy
@@ -121,13 +121,15 @@ class Outcome:
     disks_filled: int = 0  # shards whose replicas' disks both filled (and later had space again)
     disk_refusals: int = 0  # appends a full disk refused (the batch stayed buffered)
     disk_full_errors: int = 0  # inserts every shard tried refused with DISK_FULL (the app tried again)
+    forward_parts: int = 0  # catch-up FORWARDs that were one part of several (no frontier at their end)
+    install_parts: int = 0  # INSTALLs that were one part of several (ending at their last record)
     trace: list[str] = field(default_factory=list)
 
     COUNTS = ("acked", "delivered", "fast", "slow", "final_acks", "redirects", "retries", "no_shard",
               "no_shard_excluded", "timeouts", "guesses_dropped", "frozen_hellos",
               "crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
               "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events",
-              "disks_filled", "disk_refusals", "disk_full_errors")
+              "disks_filled", "disk_refusals", "disk_full_errors", "forward_parts", "install_parts")
 
     def counts(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.COUNTS}
@@ -374,7 +376,13 @@ class SystemSim:
         self.settings = dict(noop_timeout_ns=rng.choice([500 * US, 1 * MS, 2 * MS]), heartbeat_ns=rng.choice([5, 7, 10]) * MS,
                              suspect_timeout_ns=suspect, park_timeout_ns=2_000_000_000,
                              lag_probe_ns=rng.choice([10, 20]) * MS)
-        self.handler_settings = HandlerSettings(retry_ns=rng.choice([5, 10, 20]) * MS, quiet_ns=rng.choice([1, 2]) * suspect)
+        # Batch bounds, drawn apart so that the draws above (and every older seed's world)
+        # stay as they were: a third of the seeds forward and install in parts of a few
+        # records (catch-ups and roll-forwards in many parts).
+        knobs = random.Random(seed * 7919 + 1)
+        self.settings["forward_batch_bytes"] = knobs.choice([4 << 20, 4 << 20, 200])
+        self.handler_settings = HandlerSettings(retry_ns=rng.choice([5, 10, 20]) * MS, quiet_ns=rng.choice([1, 2]) * suspect,
+                                                install_bytes=knobs.choice([1 << 20, 1 << 20, 100]))
         self.planner_settings = PlannerSettings(default_rate=rng.choice([500, 2000]))
         self.think_us = rng.choice([500, 3000, 10_000])
         nshards = shards if shards is not None else rng.choice([2, 2, 3])
@@ -556,6 +564,13 @@ class SystemSim:
             return self._watch_guesses(r, frame)
         if kind == "router":
             return self._watch_request(r, frame, route)
+        if kind == "dealer" and r.idx > 0 and getattr(endpoint, "label", "") == "primary":
+            try:
+                fwd = wire.decode_from_primary(frame)
+            except wire.ProtocolError:
+                return None
+            if isinstance(fwd, wire.Forward) and fwd.body.events and not isinstance(fwd.body.events[-1], FrontierEvent):
+                self.outcome.forward_parts += 1
         return None
 
     def _watch_guesses(self, r: Rep, frame: bytes) -> Callable[[], None] | None:
@@ -590,6 +605,9 @@ class SystemSim:
             self.tr(f"rep {r.shard}.{r.idx} <- {_show(msg)}")
         if isinstance(msg, wire.Install):
             self._check_install(r, msg)
+            records = [ev for ev in msg.events if isinstance(ev, RecordEvent)]
+            if records and records[-1].gsn == msg.end:
+                self.outcome.install_parts += 1
         elif isinstance(msg, wire.Hello) and core is not None and not core.frozen and route is not None:
             d = self.world.routes.get(route)
             b = self.by_proc.get(d.proc) if d is not None else None

@@ -211,28 +211,45 @@ class SimProcess:
         return f"sim://{self.name}/{kind}{next(self._n)}"
 
     def router(self, on_frame: Callable[[bytes, bytes], None], on_multipart: Callable[[bytes, int], None],
-               host: str = "", port: int = 0) -> "SimRouter":
-        r = SimRouter(self, self._addr("router"), on_frame)
+               host: str = "", port: int = 0, max_bytes: int = -1) -> "SimRouter":
+        r = SimRouter(self, self._addr("router"), self._within(max_bytes, on_frame, "router"))
         self._endpoints.append(r)
         return r
 
-    def dealer(self, addr: str, on_frame: Callable[[bytes], None], label: str = "") -> "SimDealer":
-        d = SimDealer(self, addr, on_frame, label, f"r{next(self.world._route_ids)}".encode())
+    def dealer(self, addr: str, on_frame: Callable[[bytes], None], label: str = "",
+               max_bytes: int = -1) -> "SimDealer":
+        d = SimDealer(self, addr, self._within(max_bytes, on_frame, label), label,
+                      f"r{next(self.world._route_ids)}".encode())
         self._endpoints.append(d)
         return d
+
+    @staticmethod
+    def _within(max_bytes: int, handler: Any, edge: str) -> Any:
+        """Every process in the simulation is honest: a frame beyond its edge's limit
+        (which libzmq would refuse) is a batch the code failed to bound."""
+        if max_bytes < 0:
+            return handler
+
+        def check(*args: Any) -> None:
+            frame = args[-1]
+            assert len(frame) <= max_bytes, (f"a {len(frame)}-byte frame on the {edge} edge, "
+                                             f"beyond its {max_bytes}-byte limit")
+            handler(*args)
+        return check
 
     def publisher(self, host: str = "") -> "SimPublisher":
         p = SimPublisher(self, self._addr("pub"))
         self._endpoints.append(p)
         return p
 
-    def subscriber(self, addr: str, on_frame: Callable[[bytes], None]) -> "SimSubscriber":
-        s = SimSubscriber(self, addr, on_frame)
+    def subscriber(self, addr: str, on_frame: Callable[[bytes], None], max_bytes: int = -1) -> "SimSubscriber":
+        s = SimSubscriber(self, addr, self._within(max_bytes, on_frame, "subscriber"))
         self._endpoints.append(s)
         return s
 
-    def puller(self, on_frame: Callable[[bytes], None], host: str = "", paused: bool = False) -> "SimPuller":
-        p = SimPuller(self, self._addr("pull"), on_frame, paused)
+    def puller(self, on_frame: Callable[[bytes], None], host: str = "", paused: bool = False,
+               max_bytes: int = -1) -> "SimPuller":
+        p = SimPuller(self, self._addr("pull"), self._within(max_bytes, on_frame, "pull"), paused)
         self._endpoints.append(p)
         return p
 
@@ -303,6 +320,7 @@ class SimDealer:
 
     def deliver(self, frame: bytes) -> None:
         if not self.closed:
+            self.proc.world.tap("dealer", self, frame)
             self.proc.run(self.on_frame, frame)
 
     def close(self, linger_ms: int = 0) -> None:

@@ -122,7 +122,8 @@ class ClientDriver:
                 for addr in addrs:
                     conn = conns.get(addr)
                     if conn is None:
-                        conn = conns[addr] = self.net.dealer(addr, functools.partial(self._on_reply, addr), "replica")
+                        conn = conns[addr] = self.net.dealer(addr, functools.partial(self._on_reply, addr), "replica",
+                                                             max_bytes=wire.CLIENT_REPLY_LIMIT)
                         self._conns_gen += 1
                     conn.send(frame)
         if call.done:
@@ -289,7 +290,8 @@ class SubscriptionDriver:
                 old = self.conns.pop(shard, None)
                 if old is not None:
                     old.close()
-                self.conns[shard] = net.dealer(arg, self._frame_handler(shard), "subscription")
+                self.conns[shard] = net.dealer(arg, self._frame_handler(shard), "subscription",
+                                               max_bytes=wire.CLIENT_REPLY_LIMIT)
             else:
                 conn = self.conns.pop(shard, None)
                 if conn is not None:

@@ -105,8 +105,9 @@ class AsyncioRuntime:
         self._turn_end.append(fn)
 
     # -- Network (connecting side) ----------------------------------------------------------------
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> _Connection:
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> _Connection:
         sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
         c = _Connection(self, sock, addr, on_frame)

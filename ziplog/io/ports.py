@@ -98,10 +98,15 @@ FrameHandler = Callable[[bytes], None]
 MultipartHandler = Callable[[bytes, int], None]
 
 
+# Every receiving endpoint takes ``max_bytes``: a message larger than that is refused
+# before it is read into memory and its sender disconnected (libzmq's ZMQ_MAXMSGSIZE;
+# -1: no limit). The limits of each edge are in ``ziplog.protocol.frames``.
+
+
 class Connector(Protocol):
     """The connecting half of a network (what a client needs)."""
 
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> Endpoint:
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> Endpoint:
         """Connect a DEALER to a ROUTER at ``addr``. ``label`` names what the connection is
         for (``"replica"``, ``"subscription"``, ``"primary"``, ``"handler"``), for logs and
         the simulation's fault model."""
@@ -109,10 +114,10 @@ class Connector(Protocol):
 
 class Network(Connector, Protocol):
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
-               port: int = 0) -> Router:
+               port: int = 0, max_bytes: int = -1) -> Router:
         """Bind a ROUTER (port 0: any free port)."""
 
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> Endpoint:
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> Endpoint:
         """Connect a DEALER to a ROUTER at ``addr``. ``label`` names what the connection is
         for (``"replica"``, ``"subscription"``, ``"primary"``, ``"handler"``), for logs and
         the simulation's fault model."""
@@ -120,10 +125,11 @@ class Network(Connector, Protocol):
     def publisher(self, host: str = "127.0.0.1") -> Endpoint:
         """Bind a PUB."""
 
-    def subscriber(self, addr: str, on_frame: FrameHandler) -> Endpoint:
+    def subscriber(self, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> Endpoint:
         """Connect a SUB (every topic) to a PUB at ``addr``; ``connect`` adds more."""
 
-    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False) -> Puller:
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False,
+               max_bytes: int = -1) -> Puller:
         """Bind a PULL (``paused``: not read until resumed)."""
 
     def pusher(self, addr: str) -> Endpoint:

@@ -6,7 +6,7 @@ A server process runs it for good (:meth:`ZmqRuntime.run_forever`); the blocking
 runs it only while a call waits (:meth:`ZmqRuntime.run_until`).
 
 One turn: poll (timeout: the next timer, at most 100 ms) -> each ready socket drained
-(at most 256 frames, each handed to its handler, which may send at once: an ACK leaves
+(at most 256 frames or 20 ms of them, each handed to its handler, which may send at once: an ACK leaves
 before anything else is done) -> due timers -> calls from other threads -> the turn-end
 hooks (where drivers flush their batches).
 """
@@ -36,6 +36,9 @@ EVENTS = int(zmq.EVENTS)
 RCVMORE = int(zmq.RCVMORE)
 #: frames read from one socket per turn, so one busy peer cannot starve the others
 DRAIN_LIMIT = 256
+#: ... and for at most this long: frames that are costly to refuse (a flood of large
+#: junk) wait for the next turn, and the timers (heartbeats, expiries) run in between
+DRAIN_BUDGET_NS = 20_000_000
 #: longest poll: the loop looks at its stop flag at least this often
 MAX_WAIT_MS = 100
 #: send queue of a ROUTER or DEALER (frames); a frame to a full queue is dropped
@@ -197,8 +200,9 @@ class ZmqRuntime:
             self._poll_items = [item for item in self._poll_items if item[0] is not s.sock]
 
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
-               port: int = 0) -> _Router:
+               port: int = 0, max_bytes: int = -1) -> _Router:
         sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.SNDHWM, HWM)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.LINGER, 0)
@@ -209,12 +213,13 @@ class ZmqRuntime:
         r = _Router(self, sock, f"tcp://{host}:{port}")
 
         def drain() -> None:
-            recv, getsockopt = sock.recv, sock.getsockopt
+            recv, getsockopt, clock = sock.recv, sock.getsockopt, time.monotonic_ns
+            until = clock() + DRAIN_BUDGET_NS
             for i in range(self.drain_limit):
                 # Poll said a message is there; after it, EVENTS before each recv instead
                 # of catching zmq.Again: an exception per drained socket costs more than
                 # the request itself.
-                if i and not int(getsockopt(EVENTS)) & POLLIN:
+                if i and (not int(getsockopt(EVENTS)) & POLLIN or clock() >= until):
                     return
                 route = recv()
                 frame = recv()
@@ -230,8 +235,10 @@ class ZmqRuntime:
         self._add(r, drain)
         return r
 
-    def _connected(self, kind: int, addr: str, on_frame: FrameHandler | None, hwm: int) -> _Socket:
+    def _connected(self, kind: int, addr: str, on_frame: FrameHandler | None, hwm: int,
+                   max_bytes: int = -1) -> _Socket:
         sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         if kind == zmq.SUB:
@@ -246,22 +253,23 @@ class ZmqRuntime:
             recv = sock.recv
             return lambda: on_frame(recv())  # poll said a frame is there
         def drain() -> None:
-            recv, getsockopt = sock.recv, sock.getsockopt
+            recv, getsockopt, clock = sock.recv, sock.getsockopt, time.monotonic_ns
+            until = clock() + DRAIN_BUDGET_NS
             for i in range(self.drain_limit):
-                if i and not int(getsockopt(EVENTS)) & POLLIN:
+                if i and (not int(getsockopt(EVENTS)) & POLLIN or clock() >= until):
                     return
                 on_frame(recv())
         return drain
 
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "") -> _Socket:
-        s = self._connected(zmq.DEALER, addr, on_frame, HWM)
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> _Socket:
+        s = self._connected(zmq.DEALER, addr, on_frame, HWM, max_bytes)
         s.sock.setsockopt(zmq.RCVHWM, HWM)
         return s
 
-    def subscriber(self, addr: str, on_frame: FrameHandler) -> _Socket:
+    def subscriber(self, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> _Socket:
         """A SUB socket; ``connect`` adds publishers to it (one socket for all of them
         keeps the poll set small)."""
-        return self._connected(zmq.SUB, addr, on_frame, 1000)
+        return self._connected(zmq.SUB, addr, on_frame, 1000, max_bytes)
 
     def pusher(self, addr: str) -> _Socket:
         return self._connected(zmq.PUSH, addr, None, 1000)
@@ -275,8 +283,10 @@ class ZmqRuntime:
         self._add(s, None)
         return s
 
-    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False) -> _Puller:
+    def puller(self, on_frame: FrameHandler, host: str = "127.0.0.1", paused: bool = False,
+               max_bytes: int = -1) -> _Puller:
         sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port(f"tcp://{host}")
         s = _Puller(self, sock, f"tcp://{host}:{port}")

@@ -248,6 +248,7 @@ class LogDB(_Base):
                     self._poller.unregister(self._socks[old])
                     self._socks.pop(old).close(0)
             s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.MAXMSGSIZE, f.ANSWER_LIMIT)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addr)
             self._poller.register(s, zmq.POLLIN)
@@ -422,6 +423,7 @@ class AsyncLogDB(_Base):
         s = self._socks.get(addr)
         if s is None:
             s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.MAXMSGSIZE, f.ANSWER_LIMIT)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addr)
             self._readers.append(asyncio.get_running_loop().create_task(self._read(s)))

@@ -38,6 +38,7 @@ def stop_event() -> asyncio.Event:
 def bind_router(ctx: zmq.asyncio.Context, port: int = 0) -> tuple[zmq.asyncio.Socket, str]:
     """A ROUTER on loopback (``port`` 0: any free one) and its address."""
     router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.MAXMSGSIZE, f.REQUEST_LIMIT)
     router.setsockopt(zmq.LINGER, 0)
     if port:
         router.bind(f"tcp://127.0.0.1:{port}")

@@ -96,6 +96,25 @@ class TruncateEvent(_Event, tag=EV_TRUNCATE, frozen=True):
     base: U64
 
 
+#: A record event's encoded size beyond its data, at most (five msgpack integers and
+#: the array and bin headers).
+RECORD_EVENT_OVERHEAD = 56
+
+
+def record_size(data: bytes) -> int:
+    """A record event's encoded size, at most."""
+    return len(data) + RECORD_EVENT_OVERHEAD
+
+
+def event_size(ev: "StreamEvent") -> int:
+    """An event's encoded size, at most: what batches of events are bounded by."""
+    if type(ev) is RecordEvent:
+        return len(ev.data) + RECORD_EVENT_OVERHEAD
+    if type(ev) is EpochEvent:
+        return 24 + 9 * len(ev.members or ())
+    return 32
+
+
 #: What a FORWARD carries.
 StreamEvent = Union[RecordEvent, FrontierEvent, EpochEvent]
 #: What an INSTALL carries.

@@ -109,6 +109,40 @@ E_INTERNAL = "INTERNAL"
 
 MAX_U64 = (1 << 64) - 1
 
+# -- how large a frame each receiving edge takes ------------------------------------------
+# Every socket refuses a message larger than its edge's limit before reading it into
+# memory (libzmq's ZMQ_MAXMSGSIZE): the sender is disconnected. Batches are bounded so
+# that no legitimate frame comes near: a FORWARD carries at most forward_batch_bytes of
+# events (or one record), an INSTALL at most INSTALL_PART_BYTES of records.
+
+#: The largest record a storage server takes by default (``--max-record-bytes``).
+MAX_RECORD_BYTES = 1 << 20
+#: An INSTALL carries at most this many bytes of records (or one larger record).
+INSTALL_PART_BYTES = 1 << 20
+#: Room for everything in a frame beside its records (ids, epochs, memberships).
+FRAME_HEADROOM = 1 << 20
+#: SUSPECT and RATE, sealed (the MMS's and the failure handler's PULLs).
+CONTROL_FRAME_LIMIT = 64 << 10
+#: EPOCH broadcasts (a few bytes per member shard).
+EPOCH_FRAME_LIMIT = 16 << 20
+#: What a client takes from a storage server (READ_OK, SUB_BATCH, RANGE_OK carry up to
+#: about 1 MiB, or one record): servers must not take records near it.
+CLIENT_REPLY_LIMIT = 64 << 20
+#: What the failure handler takes from a replica (a PROBE answer holds every record
+#: above the replica's stable point; a FETCH answer up to its max_bytes).
+RECOVERY_REPLY_LIMIT = 256 << 20
+
+
+def request_limit(max_record_bytes: int) -> int:
+    """A storage server's ROUTER: an INSERT of the largest record, an INSTALL part."""
+    return max(max_record_bytes, INSTALL_PART_BYTES) + FRAME_HEADROOM
+
+
+def forward_limit(forward_batch_bytes: int, max_record_bytes: int) -> int:
+    """A backup's link to its primary: a FORWARD."""
+    return max(forward_batch_bytes, max_record_bytes) + FRAME_HEADROOM
+
+
 #: Every SUB_BATCH costs this many bytes of the subscriber's credit on top of its
 #: records, so a subscriber that stops reading stops receiving even progress-only
 #: batches: nothing queues up without bound, and nothing is dropped on a full queue.

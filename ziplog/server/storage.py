@@ -77,7 +77,7 @@ class StorageDriver:
         #: contains a failure in handling one inbound message (see ziplog.io.inbound)
         self.guard = InboundGuard(log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
-                                 self.on_multipart, host, port)
+                                 self.on_multipart, host, port, max_bytes=f.request_limit(settings.max_record_bytes))
         self.addr = self.router.addr
         self.primary: Endpoint | None = None
         self.primary_addr: str | None = None
@@ -121,7 +121,8 @@ class StorageDriver:
             if pub not in self.epoch_pubs:
                 self.epoch_pubs.add(pub)
                 if self.epochs is None:
-                    self.epochs = net.subscriber(pub, self.guard.frames("the epoch broadcast", self.on_epoch_frame))
+                    self.epochs = net.subscriber(pub, self.guard.frames("the epoch broadcast", self.on_epoch_frame),
+                                                 max_bytes=f.EPOCH_FRAME_LIMIT)
                 else:
                     self.epochs.connect(pub)
         for pull in topo.mms_pulls():
@@ -136,7 +137,8 @@ class StorageDriver:
                 if self.primary is not None:
                     self.primary.close()
                 self.primary = net.dealer(addr, self.guard.frames("the primary's link", self.on_primary_frame),
-                                          "primary")
+                                          "primary", max_bytes=f.forward_limit(self.settings.forward_batch_bytes,
+                                                                               self.settings.max_record_bytes))
                 self.primary_addr = addr
                 self.core.connect_primary(self.rt.now())
                 self._perform(self.core.ready())

@@ -30,6 +30,7 @@ def _direct(addrs: tuple[str, ...], shard: int, pager: RangePager) -> Iterator[R
     ctx: Any = zmq.Context.instance()
     for addr in addrs:
         sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.CLIENT_REPLY_LIMIT)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
         try:

@@ -157,9 +157,13 @@ class BackupFollower:
             return
         self.hello_sent_at = None
         self.link = Link.IN_STEP
-        # In step with the primary: we now hold everything it decided, which includes
-        # everything any replica acknowledged before we (re)started.
-        self.qualification = Qualification.QUALIFIED
+        # A FORWARD that does not end with the primary's frontier is one part of a
+        # catch-up: more follows, asked for at once. Only a whole one puts us in step.
+        partial = not body.events or type(body.events[-1]) is not FrontierEvent
+        if not partial:
+            # In step with the primary: we now hold everything it decided, which includes
+            # everything any replica acknowledged before we (re)started.
+            self.qualification = Qualification.QUALIFIED
         changed = False
         sp = self.spec
         for ev in body.events:
@@ -185,6 +189,9 @@ class BackupFollower:
         if changed:
             self._drop_displaced_guesses(now)
         log.advance_stable(msg.stable)
+        if partial:
+            self.out.send(Peer.PRIMARY, self.hello())
+            self.hello_sent_at = now
 
     def _settle(self, ev: RecordEvent, now: int) -> None:
         """The primary decided ``ev``: our guess of it (if any) is confirmed or replaced,

@@ -30,6 +30,8 @@ from ziplog.protocol.events import (
     Members,
     RecordEvent,
     StreamEvent,
+    event_size,
+    record_size,
 )
 from ziplog.protocol.gsna import (
     EpochConfig,
@@ -90,6 +92,8 @@ class PrimarySequencer:
         self.backup_routes: dict[int, bytes] = {}
         self.prefixes: dict[int, int] = {}
         self.fwd_events: list[StreamEvent] = []
+        #: bytes of the records in ``fwd_events`` (a FORWARD stays within forward_batch_bytes)
+        self.fwd_bytes = 0
         #: (frontier, last epoch) a backup is at after every FORWARD sent so far
         self.fwd_mark: tuple[int, int] = (0, -1)
         self.stable_sent = 0
@@ -161,6 +165,9 @@ class PrimarySequencer:
             return
         gsn = cur.gsn(k)
         assert gsn > after, ("InsertAfter must return a gsn above the rid", gsn, after)
+        size = record_size(msg.data)
+        if self.fwd_events and self.fwd_bytes + size > self.s.forward_batch_bytes:
+            self._forward(now)  # before this record is applied: the FORWARD's frontier must not pass it
         self.next_slot = k + 1
         self.epoch_count += 1
         ev = RecordEvent(gsn, k, msg.client_id, msg.seq, msg.data)
@@ -169,6 +176,7 @@ class PrimarySequencer:
         log.advance_frontier(cur.gsn(k + 1) - 1)
         self.out.send(route, f.Ack(req_id=msg.req_id, gsn=gsn, replica=0, stable=log.stable, decided=True, final=False))
         self.fwd_events.append(ev)
+        self.fwd_bytes += size
         self.stable_changed()
 
     def _park(self, route: bytes, msg: f.Insert, now: int, need_epoch: int) -> None:
@@ -332,9 +340,23 @@ class PrimarySequencer:
             return
         self.backup_routes[replica] = route
         self.prefixes[replica] = frontier
-        # Catch the backup up: everything decided above its frontier.
-        events: list[StreamEvent] = list(log.stream_after(frontier))
-        events.append(FrontierEvent(log.frontier, log.last_epoch, self.next_slot))
+        # Catch the backup up: everything decided above its frontier, in parts of at most
+        # forward_batch_bytes. A part ends with a record and no FRONTIER event (the backup's
+        # frontier is then that record's gsn, and it asks for the next part at once); the
+        # last part ends with our frontier.
+        events: list[StreamEvent] = []
+        size, records, partial = 0, 0, False
+        for ev in log.stream_after(frontier):
+            n = event_size(ev)
+            if type(ev) is RecordEvent:
+                if records and size + n > self.s.forward_batch_bytes:
+                    partial = True
+                    break
+                records += 1
+            events.append(ev)
+            size += n
+        if not partial:
+            events.append(FrontierEvent(log.frontier, log.last_epoch, self.next_slot))
         self.out.send(route, f.Forward(stable=log.stable, body=f.ForwardBody(frontier, epoch_hint(frontier), events)))
         if replica in self.awaiting:
             self.awaiting.discard(replica)
@@ -395,16 +417,22 @@ class PrimarySequencer:
         # much more time until records are stable.
         due = not self.fwd_events or since >= s.forward_interval_ns
         if (self.fwd_events and due) or push_stable or lagging:
-            prev_f, prev_e = self.fwd_mark
-            events = self.fwd_events
-            events.append(FrontierEvent(log.frontier, log.last_epoch, self.next_slot))
-            msg = f.Forward(stable=log.stable, body=f.ForwardBody(prev_f, prev_e, events))
-            for r in sorted(self.backup_routes):
-                self.out.send(self.backup_routes[r], msg)
-            self.fwd_events = []
-            self.stable_sent = log.stable
-            self.last_forward_ns = now
-            self.mark_forward_point()
+            self._forward(now)
+
+    def _forward(self, now: int) -> None:
+        """Send the buffered decisions, ending with our frontier, to every backup."""
+        log = self.log
+        prev_f, prev_e = self.fwd_mark
+        events = self.fwd_events
+        events.append(FrontierEvent(log.frontier, log.last_epoch, self.next_slot))
+        msg = f.Forward(stable=log.stable, body=f.ForwardBody(prev_f, prev_e, events))
+        for r in sorted(self.backup_routes):
+            self.out.send(self.backup_routes[r], msg)
+        self.fwd_events = []
+        self.fwd_bytes = 0
+        self.stable_sent = log.stable
+        self.last_forward_ns = now
+        self.mark_forward_point()
 
     def mark_forward_point(self) -> None:
         """Remember (frontier, last epoch): the state a backup is in after applying every
@@ -457,6 +485,7 @@ class PrimarySequencer:
         self.cur_config = None
         self.cursor = None
         self.fwd_events = []
+        self.fwd_bytes = 0
 
     def installed(self) -> None:
         self.mark_forward_point()

@@ -63,6 +63,9 @@ class RecoveryParticipant:
         self.phase = RecoveryPhase.NORMAL
         self.gen = -1  # highest recovery generation the failure handler named
         self.installed_gen = -1
+        #: the end of the last INSTALL (part) applied in ``installed_gen``: an INSTALL
+        #: ending at or below it repeats one applied already
+        self.installed_end = -1
         #: records this replica, as the recovery's authority, said the shard will not
         #: hold (NOT_HELD), this generation: handed to the others at RESUME
         self.not_held: dict[Key, None] = {}
@@ -132,6 +135,7 @@ class RecoveryParticipant:
             self.gen = gen
             self._become(RecoveryPhase.FROZEN)
             self.installed_gen = -1
+            self.installed_end = -1
             self.not_held = {}
             self.role.frozen()
             # Inserts parked for an epoch would be decided after the recovery, though the
@@ -184,12 +188,19 @@ class RecoveryParticipant:
     def _install(self, base: int, trim: int, events: list[RecordEvent | EpochEvent], end: int) -> dict[str, Any] | str:
         """Roll forward: replace everything above ``base`` with the recovery's stream
         (records the acquired state held, epochs up to the last one that included the
-        shard) and make every other position up to ``end`` a no-op."""
+        shard) and make every other position up to ``end`` a no-op. A large roll-forward
+        comes in parts, each based where the one before ended; a part that ends at or
+        below one applied already this generation is a repeat (a resend, or a copy
+        delayed in the network): it changes nothing."""
         if not self.frozen:
             return "not frozen"
         if base > end:
             return f"install base {base} above its end {end}"
         log = self.log
+        if self.installed_gen == self.gen and end <= self.installed_end:
+            return {"frontier": log.frontier, "last_epoch": log.last_epoch}
+        if base > log.frontier:
+            return f"install base {base} above this replica's frontier {log.frontier}: a part is missing"
         # The epochs the log will know afterwards: those it keeps up to the epoch of base,
         # and those the stream brings. Refused before anything changes.
         keep = min(log.last_epoch, epoch_of(base) if base > 0 else -1)
@@ -211,6 +222,7 @@ class RecoveryParticipant:
             log.frontier = end
         self.out.persist.extend(log.flush_marks()[:1])
         self.installed_gen = self.gen
+        self.installed_end = end
         self.role.installed()
         # The handler sends INSTALL only once the state it installs is durable in
         # ZooKeeper: these positions are final, and subscribers need not wait for the

@@ -33,6 +33,10 @@ class ReplicaSettings:
     subscription_lease_ns: int = 60_000_000_000
     #: Largest SUB_BATCH payload.
     sub_batch_bytes: int = 1 << 20
+    #: A FORWARD carries at most this many bytes of events (or one record larger than
+    #: that): a turn's decisions beyond it go in several, a catch-up in parts. Backups
+    #: refuse larger messages (``frames.forward_limit``).
+    forward_batch_bytes: int = 4 << 20
     #: Replicas of a shard hear from each other at least this often: an idle primary
     #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
     heartbeat_ns: int = 50_000_000

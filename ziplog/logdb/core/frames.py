@@ -103,6 +103,12 @@ class Failed(_Frame, tag=19):
 Request = Union[Latest, Outcome, Validate, KvGet]
 Answer = Union[LatestIs, OutcomeIs, Valid, KvValue, Failed]
 
+#: The largest request a coordinator or KV shard takes (a Validate of the most keys a
+#: transaction may read); larger messages are refused unread (ZMQ_MAXMSGSIZE).
+REQUEST_LIMIT = MAX_KEYS_PER_TXN * (MAX_KEY_BYTES + 32) + (64 << 10)
+#: The largest answer a client takes (a KvValue holds one value, at most a record).
+ANSWER_LIMIT = 64 << 20
+
 #: error codes of :class:`Failed`
 BAD_REQUEST = "BAD_REQUEST"  # the frame does not decode, or asks what this server does not serve
 BUSY = "BUSY"  # too many requests wait here: ask again later
