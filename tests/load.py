@@ -173,6 +173,26 @@ def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen:
     return seen
 
 
+def recovery_generations(cluster: ziplog.LocalCluster) -> dict[int, int]:
+    """Each shard's recovery generation in ZooKeeper (-1: never recovered)."""
+    zk = cluster._zkc
+    out = {}
+    for s in cluster.shard_ids:
+        data = zk.exists(f"{layout.RECOVERY}/{s}") and zk.get(f"{layout.RECOVERY}/{s}")[0]
+        out[s] = (layout.dec(data) or {}).get("gen", -1) if data else -1
+    return out
+
+
+def leader_lines(cluster: ziplog.LocalCluster) -> int:
+    """How many times a control-plane replica logged that it leads."""
+    return sum(p.read_text(errors="replace").count("is leader") for p in cluster.logs.glob("*.log"))
+
+
+def tracebacks(cluster: ziplog.LocalCluster) -> list[str]:
+    """The cluster's process logs that hold a traceback."""
+    return [p.name for p in cluster.logs.glob("*.log") if "Traceback" in p.read_text(errors="replace")]
+
+
 #: status() has no change event: a test waiting for a replica's state asks this often
 STATUS_POLL_S = 0.05
 

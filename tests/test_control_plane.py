@@ -20,7 +20,7 @@ from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
-from tests.load import wait_status
+from tests.load import leader_lines, recovery_generations, tracebacks, wait_status
 
 STRANGER = ClusterKey(b"not this cluster's secret at all")
 
@@ -84,23 +84,6 @@ def ask(sock: zmq.Socket, frame: bytes) -> Any:
 
 def primary_status(client: ziplog.Client, shard: int) -> dict[str, Any]:
     return wait_status(client, [shard])[shard][0]
-
-
-def recovery_generations(cluster: ziplog.LocalCluster) -> dict[int, int]:
-    zk = cluster._zkc
-    out = {}
-    for s in cluster.shard_ids:
-        data = zk.exists(f"{layout.RECOVERY}/{s}") and zk.get(f"{layout.RECOVERY}/{s}")[0]
-        out[s] = (layout.dec(data) or {}).get("gen", -1) if data else -1
-    return out
-
-
-def leader_lines(cluster: ziplog.LocalCluster) -> int:
-    return sum(p.read_text(errors="replace").count("is leader") for p in cluster.logs.glob("*.log"))
-
-
-def tracebacks(cluster: ziplog.LocalCluster) -> list[str]:
-    return [p.name for p in cluster.logs.glob("*.log") if "Traceback" in p.read_text(errors="replace")]
 
 
 RECOVERY_FRAMES = [
