@@ -48,7 +48,7 @@ def check_total(decode: Callable[[bytes], Any], table: dict[int, type[wire.Frame
     assert type(msg) in table.values(), msg
 
 
-@settings(max_examples=2500, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(frame=frames)
 def test_every_edge_decodes_any_bytes_or_refuses_them(frame: bytes) -> None:
     """Each frame through every edge: bare, through the slow path alone (total by itself:

@@ -79,10 +79,22 @@ def _stop_at_exit(ref: weakref.ref[KazooClient]) -> None:
     stop(zk)
 
 
+class _Stale(Exception):
+    """A watch callback could not read what changed (the connection was lost past the
+    command retries): the view is refreshed once the session is connected again."""
+
+
 class Topology(TopologyView):
     """A live view of shards, their replicas' addresses, and the latest membership,
     kept current by ZooKeeper watches (callbacks in kazoo's thread replace whole
-    fields, so readers on other threads never see a half-built view)."""
+    fields, so readers on other threads never see a half-built view).
+
+    A watch fires once per change: a callback that cannot read the nodes it was told
+    of (ZooKeeper unreachable for longer than the command retries) would leave the
+    view stale for good, a replica that registered again never seen. Reads are retried,
+    and a callback that still fails marks the view stale; the next (re)connection
+    re-reads every replica list and the control plane's (a busy machine's loaded
+    ensemble drops connections: a client kept insisting a restarted shard was not live)."""
 
     def __init__(self, zk: KazooClient, create: bool = False) -> None:
         """``create``: make the parent nodes (a cluster member; a client only waits for
@@ -92,6 +104,8 @@ class Topology(TopologyView):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._watched_shards: set[int] = set()
+        self._stale = False
+        zk.add_listener(self._on_session_state)
         zk.DataWatch(MEMBERSHIP_PATH, self._on_membership)
         for path, fn in ((SHARDS, self._on_shards), (MMS_REPLICAS, self._on_mms), (FH_REPLICAS, self._on_fh)):
             if create:
@@ -142,8 +156,37 @@ class Topology(TopologyView):
 
     def _replicas_watcher(self, shard: int) -> Callable[[list[str]], None]:
         def watch(kids: list[str]) -> None:
-            self._on_replicas(shard, kids)
+            try:
+                self._on_replicas(shard, kids)
+            except _Stale:
+                self._stale = True
         return watch
+
+    def _read(self, path: str) -> bytes | None:
+        """A node's data (None: it is gone), retried; _Stale if ZooKeeper stays away."""
+        try:
+            data, _ = self.zk.retry(self.zk.get, path)
+        except NoNodeError:
+            return None
+        except KazooException as exc:
+            raise _Stale(str(exc)) from exc
+        return data  # type: ignore[no-any-return]
+
+    def _on_session_state(self, state: str) -> None:
+        """kazoo's connection thread: never block it; re-read on a worker."""
+        if state == KazooState.CONNECTED and self._stale:
+            self.zk.handler.spawn(self._refresh)
+
+    def _refresh(self) -> None:
+        """Read again everything a failed callback may have missed."""
+        self._stale = False
+        try:
+            for shard in list(self._watched_shards):
+                self._on_replicas(shard, self.zk.retry(self.zk.get_children, f"{SHARDS}/{shard}"))
+            self._on_mms(self.zk.retry(self.zk.get_children, MMS_REPLICAS))
+            self._on_fh(self.zk.retry(self.zk.get_children, FH_REPLICAS))
+        except (_Stale, KazooException):
+            self._stale = True  # the next connection tries again
 
     def _on_shard_meta(self, shard: int, data: bytes | None) -> None:
         meta = dec(data) or {}
@@ -161,9 +204,8 @@ class Topology(TopologyView):
     def _on_replicas(self, shard: int, kids: list[str]) -> None:
         addrs: dict[int, str] = {}
         for k in kids:
-            try:
-                data, _ = self.zk.get(f"{SHARDS}/{shard}/{k}")
-            except NoNodeError:
+            data = self._read(f"{SHARDS}/{shard}/{k}")
+            if data is None:
                 continue
             info = dec(data) or {}
             if "addr" in info:
@@ -180,19 +222,25 @@ class Topology(TopologyView):
     def _read_children(self, parent: str, children: list[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
         for c in children:
-            try:
-                data, _ = self.zk.get(f"{parent}/{c}")
-            except NoNodeError:
-                continue
-            out[c] = dec(data) or {}
+            data = self._read(f"{parent}/{c}")
+            if data is not None:
+                out[c] = dec(data) or {}
         return out
 
     def _on_mms(self, children: list[str]) -> None:
-        self.mms = self._read_children(MMS_REPLICAS, children)
+        try:
+            self.mms = self._read_children(MMS_REPLICAS, children)
+        except _Stale:
+            self._stale = True
+            return
         self.changed()
 
     def _on_fh(self, children: list[str]) -> None:
-        self.fh = self._read_children(FH_REPLICAS, children)
+        try:
+            self.fh = self._read_children(FH_REPLICAS, children)
+        except _Stale:
+            self._stale = True
+            return
         self.changed()
 
     def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:

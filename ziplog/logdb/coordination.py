@@ -22,6 +22,7 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.protocol.states import KazooState
 
 from ziplog.logdb.core.coordinator import collection_point
 from ziplog.protocol.layout import dec, enc
@@ -118,23 +119,44 @@ class Directory:
         zk.DataWatch(self.path, on_meta)
         if not ready.wait(timeout):
             raise NoNodeError(f"no LogDB at {self.path} (start its coordinators and KV shards)")
+        #: a watch callback could not read what changed: read it all again on reconnecting
+        self._stale = False
+        zk.add_listener(self._on_session_state)
         zk.ChildrenWatch(f"{self.path}/election", lambda kids: self._refresh_coordinators())
         zk.ChildrenWatch(f"{self.path}/coordinators", lambda kids: self._refresh_coordinators())
         zk.ChildrenWatch(f"{self.path}/kv", self._on_kv)
 
-    def _read_addr(self, path: str) -> str | None:
+    def _on_session_state(self, state: str) -> None:
+        if state == KazooState.CONNECTED and self._stale:
+            self._stale = False
+            self.zk.handler.spawn(self._refresh_all)
+
+    def _refresh_all(self) -> None:
+        self._refresh_coordinators()
         try:
-            meta = dec(self.zk.get(path)[0]) or {}
-        except (NoNodeError, KazooException):
+            self._on_kv(self.zk.retry(self.zk.get_children, f"{self.path}/kv"))
+        except KazooException:
+            self._stale = True
+
+    def _read_addr(self, path: str) -> str | None:
+        """A registration's address (None: gone), retried; a read that still fails marks
+        the directory stale (a watch fires once per change: it would stay wrong)."""
+        try:
+            meta = dec(self.zk.retry(self.zk.get, path)[0]) or {}
+        except NoNodeError:
+            return None
+        except KazooException:
+            self._stale = True
             return None
         addr = meta.get("addr")
         return addr if isinstance(addr, str) else None
 
     def _refresh_coordinators(self) -> None:
         try:
-            order = self.zk.Election(f"{self.path}/election").contenders()
-            ids = self.zk.get_children(f"{self.path}/coordinators")
+            order = self.zk.retry(self.zk.Election(f"{self.path}/election").contenders)
+            ids = self.zk.retry(self.zk.get_children, f"{self.path}/coordinators")
         except KazooException:
+            self._stale = True
             return
         addrs = {i: self._read_addr(f"{self.path}/coordinators/{i}") for i in ids}
         ranked = [addrs[i] for i in order if addrs.get(i)]
