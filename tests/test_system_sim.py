@@ -27,6 +27,7 @@ from tests.sim.system import KnownBug, NetParams, Outcome, SystemSim, corrupt, r
 from ziplog.cores.client.waits import InsertWait, Redirect
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
+from ziplog.protocol.events import EpochEvent, RecordEvent
 
 SEEDS = range(400)
 CHUNK = 50
@@ -183,6 +184,48 @@ def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
     assert isinstance(reply, wire.RecoveryOk)
     state = reply.payload
     assert [w.decided, 7, 1, b"acked"] in state["guesses"], "the only copy of an acknowledged record is gone"
+
+
+def test_source_does_not_disown_a_guess_between_install_parts() -> None:
+    """Formerly a duplicate the system simulation found once the failure handler installed in
+    parts: the backup holding the only copy of an acknowledged guess was the recovery's
+    source; its ACQUIRED, delayed in the network, arrived after the first INSTALL part had
+    dropped its guesses and before the part that brought the record back, so it told the
+    waiting client the shard would not hold the record. The client placed it on another
+    shard, and the recovery put it in this one too."""
+    h = _Shard()
+    h.B.connect_primary(0)
+    h.pump()
+    h.send_epoch(0, (0,))
+    h.pump()
+    h.insert(1, b"acked")
+    h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
+    w = InsertWait(1, 2)
+    assert any(w.feed(i, m) for i, m in h.client) and w.fast
+    B, gsn = h.B, w.decided
+    assert gsn is not None
+
+    def ask(req: wire.Frame) -> wire.Frame:
+        B.on_request(b"handler", req, h.now)
+        return B.ready().messages[-1][1]
+
+    state = ask(wire.Probe(req_id=1, gen=0))
+    assert isinstance(state, wire.RecoveryOk) and [gsn, 7, 1, b"acked"] in state.payload["guesses"]
+    base = state.payload["frontier"]
+    # The first part (the epochs, not yet the record) lands before the delayed ACQUIRED.
+    first = ask(wire.Install(req_id=3, gen=0, base=base, trim=0, events=[EpochEvent(first=0, last=0, members=(0,))],
+                             end=base))
+    assert isinstance(first, wire.RecoveryOk), first
+    assert isinstance(ask(wire.Acquired(req_id=2, gen=0)), wire.RecoveryOk)
+    again = ask(wire.Insert(req_id=9, client_id=7, seq=1, after=0, data=b"acked"))
+    assert not (isinstance(again, wire.Error) and again.code == wire.E_NOT_HELD), \
+        "the source disowned a record the recovery is rolling forward"
+    rest = ask(wire.Install(req_id=4, gen=0, base=base, trim=0,
+                            events=[EpochEvent(first=0, last=0, members=(0,)),
+                                    RecordEvent(gsn=gsn, slot=0, client_id=7, seq=1, data=b"acked")], end=gsn))
+    assert isinstance(rest, wire.RecoveryOk), rest
+    resumed = ask(wire.Resume(req_id=5, gen=0, stable=gsn, refused=[]))
+    assert isinstance(resumed, wire.RecoveryOk) and [7, 1] not in resumed.payload["refused"]
 
 
 def test_new_shard_starts_when_its_first_hello_is_lost() -> None:

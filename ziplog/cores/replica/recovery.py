@@ -89,7 +89,11 @@ class RecoveryParticipant:
         (decided or guessed) it will be rolled forward at that gsn; otherwise it will not
         be in this shard's log and the client may place it elsewhere."""
         held = self.role.holds(key)
-        if self.authority:
+        # Once an INSTALL has begun, the log above its base holds only the parts applied
+        # so far (the acquired state comes back in parts, and a delayed ACQUIRED may land
+        # between them): a record not found may be in a part still to come. Its fate is
+        # known again at RESUME; until then the client hears FROZEN, as from the others.
+        if self.authority and (held is not None or self.installed_gen != self.gen):
             if held is not None:
                 self.out.send(route, f.Ack(req_id=req_id, gsn=held, replica=self.replica, stable=self.log.stable,
                                            decided=True, final=True))
