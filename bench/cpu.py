@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 #: command-line fragments -> role, first match wins
@@ -80,3 +81,16 @@ def disk_written_bytes() -> int:
     import psutil
     io = psutil.disk_io_counters()
     return int(io.write_bytes) if io is not None else 0
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` (all their threads), from /proc; 0 where unreadable."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick

@@ -39,7 +39,8 @@ from ziplog.server.process import (
 
 log = logging.getLogger("failure_handler")
 
-#: The leader looks at its recoveries at least this often, even with nothing due.
+#: While a recovery is under way the leader looks at it at least this often, even with
+#: nothing due (with none, it sleeps until an event).
 TICK_NS = 50_000_000
 #: A suspicion's reason is logged up to this many characters.
 REASON_CHARS = 200
@@ -201,9 +202,12 @@ class FailureHandlerDriver(ElectedDriver):
             return
         now = self.rt.now()
         deadline = core.next_deadline()
-        t = now + TICK_NS if deadline is None else min(max(deadline, now), now + TICK_NS)
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None
+        if deadline is None and not core.active:
+            return  # no recovery under way: nothing to look at until an event arrives
+        t = now + TICK_NS if deadline is None else min(max(deadline, now), now + TICK_NS)
         self.timer = self.rt.call_at(t, self._on_timer)
 
     def _on_timer(self) -> None:

@@ -42,6 +42,10 @@ from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.topology import TopologyView
 
 
+#: epochs with no records reported before an idle cluster's epochs start to lengthen
+IDLE_EPOCHS = 3
+
+
 class Block(NamedTuple):
     """Epochs ``first..last``, committed to ZooKeeper with one config."""
 
@@ -93,6 +97,10 @@ class EpochSequencer:
         self._ready: list[int] = []
         #: the block whose commit was handed out and not yet answered
         self._committing: tuple[Block, list[list[Any]] | None] | None = None
+        #: the latest epoch a primary reported records in (-1: none yet), and the
+        #: topology generation the last interval was chosen under
+        self.busy_epoch = -1
+        self._interval_generation: int | None = None
         cur = state.block
         if cur:
             last = int(cur.get("last", cur["epoch"]))
@@ -122,7 +130,23 @@ class EpochSequencer:
         if shard not in self.topology.replica_counts:
             return False
         self.planner.on_rate(shard, epoch, count, duration_ns)
+        if count > 0 and epoch > self.busy_epoch:
+            self.busy_epoch = epoch
         return True
+
+    def interval_ns(self, base_ns: int, idle_max_ns: int) -> int:
+        """How long the epoch just broadcast lasts: ``base_ns`` while records come (or
+        the topology moves), and, once every shard reported none for IDLE_EPOCHS epochs,
+        twice as long each epoch up to ``idle_max_ns``: an idle cluster passes time
+        rarely (slots on demand make records independent of the epoch's length). The
+        reports of an epoch arrive as the next one starts, so the first records bring
+        the base interval back one or two epochs later."""
+        generation = self.topology.generation
+        moved, self._interval_generation = generation != self._interval_generation, generation
+        idle = (self.next_epoch - 1) - self.busy_epoch - IDLE_EPOCHS
+        if moved or idle <= 0 or idle_max_ns <= base_ns:
+            return base_ns
+        return min(base_ns << min(idle, 20), idle_max_ns)
 
     # -- the steps of an epoch ------------------------------------------------------------
     def prepare(self) -> CommitBlock | None:

@@ -42,6 +42,10 @@ from ziplog.server.process import (
 
 log = logging.getLogger("mms")
 
+#: an idle cluster's epochs lengthen up to this (a subscription calls a replica silent for
+#: a second: progress must come well before that)
+IDLE_INTERVAL_NS = 200_000_000
+
 
 class MembershipCoordination(Protocol):
     """What a membership service replica needs of ZooKeeper."""
@@ -64,12 +68,15 @@ class MembershipDriver(ElectedDriver):
 
     def __init__(self, rt: Runtime, net: Network, coord: MembershipCoordination, election: ElectionPort,
                  replica_id: int, key: ClusterKey, interval_ns: int = 10_000_000,
-                 settings: PlannerSettings | None = None, epochs_per_commit: int = 10, host: str = "127.0.0.1") -> None:
+                 settings: PlannerSettings | None = None, epochs_per_commit: int = 10, host: str = "127.0.0.1",
+                 idle_interval_ns: int = IDLE_INTERVAL_NS) -> None:
         assert epochs_per_commit >= 1
         super().__init__(rt, election, layout.MMS_ELECTION, replica_id)
         self.net = net
         self.coord = coord
         self.interval_ns = interval_ns
+        #: the longest an epoch lasts while the cluster is idle (``interval_ns``: never longer)
+        self.idle_interval_ns = idle_interval_ns
         self.settings = settings or PlannerSettings()
         self.epochs_per_commit = epochs_per_commit
         self.pub = net.publisher(host)
@@ -172,7 +179,7 @@ class MembershipDriver(ElectedDriver):
         self.broadcasts += 1
         seq.advance()
         # fell behind (slow commit): do not burst to catch up
-        self.next_t = max(self.next_t + self.interval_ns, self.rt.now())
+        self.next_t = max(self.next_t + seq.interval_ns(self.interval_ns, self.idle_interval_ns), self.rt.now())
         self._prepare()
         self._arm()
 
@@ -239,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zk", required=True)
     ap.add_argument("--id", type=int, required=True)
     ap.add_argument("--interval-ms", type=float, default=10.0)
+    ap.add_argument("--idle-interval-ms", type=float, default=IDLE_INTERVAL_NS / 1e6,
+                    help="an idle cluster's epochs lengthen up to this (well under a subscriber's 1 s silence rule)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--default-rate", type=int, default=PlannerSettings.default_rate)
     ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
@@ -252,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     coord = KazooMembershipCoordination(args.zk, key, rt)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
-                              args.epochs_per_commit, args.host)
+                              args.epochs_per_commit, args.host, int(args.idle_interval_ms * 1_000_000))
     driver.start()
     return serve_forever(rt, driver, coord)
 

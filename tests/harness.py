@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from failure_handler.recovery import Persist, RecoveryCore, Send
-from ziplog.cores.effects import Peer, ReadHistory
+from ziplog.cores.effects import Peer, ReadHistory, ShardPrimary
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol.events import DiskEvent
@@ -29,6 +29,7 @@ class ShardHarness:
         self.client: list[tuple[int, wire.Reply]] = []
         self.suspects: list[wire.Suspect] = []
         self.rates: list[wire.Rate] = []
+        self.notices: list[tuple[int, wire.Frame]] = []
         self.history: list[list[Any]] = history if history is not None else [[0, [0]]]
         self.handler = RecoveryCore()
         self.handler.load(0, 2, None, 0)
@@ -123,6 +124,8 @@ class ShardHarness:
                     self.suspects.append(wire.decode_suspect(frame))
                 elif dest is Peer.MMS:
                     self.rates.append(wire.decode_rate(frame))
+                elif isinstance(dest, ShardPrimary):  # another shard's primary: only recorded here
+                    self.notices.append((dest.shard, wire.decode_member_request(frame)))
                 elif dest == b"backup":
                     if "forward" not in lose and self.cores[1] is not None:
                         msg2 = wire.decode_from_primary(frame)

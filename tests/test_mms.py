@@ -48,6 +48,13 @@ class Listener:
                 assert self.seen.setdefault(e, cfg) == cfg, f"epoch {e} broadcast with two configs"
                 self.order.append(e)
 
+    def pump_until(self, done: Any, timeout: float = 60.0) -> None:
+        """Record broadcasts until ``done()`` (an idle cluster's epochs are long)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"broadcasts stopped: {self.order[-5:]}"
+            self.pump(time.monotonic() + 0.05)
+
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
@@ -62,8 +69,7 @@ def leader_id(cluster: ziplog.LocalCluster) -> int:
 def test_broadcast_epochs_are_committed_first(cluster: ziplog.LocalCluster) -> None:
     lis = Listener(cluster)
     try:
-        lis.pump(time.monotonic() + 1.0)
-        assert len(lis.order) > 10
+        lis.pump_until(lambda: len(lis.order) > 10)
         data, _ = cluster._zkc.get(layout.EPOCH_PATH)
         block = layout.dec(data)
         # every broadcast epoch so far is at or below the committed block's end
@@ -76,7 +82,7 @@ def test_broadcast_epochs_are_committed_first(cluster: ziplog.LocalCluster) -> N
 def test_new_leader_continues_without_contradiction(cluster: ziplog.LocalCluster) -> None:
     lis = Listener(cluster)
     try:
-        lis.pump(time.monotonic() + 0.5)
+        lis.pump_until(lambda: len(lis.order) > 0)
         old = leader_id(cluster)
         before = max(lis.order)
         procs.kill(cluster.mms[old])  # SIGKILL the leader
@@ -387,3 +393,29 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
     assert lead.step() == (23, (0, 1))
     assert not lead.seq.topology_moved()
     assert lead.step() == (24, (0, 1, 2))
+
+
+def test_an_idle_cluster_s_epochs_lengthen_and_the_first_records_shorten_them() -> None:
+    from mms.sequencer import IDLE_EPOCHS, EpochSequencer, EpochState
+    from ziplog.protocol.topology import TopologyView
+    topo = TopologyView()
+    topo.replica_counts = {0: 2}
+    seq = EpochSequencer(EpochState(None, 0, [], 0), topo, PlannerSettings(), 10)
+    base, cap = 10_000_000, 200_000_000
+    assert seq.interval_ns(base, cap) == base  # the first look: the topology is news
+    seq.next_epoch = IDLE_EPOCHS  # epochs 0..IDLE_EPOCHS-1 broadcast, no records reported
+    assert seq.interval_ns(base, cap) == base
+    seq.next_epoch += 1
+    assert seq.interval_ns(base, cap) == 2 * base  # idle: doubling...
+    seq.next_epoch += 1
+    assert seq.interval_ns(base, cap) == 4 * base
+    seq.next_epoch += 10
+    assert seq.interval_ns(base, cap) == cap  # ... up to the cap
+    assert seq.on_rate(0, seq.next_epoch - 1, 3, base)  # records in the last epoch
+    assert seq.interval_ns(base, cap) == base
+    assert not seq.on_rate(7, seq.next_epoch - 1, 3, base)  # an unknown shard changes nothing
+    seq.next_epoch += 20
+    assert seq.interval_ns(base, cap) == cap
+    topo.changed()  # a shard joins, a replica goes: back to the base at once
+    assert seq.interval_ns(base, cap) == base
+    assert seq.interval_ns(base, base) == base  # lengthening off

@@ -78,7 +78,8 @@ def test_every_fault_kind_was_exercised() -> None:
     assert known <= len(SEEDS) // 50, f"{known} seeds hit known bugs: more than these bugs used to cause"
     for what in ("crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
                  "suspicions", "blocked", "redirects", "final_acks", "retries", "shards_added", "shards_removed",
-                 "resubscribes", "fast", "slow", "disks_filled", "disk_refusals", "forward_parts", "install_parts"):
+                 "resubscribes", "fast", "slow", "disks_filled", "disk_refusals", "forward_parts", "install_parts",
+                 "notices", "killed_after_notice"):
         assert total.get(what, 0) > 0, (what, total)
     # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
     assert total["recoveries"] >= total["crashes_primary"] // 2, total

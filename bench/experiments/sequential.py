@@ -24,10 +24,11 @@ Stages, each on a fresh local cluster (about 5 s to start):
    the MMS announced for S1 (heard on its PUB socket) and how long until latency is back
    to its level. The MMS's floor rate (``--min-rate``, 200/s) would hide a step among rates
    this low, so this stage lowers it to R/4; it also repeats the smallest T of the sweep.
-3. **variants** (full run): the smallest T again with a shorter no-op timeout, with fine
-   slots (the MMS's floor at 20 R, so each shard's slots are dense), and both; and the step
-   with the MMS committing every epoch instead of blocks of 10: evidence for what bounds the
-   latency, with the CPU each setting costs an idle cluster.
+3. **variants**: the smallest T again with shards passing slots by the clock, as before
+   progress on demand (1 ms no-op timeout, no NOTICEs, 10 ms epochs: the before of this
+   run), and on the Scalog-style log at the same load; in the full run also the clock with
+   fine slots (the MMS's floor at 20 R) and the step with the MMS committing every epoch
+   instead of blocks of 10; each with the CPU its idle cluster costs.
 
     python -m bench sequential [--quick] [--out DIR]
 
@@ -54,6 +55,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..cpu import cpu_seconds
 from ..loadgen import stop_processes
 from ..report import Results, progress
 from . import sequential_worker as sw
@@ -97,7 +99,6 @@ def _params(quick: bool) -> dict[str, Any]:
         "bin_ms": 10,
         "idle_s": 1.0 if quick else 2.0,
         "variants": not quick,
-        "short_noop_timeout_us": 250,
         "fine_slots_x": 20,      # MMS floor = this x R in the fine-slots variants
         "max_in_flight": 400,    # per writer process
         "insert_timeout_s": 5.0,
@@ -139,25 +140,12 @@ def _listen_epochs(pubs: list[str], log: EpochLog, stop: threading.Event) -> Non
         ctx.term()
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of ``pids`` (all their threads), from /proc; 0 where unreadable."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
 class Harness:
     """A local cluster with the writer processes, the subscriber and an EPOCH listener,
     running one phase at a time."""
 
     def __init__(self, p: dict[str, Any], res: Results, stack: contextlib.ExitStack, label: str,
-                 server_args: list[str], mms_args: list[str]) -> None:
+                 server_args: list[str], mms_args: list[str], scalog: bool = False) -> None:
         import ziplog
         self.p = p
         self.res = res
@@ -173,24 +161,39 @@ class Harness:
         self._epoch_stop = threading.Event()
         self._listener: threading.Thread | None = None
         t0 = time.monotonic()
-        args = " ".join(server_args + mms_args) or "shipped settings"
-        res.log(f"[{label}] starting a local cluster: {p['shards']} shards x {p['replicas']} replicas ({args})")
-        try:
-            self.cluster = stack.enter_context(ziplog.local_cluster(
-                shards=p["shards"], replicas=p["replicas"], server_args=server_args, mms_args=mms_args))
-        except Exception as e:
-            raise RuntimeError(f"the local cluster could not start ({type(e).__name__}: {e})") from e
+        self.cluster: Any = None
+        self.scalog: Any = None
+        if scalog:
+            from ..systems.scalog import ScalogSystem
+            res.log(f"[{label}] starting the Scalog-style log: {p['shards']} shards x {p['replicas']} servers")
+            self.scalog = ScalogSystem(shards=p["shards"], replicas=p["replicas"])
+            stack.callback(self.scalog.stop)
+            self.scalog.start()
+            #: what the writers and the subscriber connect to: ZooKeeper, or the servers
+            self.target: Any = self.scalog.addrs
+            self.logs: Any = self.scalog.dir
+        else:
+            args = " ".join(server_args + mms_args) or "shipped settings"
+            res.log(f"[{label}] starting a local cluster: {p['shards']} shards x {p['replicas']} replicas ({args})")
+            try:
+                self.cluster = stack.enter_context(ziplog.local_cluster(
+                    shards=p["shards"], replicas=p["replicas"], server_args=server_args, mms_args=mms_args))
+            except Exception as e:
+                raise RuntimeError(f"the local cluster could not start ({type(e).__name__}: {e})") from e
+            self.target = self.cluster.zk_hosts
+            self.logs = self.cluster.logs
         stack.callback(self._stop_children)
-        res.log(f"[{label}] cluster up in {time.monotonic() - t0:.1f} s")
-        pubs = [m["pub"] for m in self.cluster.topology.mms.values() if m.get("pub")]
-        self._listener = threading.Thread(target=_listen_epochs, args=(pubs, self.epochs, self._epoch_stop),
-                                          name="epoch-listener", daemon=True)
-        self._listener.start()
+        res.log(f"[{label}] up in {time.monotonic() - t0:.1f} s")
+        if self.cluster is not None:
+            pubs = [m["pub"] for m in self.cluster.topology.mms.values() if m.get("pub")]
+            self._listener = threading.Thread(target=_listen_epochs, args=(pubs, self.epochs, self._epoch_stop),
+                                              name="epoch-listener", daemon=True)
+            self._listener.start()
         self._start_children()
 
     def _start_children(self) -> None:
         p = self.p
-        hosts = self.cluster.zk_hosts
+        hosts = self.target
         sp = self.ctx.Process(target=sw.subscriber_main, args=(hosts, self.sub_q, self.res_q, self.stop),
                               name="seq-subscriber", daemon=True)
         sp.start()
@@ -223,7 +226,7 @@ class Harness:
                 failures.append(f"{who}: {info}")
         if ready != expected:
             why = "; ".join(failures) or "no answer in time"
-            raise RuntimeError(f"writer/subscriber processes could not connect ({why}); logs in {self.cluster.logs}")
+            raise RuntimeError(f"writer/subscriber processes could not connect ({why}); logs in {self.logs}")
 
     def _stop_children(self) -> None:
         self._epoch_stop.set()
@@ -239,18 +242,24 @@ class Harness:
         """CPU (in cores) the cluster uses with no inserts at all: epochs, no-op slots,
         heartbeats. On a small machine this is what the workload has to share."""
         c = self.cluster
-        groups = {"replicas": [pr.pid for pr in c.servers.values()], "mms": [pr.pid for pr in c.mms.values()],
-                  "failure_handler": [pr.pid for pr in c.fh.values()],
-                  "writers_and_subscriber": [ch.pid for ch in self.children if ch.pid is not None]}
-        before = {k: _cpu_seconds(v) for k, v in groups.items()}
+        clients = [ch.pid for ch in self.children if ch.pid is not None]
+        if c is None:
+            groups = {"servers": [pr.pid for pr, _ in self.scalog.procs.values()], "writers_and_subscriber": clients}
+        else:
+            groups = {"replicas": [pr.pid for pr in c.servers.values()], "mms": [pr.pid for pr in c.mms.values()],
+                      "failure_handler": [pr.pid for pr in c.fh.values()], "writers_and_subscriber": clients}
+        before = {k: cpu_seconds(v) for k, v in groups.items()}
         t0 = time.monotonic()
         time.sleep(seconds)
         el = time.monotonic() - t0
-        return {k: round((_cpu_seconds(v) - before[k]) / el, 3) for k, v in groups.items()}
+        return {k: round((cpu_seconds(v) - before[k]) / el, 3) for k, v in groups.items()}
 
     def _pids(self) -> list[int]:
         c = self.cluster
-        procs = list(c.servers.values()) + list(c.mms.values()) + list(c.fh.values())
+        if c is None:
+            procs = [pr for pr, _ in self.scalog.procs.values()]
+        else:
+            procs = list(c.servers.values()) + list(c.mms.values()) + list(c.fh.values())
         return [pr.pid for pr in procs] + [ch.pid for ch in self.children if ch.pid is not None]
 
     def run_phase(self, segments: list[sw.Segment], duration_s: float) -> PhaseData:
@@ -264,7 +273,7 @@ class Harness:
         for q in self.cmd_qs:
             q.put(("phase", spec))
         time.sleep(max(start_ns - time.monotonic_ns(), 0) / 1e9)
-        cpu0, t_cpu0 = _cpu_seconds(self._pids()), time.monotonic()
+        cpu0, t_cpu0 = cpu_seconds(self._pids()), time.monotonic()
         results: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + duration_s + p["drain_s"] + p["insert_timeout_s"] + 10.0
         while len(results) < len(self.cmd_qs) and time.monotonic() < deadline:
@@ -272,7 +281,7 @@ class Harness:
                 msg = self.res_q.get(timeout=0.5)
             except queue.Empty:
                 if not all(c.is_alive() for c in self.children):
-                    raise RuntimeError("a writer or the subscriber died; logs in " + str(self.cluster.logs))
+                    raise RuntimeError("a writer or the subscriber died; logs in " + str(self.logs))
                 continue
             if msg[0] == "phase_done" and msg[2] == spec.phase:
                 results[msg[1]] = msg[3]
@@ -280,7 +289,7 @@ class Harness:
                 raise RuntimeError(f"{msg[1]} failed: {msg[2]}")
         if len(results) < len(self.cmd_qs):
             raise RuntimeError(f"writers did not finish phase {spec.phase} in time")
-        cpu = (_cpu_seconds(self._pids()) - cpu0) / max(time.monotonic() - t_cpu0, 1e-3)
+        cpu = (cpu_seconds(self._pids()) - cpu0) / max(time.monotonic() - t_cpu0, 1e-3)
         acks = np.concatenate([r["acks"] for r in results.values()])
         stats: dict[str, int] = {}
         errors: dict[str, int] = {}
@@ -339,6 +348,8 @@ class Harness:
         suspicion timeout on a loaded machine is recovered like a dead one: its shard stops
         taking inserts for a while, and the numbers of that phase are not latency)."""
         import ziplog
+        if self.cluster is None:
+            return {}
         out: dict[str, Any] = {"suspicions": None, "recoveries": None, "restarts": len(self.cluster.restarts)}
         try:
             with ziplog.Client(self.cluster.zk_hosts, timeout=5.0) as c:
@@ -353,9 +364,9 @@ class Harness:
 
 @contextlib.contextmanager
 def _stage(p: dict[str, Any], res: Results, label: str, server_args: list[str] | None = None,
-           mms_args: list[str] | None = None) -> Iterator[Harness]:
+           mms_args: list[str] | None = None, scalog: bool = False) -> Iterator[Harness]:
     with contextlib.ExitStack() as stack:
-        yield Harness(p, res, stack, label, list(server_args or []), list(mms_args or []))
+        yield Harness(p, res, stack, label, list(server_args or []), list(mms_args or []), scalog)
 
 
 # -- the phases -----------------------------------------------------------------------------------------
@@ -412,17 +423,25 @@ def _sweep(h: Harness, p: dict[str, Any], rate: int, clients: list[int],
     return rows
 
 
-def _variants(p: dict[str, Any], rate: int) -> list[tuple[str, list[str], list[str]]]:
-    """(label, storage server args, MMS args): the smallest T again with one knob turned.
+#: how shards passed time before NOTICEs: a slot became a no-op 1 ms after its expected
+#: arrival, and epochs were 10 ms also when idle
+CLOCK_SERVER_ARGS = ["--noop-timeout-us", "1000", "--no-notices"]
+CLOCK_MMS_ARGS = ["--idle-interval-ms", "10"]
 
-    * a shorter no-op timeout: a shard behind its schedule holds the others back for less;
-    * fine slots: an MMS floor far above the offered rate makes every shard's slots dense,
-      so a record's slot is due soon after its call (records land *behind* the schedule,
-      where the no-op timeout bounds the wait) at the price of more no-op expiries;
-    * both."""
-    short = ["--noop-timeout-us", str(p["short_noop_timeout_us"])]
-    fine = ["--min-rate", str(int(p["fine_slots_x"] * rate))]
-    return [("noop-timeout", short, []), ("fine-slots", [], fine), ("fine-slots+noop-timeout", short, fine)]
+
+def _variants(p: dict[str, Any], rate: int) -> list[tuple[str, list[str], list[str]]]:
+    """(label, storage server args, MMS args): the smallest T again with other settings.
+
+    * clock (before): shards pass slots by the clock (1 ms no-op timeout, no NOTICEs,
+      10 ms epochs also when idle), as before progress on demand: the before of this run;
+    * (full run) the clock with fine slots: an MMS floor far above the offered rate makes
+      every shard's slots dense, so a record's slot is due soon after its call, at the
+      price of more no-op expiries: the best the clock could do."""
+    out = [("clock (before)", CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS)]
+    if p["variants"]:
+        fine = ["--min-rate", str(int(p["fine_slots_x"] * rate))]
+        out.append(("clock+fine-slots", CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS + fine))
+    return out
 
 
 def _step_levels(p: dict[str, Any]) -> list[float]:
@@ -469,7 +488,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     settings = {"main": "shipped", "step": f"--min-rate {step_floor}"}
     variant_rows: list[dict[str, Any]] = []
     vsamples: list[tuple[str, np.ndarray, np.ndarray]] = []
-    idle_by_stage = {"main": sum(idle.values())}
+    idle_by_stage = {"main": sum(v for k, v in idle.items() if k != "writers_and_subscriber")}
     with _stage(p, res, "step", mms_args=["--min-rate", str(step_floor)]) as h:
         if p["variants"]:
             idle_by_stage["step"] = sum(h.idle_cpu(p["idle_s"] / 2).values())
@@ -481,13 +500,20 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     step_rows, curves = step_analysis(step_data, p, rate, levels, step_epochs, "step")
 
     fast_curves: dict[str, dict[str, Any]] | None = None
+    for label, sargs, margs in _variants(p, rate):
+        settings[label] = " ".join(sargs + margs)
+        with _stage(p, res, label, server_args=sargs, mms_args=margs) as h:
+            idle_by_stage[label] = sum(v for k, v in h.idle_cpu(p["idle_s"]).items() if k != "writers_and_subscriber")
+            variant_rows += _sweep(h, p, rate, [1], vsamples)
+            health[label] = h.health()
+    # The Scalog-style log at the same load (its delivery: a record is deliverable once a
+    # cut orders it, every 0.1 ms), on the same two cores.
+    settings["Scalog-style"] = "6 shards x 2 servers, cuts every 100 us"
+    with _stage(p, res, "Scalog-style", scalog=True) as h:
+        idle_by_stage["Scalog-style"] = sum(v for k, v in h.idle_cpu(p["idle_s"]).items()
+                                            if k != "writers_and_subscriber")
+        variant_rows += _sweep(h, p, rate, [1], vsamples)
     if p["variants"]:
-        for label, sargs, margs in _variants(p, rate):
-            settings[label] = " ".join(sargs + margs)
-            with _stage(p, res, label, server_args=sargs, mms_args=margs) as h:
-                idle_by_stage[label] = sum(h.idle_cpu(p["idle_s"] / 2).values())
-                variant_rows += _sweep(h, p, rate, [1], vsamples)
-                health[label] = h.health()
         with _stage(p, res, "commit-every-epoch",
                     mms_args=["--min-rate", str(step_floor), "--epochs-per-commit", "1"]) as h:
             fast_data, fast_levels = _step(h, p, rate)

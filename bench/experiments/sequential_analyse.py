@@ -105,15 +105,17 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
     ins = acks[:, 2] - acks[:, 1] if len(acks) else empty
     seq = dl[:, 0] - dl[:, 6] if len(dl) else empty
     seq_int = dl[:, 0] - dl[:, 5] if len(dl) else empty
-    own = dl[:, 8] - dl[:, 6] if len(dl) else empty          # call -> its shard's batch at the subscriber
-    wait = dl[:, 9] - dl[:, 8] if len(dl) else empty         # that -> the batch that released it
-    held = (dl[:, 10] != dl[:, 2]) & (dl[:, 9] > dl[:, 8]) if len(dl) else np.empty(0, dtype=bool)
-    at_end = (dl[:, 11] % EPOCH_SPAN == 0) if len(dl) else np.empty(0, dtype=bool)  # released up to an epoch's last gsn
+    # where the subscriber could see batches (not on the Scalog-style log: those columns are 0)
+    seen = dl[dl[:, 8] > 0] if len(dl) else dl
+    own = seen[:, 8] - seen[:, 6] if len(seen) else empty          # call -> its shard's batch at the subscriber
+    wait = seen[:, 9] - seen[:, 8] if len(seen) else empty         # that -> the batch that released it
+    held = (seen[:, 10] != seen[:, 2]) & (seen[:, 9] > seen[:, 8]) if len(seen) else np.empty(0, dtype=bool)
+    at_end = (seen[:, 11] % EPOCH_SPAN == 0) if len(seen) else np.empty(0, dtype=bool)  # released up to an epoch's end
     per_shard = [int(np.count_nonzero(acks[:, 4] == s)) / span for s in range(p["shards"])] if len(acks) else []
     fast = d.client_stats.get("fast_path", 0)
     slow = d.client_stats.get("slow_path", 0)
     seq50, ins50 = pct(seq, 50), pct(ins, 50)
-    lead = slot_lead(dl, epochs) if epochs is not None and len(dl) else np.empty(0)
+    lead = slot_lead(seen, epochs) if epochs is not None and len(seen) else np.empty(0)
     known = np.isfinite(lead)
     ahead = known & (lead > 0)
     behind = known & (lead <= 0)
@@ -131,7 +133,7 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
         "own_path_p50_us": us(pct(own, 50)), "own_path_p99_us": us(pct(own, 99)),
         "merge_wait_p50_us": us(pct(wait, 50)), "merge_wait_p99_us": us(pct(wait, 99)),
         "held_by_other_pct": round(100.0 * float(np.mean(held)), 1) if held.size else None,
-        "held_by_shard": {int(s): int(c) for s, c in zip(*np.unique(dl[held][:, 10], return_counts=True))}
+        "held_by_shard": {int(s): int(c) for s, c in zip(*np.unique(seen[held][:, 10], return_counts=True))}
         if held.size and held.any() else {},
         "released_at_epoch_end_pct": round(100.0 * float(np.mean(at_end)), 1) if at_end.size else None,
         "slot_ahead_pct": round(100.0 * float(np.count_nonzero(ahead)) / max(int(np.count_nonzero(known)), 1), 1)

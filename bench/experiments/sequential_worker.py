@@ -113,8 +113,25 @@ def schedule(spec: PhaseSpec, shards: list[int]) -> np.ndarray:
 
 # -- writer ---------------------------------------------------------------------------------------
 
-def writer_main(worker: int, shards: list[int], zk_hosts: str, cmd_q: Any, res_q: Any, insert_timeout_s: float) -> None:
-    """A writer process for ``shards`` (one AsyncClient per shard, ``Policy.fixed``).
+class _ScalogShard:
+    """The Scalog-style log pinned to one shard, as the phases use a client."""
+
+    def __init__(self, log: Any, shard: int) -> None:
+        self.log, self.shard = log, shard
+        self.stats: dict[str, Any] = {}
+
+    async def insert_after(self, data: bytes) -> Any:
+        return await self.log.insert_after(data, shard=self.shard)
+
+    async def close(self) -> None:
+        pass
+
+
+def writer_main(worker: int, shards: list[int], zk_hosts: str | list[list[str]], cmd_q: Any, res_q: Any,
+                insert_timeout_s: float) -> None:
+    """A writer process for ``shards`` (one AsyncClient per shard, ``Policy.fixed``; or,
+    when ``zk_hosts`` is the Scalog-style log's server addresses, its client pinned to
+    each shard).
 
     Waits for ``("phase", PhaseSpec)`` commands on ``cmd_q`` and answers each with
     ``("phase_done", worker, phase, result)``; ``("quit",)`` ends it. Sends ``("ready",
@@ -124,10 +141,16 @@ def writer_main(worker: int, shards: list[int], zk_hosts: str, cmd_q: Any, res_q
 
     async def main() -> None:
         clients: dict[int, Any] = {}
+        scalog = None
         try:
+            if isinstance(zk_hosts, list):
+                from bench.systems.scalog_log import AsyncScalogLog
+                scalog = AsyncScalogLog(zk_hosts, timeout_s=insert_timeout_s)
+                clients = {s: _ScalogShard(scalog, s) for s in shards}
             for s in shards:
-                clients[s] = await ziplog.AsyncClient.connect(zk_hosts, timeout=insert_timeout_s,
-                                                              policy=ziplog.Policy.fixed(s))
+                if s not in clients:
+                    clients[s] = await ziplog.AsyncClient.connect(zk_hosts, timeout=insert_timeout_s,  # type: ignore[arg-type]
+                                                                  policy=ziplog.Policy.fixed(s))
         except BaseException as e:
             res_q.put(("failed", worker, f"{type(e).__name__}: {e}"))
             for c in clients.values():
@@ -150,6 +173,8 @@ def writer_main(worker: int, shards: list[int], zk_hosts: str, cmd_q: Any, res_q
             for c in clients.values():
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(c.close(), 5.0)
+            if scalog is not None:
+                await scalog.close()
 
     try:
         ziplog.aio.run(main())
@@ -255,16 +280,24 @@ class _ReleaseTracker:
         return rel[j] if rel else (0, -1, 0, 0)
 
 
-def subscriber_main(zk_hosts: str, ctrl_q: Any, res_q: Any, stop: Any) -> None:
+def subscriber_main(zk_hosts: str | list[list[str]], ctrl_q: Any, res_q: Any, stop: Any) -> None:
     """Follows the log from its start and records, per record of this experiment, the
     columns of :data:`DELIVERY_COLUMNS`. ``("flush", n)`` on ``ctrl_q`` sends
-    ``("deliveries", n, array, info)`` with what was delivered since the last flush."""
+    ``("deliveries", n, array, info)`` with what was delivered since the last flush.
+    ``zk_hosts`` a list: the Scalog-style log's servers (no batch hook: the release
+    columns stay 0)."""
     import ziplog
 
+    client: Any = None
     try:
-        client = ziplog.Client(zk_hosts, timeout=10.0)
-        sub = client.subscribe(ziplog.RID_GENESIS)
-        tracker = _attach_release_tracker(sub)
+        if isinstance(zk_hosts, list):
+            from bench.systems.scalog_log import BlockingScalogSubscription
+            sub: Any = BlockingScalogSubscription(zk_hosts)
+            tracker = _ReleaseTracker()
+        else:
+            client = ziplog.Client(zk_hosts, timeout=10.0)
+            sub = client.subscribe(ziplog.RID_GENESIS)
+            tracker = _attach_release_tracker(sub)
     except BaseException as e:
         res_q.put(("failed", "sub", f"{type(e).__name__}: {e}"))
         return
@@ -317,5 +350,6 @@ def subscriber_main(zk_hosts: str, ctrl_q: Any, res_q: Any, stop: Any) -> None:
     finally:
         with contextlib.suppress(Exception):
             sub.close()
-        with contextlib.suppress(Exception):
-            client.close()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()

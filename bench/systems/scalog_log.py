@@ -73,8 +73,10 @@ class AsyncScalogLog:
         finally:
             self.waiting.pop(req, None)
 
-    async def insert_after(self, data: bytes, after: RecordId = RID_GENESIS) -> RecordId:
-        shard = self.rng.randrange(len(self.socks))
+    async def insert_after(self, data: bytes, after: RecordId = RID_GENESIS, shard: int | None = None) -> RecordId:
+        """An append to ``shard`` (default: a random one)."""
+        if shard is None:
+            shard = self.rng.randrange(len(self.socks))
         gsn = int(await self._call(shard, [APPEND, 0, data])) + 1
         assert gsn > after.gsn, (gsn, after)
         return RecordId(gsn, shard)
@@ -163,3 +165,50 @@ class AsyncScalogSubscription:
             return None
         g, shard, d = self.ready.popleft()
         return _Rec(RecordId(g, shard), d)
+
+
+class BlockingScalogSubscription:
+    """A subscription for blocking code: the asyncio one on a loop of its own thread,
+    its records handed over through a queue (``next(timeout)``, ``buffered``, ``close``)."""
+
+    def __init__(self, addrs: list[list[str]]) -> None:
+        import queue
+        import threading
+        self._q: queue.Queue[_Rec] = queue.Queue()
+        self._loop = asyncio.new_event_loop()
+        self._stopped = asyncio.Event()
+        ready = threading.Event()
+
+        async def follow() -> None:
+            log = AsyncScalogLog(addrs)
+            try:
+                async with log.subscribe(RID_GENESIS) as sub:
+                    ready.set()
+                    while not self._stopped.is_set():
+                        rec = await sub.next(timeout=0.1)
+                        while rec is not None:
+                            self._q.put(rec)
+                            rec = await sub.next(timeout=0)
+            finally:
+                ready.set()
+                await log.close()
+
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(follow(),), daemon=True)
+        self._thread.start()
+        ready.wait(30)
+
+    def next(self, timeout: float | None = None) -> _Rec | None:
+        import queue
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def buffered(self) -> int:
+        return self._q.qsize()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._stopped.set)
+        self._thread.join(10)
+

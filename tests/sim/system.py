@@ -123,13 +123,16 @@ class Outcome:
     disk_full_errors: int = 0  # inserts every shard tried refused with DISK_FULL (the app tried again)
     forward_parts: int = 0  # catch-up FORWARDs that were one part of several (no frontier at their end)
     install_parts: int = 0  # INSTALLs that were one part of several (ending at their last record)
+    notices: int = 0  # NOTICEs a primary received from another shard's primary
+    killed_after_notice: int = 0  # primaries killed after a notice moved them, before they forwarded it
     trace: list[str] = field(default_factory=list)
 
     COUNTS = ("acked", "delivered", "fast", "slow", "final_acks", "redirects", "retries", "no_shard",
               "no_shard_excluded", "timeouts", "guesses_dropped", "frozen_hellos",
               "crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
               "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events",
-              "disks_filled", "disk_refusals", "disk_full_errors", "forward_parts", "install_parts")
+              "disks_filled", "disk_refusals", "disk_full_errors", "forward_parts", "install_parts", "notices",
+              "killed_after_notice")
 
     def counts(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.COUNTS}
@@ -381,6 +384,9 @@ class SystemSim:
         # records (catch-ups and roll-forwards in many parts).
         knobs = random.Random(seed * 7919 + 1)
         self.settings["forward_batch_bytes"] = knobs.choice([4 << 20, 4 << 20, 200])
+        # Half the seeds pass slots only on notices and at the epoch's close (the default);
+        # the others also by time, as before notices existed.
+        self.settings["noop_timeout_ns"] = knobs.choice([0, self.settings["noop_timeout_ns"]])
         self.handler_settings = HandlerSettings(retry_ns=rng.choice([5, 10, 20]) * MS, quiet_ns=rng.choice([1, 2]) * suspect,
                                                 install_bytes=knobs.choice([1 << 20, 1 << 20, 100]))
         self.planner_settings = PlannerSettings(default_rate=rng.choice([500, 2000]))
@@ -413,6 +419,8 @@ class SystemSim:
         self.readers = [Reader(self, i) for i in range(2)]
         # -- the fault plan -------------------------------------------------------------------------
         nfaults = faults if faults is not None else rng.choice([0, 1, 2, 3, 3, 4, 5, 6])
+        #: kills timed by the protocol itself (a primary right after a notice moved it)
+        self.faults_left = 1 if nfaults else 0
         self.fault_plan: list[tuple[int, str]] = []
         for _ in range(nfaults):
             kind = rng.choices(["replica", "handler", "mms", "disk"], weights=[6, 2, 2, 2])[0]
@@ -603,6 +611,14 @@ class SystemSim:
         core = r.core
         if self.world.tracing:
             self.tr(f"rep {r.shard}.{r.idx} <- {_show(msg)}")
+        if isinstance(msg, wire.Notice):
+            self.outcome.notices += 1
+            if (self.faults_left > 0 and core is not None and core.role.deciding and r.proc is not None
+                    and self.rng.random() < 0.01 and self.shard_whole(r.shard)):
+                # killed once the notice made it pass slots, before it forwarded or wrote them
+                self.faults_left -= 1
+                self.outcome.killed_after_notice += 1
+                r.proc.doomed = lambda: self.crash_rep(r)
         if isinstance(msg, wire.Install):
             self._check_install(r, msg)
             records = [ev for ev in msg.events if isinstance(ev, RecordEvent)]

@@ -51,10 +51,12 @@ class NetParams:
     peer_loss: float = 0.002  # primary <-> backup
     epoch_loss: float = 0.01  # an MMS broadcast missed by one replica
     control_loss: float = 0.0  # failure handler <-> replicas, suspicions, rate reports
+    notice_loss: float = 0.02  # a primary's NOTICE to another shard's primary
 
 
 #: connection label -> the NetParams loss field that applies (None: a reliable stream)
-LOSS_OF_LABEL = {"replica": "client_loss", "primary": "peer_loss", "handler": "control_loss", "subscription": None}
+LOSS_OF_LABEL = {"replica": "client_loss", "primary": "peer_loss", "handler": "control_loss", "notice": "notice_loss",
+                 "subscription": None}
 
 
 class World:
@@ -170,6 +172,9 @@ class SimProcess:
         self._turn_end: list[Callable[[], None]] = []
         self._endpoints: list[Any] = []
         self._n = itertools.count()
+        #: a fault to inject in the middle of the next turn: after its input was handled,
+        #: before the turn-end hooks send or write anything of it
+        self.doomed: Callable[[], None] | None = None
 
     # -- Runtime ----------------------------------------------------------------------------------
     def now(self) -> int:
@@ -180,6 +185,9 @@ class SimProcess:
         if not self.alive:
             return
         fn(*args)
+        if self.doomed is not None:
+            doomed, self.doomed = self.doomed, None
+            doomed()
         if self.alive:
             for hook in self._turn_end:
                 hook()

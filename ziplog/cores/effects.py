@@ -5,7 +5,7 @@ coordination requests) and never edits a core's fields."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.frames import Frame
@@ -23,7 +23,13 @@ class Peer(enum.Enum):
     HANDLER = "handler"
 
 
-Dest = Union[bytes, Peer]
+class ShardPrimary(NamedTuple):
+    """The primary of another shard (a primary's NOTICE goes there)."""
+
+    shard: int
+
+
+Dest = Union[bytes, Peer, ShardPrimary]
 
 
 class ReadHistory:

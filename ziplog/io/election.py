@@ -2,11 +2,15 @@
 
 Contenders queue in a kazoo ``Election`` (sequential ephemeral nodes; the lowest leads).
 Waiting for a dead leader's session to expire would take the session timeout (10 s):
-instead the leader proves it is alive by rewriting its own node every
-``HEARTBEAT_NS`` (the driver calls :meth:`Election.heartbeat` from its loop, so a
-leader whose loop is stuck stops too), and every follower watches the leader's node:
-one that did not change for ``SILENCE_NS`` is deleted, with the version the follower
-saw (a leader that just beat keeps its node), and the next contender leads at once.
+instead the leader proves it is alive by rewriting a beat node beside the election
+(``<path>-beat/<its lock node>``) every ``HEARTBEAT_NS`` (the driver calls
+:meth:`Election.heartbeat` from its loop, so a leader whose loop is stuck stops too),
+and the next contender in line watches that node: a leader whose beat did not change
+for ``SILENCE_NS`` loses its lock node and its beat in one transaction that checks the
+version the follower saw (a leader that just beat keeps both), and the next contender
+leads at once. The beat is a node of its own because kazoo's lock recipe watches the
+lock node ahead of it: rewriting the lock node itself woke every waiting contender's
+recipe (three ZooKeeper reads) on every beat.
 
 Deposing is safe even when the old leader is alive but slow: it learns it was deposed
 from its next heartbeat (its node is gone) and stops, and until then every decision
@@ -25,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, KazooException, NoNodeError
+from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.protocol.states import KazooState
 
 log = logging.getLogger("ziplog.election")
@@ -39,8 +43,8 @@ HEARTBEAT_NS = 200_000_000
 SILENCE_NS = 800_000_000
 #: how often a follower's clock looks at what the watch last saw (no ZooKeeper request)
 WATCH_EVERY_S = 0.1
-#: a follower not in line looks at the contenders itself every this many looks (1 s)
-RELOOK_EVERY = 10
+#: ... and when there is nothing to judge (we lead, or watch nobody): it looks again this often
+LOOK_EVERY_S = 1.0
 
 _CONTENDER = re.compile(r"__lock__(\d{10})$")
 
@@ -56,10 +60,13 @@ class Election:
         self.rt = rt
         self._end_term = threading.Event()
         self._closed = threading.Event()
+        #: wakes the leader-watch thread: the leader it watches changed, or we close
+        self._kick = threading.Event()
         self._on_lost: Callable[[], None] | None = None
         self._path = ""
-        #: this replica's node while it leads (its heartbeats rewrite it)
+        #: this replica's lock node while it leads, and its beat node (heartbeats rewrite it)
         self._own: str | None = None
+        self._own_beat = ""
         self._identifier = b""
         self._election: Any = None
         self._lock = threading.Lock()
@@ -78,10 +85,19 @@ class Election:
         def lead() -> None:
             self._end_term.clear()
             node = election.lock.node
-            self._own = f"{path}/{node}" if node else None
+            beat = self._beat_of(f"{path}/{node}")
+            try:
+                self.zk.create(beat, self._identifier, ephemeral=True)
+            except KazooException:
+                return  # not connected (or not ours to create): contend again
+            self._own, self._own_beat = f"{path}/{node}", beat
             self.rt.call_soon_threadsafe(on_elected)
             self._end_term.wait()
             self._own = None
+            try:
+                self.zk.delete(beat)
+            except KazooException:
+                pass  # deposed (it is gone), or the session is: it goes with it
 
         def contend() -> None:
             while not self._closed.is_set():
@@ -94,36 +110,43 @@ class Election:
 
         threading.Thread(target=contend, name=f"election-{path}", daemon=True).start()
         self.zk.ensure_path(path)
+        self.zk.ensure_path(path + "-beat")
         self.zk.ChildrenWatch(path, self._on_contenders)
         threading.Thread(target=self._watch_leader, name=f"leader-watch-{path}", daemon=True).start()
 
     # -- the leader's side ----------------------------------------------------------------------
+    def _beat_of(self, lock_node: str) -> str:
+        return f"{self._path}-beat/{lock_node.rsplit('/', 1)[1]}"
+
     def heartbeat(self) -> None:
-        """Called by the leading driver every HEARTBEAT_NS: rewrite our node. If it is gone,
-        we were deposed (or our session ended): stop leading."""
+        """Called by the leading driver every HEARTBEAT_NS: rewrite our beat node, if our
+        lock node is still there. If either is gone, we were deposed (or our session
+        ended): stop leading."""
         own = self._own
         if own is None:
             return
         try:
-            reply = self.zk.set_async(own, self._identifier)
+            t = self.zk.transaction()
+            t.check(own, -1)
+            t.set_data(self._own_beat, self._identifier)
+            reply = t.commit_async()
         except KazooException:
             return  # not connected: the state listener ends the term
         reply.rawlink(lambda r: self._beat_answered(own, r))
 
     def _beat_answered(self, own: str, reply: Any) -> None:
         try:
-            reply.get()
-        except NoNodeError:
-            if self._own == own:
-                log.warning("our leader node %s is gone: deposed as silent; stop leading", own)
-                self._lose()
+            results = reply.get()
         except Exception:
-            pass  # the connection is in doubt: the state listener decides
+            return  # the connection is in doubt: the state listener decides
+        if any(isinstance(r, NoNodeError) for r in results) and self._own == own:
+            log.warning("our leader node %s is gone: deposed as silent; stop leading", own)
+            self._lose()
 
     # -- the followers' side ---------------------------------------------------------------------
     # Watches, not polling: a ChildrenWatch names the leader's node (it fires when a
     # contender comes or goes) and, on the next contender in line only, a DataWatch on
-    # that node fires on every heartbeat. The thread below only reads the clock; its one
+    # its beat node fires on every heartbeat. The thread below only reads the clock; its one
     # ZooKeeper request is the deposing delete.
     def _on_contenders(self, children: list[str]) -> bool:
         if self._closed.is_set():
@@ -138,29 +161,42 @@ class Election:
             if leader == self._leader:
                 return True
             self._leader, self._leader_seen = leader, None
+        self._kick.set()
         if leader is not None:
-            self.zk.DataWatch(leader, self._leader_watcher(leader))
+            self.zk.DataWatch(self._beat_of(leader), self._leader_watcher(leader))
         return True
 
     def _leader_watcher(self, leader: str) -> Callable[[Any, Any], bool]:
         # kazoo counts a watcher's parameters: the node is bound by a closure
         def watch(data: Any, stat: Any) -> bool:
             with self._lock:
-                if self._leader != leader or stat is None:
-                    return False  # not the leader's node any more: stop watching it
-                self._leader_seen = (stat.version, time.monotonic_ns())
+                if self._leader != leader:
+                    return False  # not the leader any more: stop watching its beat
+                if stat is not None:
+                    self._leader_seen = (stat.version, time.monotonic_ns())
+                elif self._leader_seen is None:
+                    # No beat yet (it is made just after the lock is won): a leader that
+                    # never makes one is as silent as one that stopped.
+                    self._leader_seen = (-1, time.monotonic_ns())
             return True
         return watch
 
     def _watch_leader(self) -> None:
-        looks = 0
-        while not self._closed.wait(WATCH_EVERY_S):
+        # The thread sleeps until something could be judged: the end of the silence the
+        # leader's last heartbeat allows, a change of contenders (kicked), or a second; an
+        # idle follower wakes about once a silence, not ten times a second.
+        wait_s = WATCH_EVERY_S
+        while True:
+            self._kick.wait(wait_s)
+            self._kick.clear()
+            if self._closed.is_set():
+                return
+            wait_s = LOOK_EVERY_S
             if self._own is not None or self.zk.state != KazooState.CONNECTED:
                 continue
             with self._lock:
                 leader, seen = self._leader, self._leader_seen
-            looks += 1
-            if leader is None and looks % RELOOK_EVERY == 0:
+            if leader is None:
                 # Our own node may have appeared after the last change to the contenders
                 # (the watch fired before we knew its name): look again now and then.
                 try:
@@ -169,21 +205,30 @@ class Election:
                     pass
                 continue
             mine = self._election.lock.node if self._election is not None else None
-            if leader is None or seen is None or (mine is not None and leader.endswith("/" + mine)):
+            if seen is None:
+                wait_s = WATCH_EVERY_S  # its first heartbeat is due
+                continue
+            if mine is not None and leader.endswith("/" + mine):
                 continue
             version, since = seen
             now = time.monotonic_ns()
             if now - since < SILENCE_NS:
+                wait_s = max(WATCH_EVERY_S, (since + SILENCE_NS - now) / 1e9)
                 continue
             with self._lock:
                 if self._leader_seen == seen:
                     self._leader_seen = (version, now)  # one try per silence, not one per look
             try:
-                self.zk.delete(leader, version=version)
-            except (BadVersionError, NoNodeError):
-                continue  # it beat just now, or it is gone already
+                t = self.zk.transaction()
+                if version >= 0:
+                    t.check(self._beat_of(leader), version)
+                    t.delete(self._beat_of(leader))
+                t.delete(leader)
+                results = t.commit()
             except KazooException:
                 continue  # we cannot reach ZooKeeper well: judge nobody
+            if any(isinstance(r, Exception) for r in results):
+                continue  # it beat just now, or it is gone already
             log.warning("leader node %s silent for %d ms: deposed", leader, (now - since) // 1_000_000)
 
     # -- either side -----------------------------------------------------------------------------
@@ -203,5 +248,6 @@ class Election:
 
     def close(self) -> None:
         self._closed.set()
+        self._kick.set()
         self._own = None
         self._end_term.set()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -41,6 +43,9 @@ DRAIN_LIMIT = 256
 DRAIN_BUDGET_NS = 20_000_000
 #: longest poll: the loop looks at its stop flag at least this often
 MAX_WAIT_MS = 100
+#: ... and a server's, whose other threads and signals wake it through its own pipes
+#: (:meth:`ZmqRuntime.wake_on_signals`): an idle process turns once a second, not ten times
+IDLE_WAIT_MS = 1000
 #: send queue of a ROUTER or DEALER (frames); a frame to a full queue is dropped
 HWM = 100_000
 
@@ -141,7 +146,7 @@ class ZmqRuntime:
         self._own_ctx = ctx is None
         #: (socket, POLLIN) of every readable socket, for zmq_poll (a Poller copies its
         #: registrations into such a list at every poll)
-        self._poll_items: list[tuple[zmq.Socket, int]] = []
+        self._poll_items: list[tuple[Any, int]] = []  # sockets, and the signal pipe's fd
         self._sockets: dict[zmq.Socket, _Socket] = {}  # the readable ones
         self._all: set[_Socket] = set()
         self._timers: list[tuple[int, int, _TimerHandle]] = []
@@ -160,6 +165,10 @@ class ZmqRuntime:
             self._wake_tx = self.ctx.socket(zmq.PAIR)
             self._wake_tx.connect(f"inproc://wake-{id(self)}")
             self._poll_items.append((self._wake_rx, POLLIN))
+        #: the read end of the pipe Python writes a byte to when a signal arrives (see
+        #: :meth:`wake_on_signals`), and the write end
+        self._signal_rx: socket.socket | None = None
+        self._signal_tx: socket.socket | None = None
         self.running = True
         #: the last ``focus`` list run_once saw, and its poll set
         self._focus: list[Any] | None = None
@@ -335,6 +344,9 @@ class ZmqRuntime:
         sockets = self._sockets
         wake = self._wake_rx
         for sock, _ in ready:
+            if type(sock) is int:  # the signal pipe (the only file descriptor polled)
+                self._drain_signal_pipe()
+                continue
             if sock is wake and wake is not None:
                 while True:
                     try:
@@ -358,9 +370,31 @@ class ZmqRuntime:
         for fn in self._turn_end:
             fn()
 
+    def wake_on_signals(self) -> None:
+        """Let a signal end the poll (the handler runs, and may :meth:`stop` the loop, at
+        once), so that :meth:`run_forever` can wait up to IDLE_WAIT_MS. Main thread only."""
+        if self._signal_rx is not None:
+            return
+        rx, tx = socket.socketpair()
+        rx.setblocking(False)
+        tx.setblocking(False)
+        signal.set_wakeup_fd(tx.fileno(), warn_on_full_buffer=False)
+        self._signal_rx, self._signal_tx = rx, tx
+        self._poll_items.append((rx.fileno(), POLLIN))
+
+    def _drain_signal_pipe(self) -> None:
+        assert self._signal_rx is not None
+        try:
+            while self._signal_rx.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
     def run_forever(self) -> None:
+        # Without both wake-ups (other threads', signals') a longer poll would delay them.
+        wait_ms = IDLE_WAIT_MS if self._wake_rx is not None and self._signal_rx is not None else MAX_WAIT_MS
         while self.running:
-            self.run_once()
+            self.run_once(wait_ms)
 
     def run_until(self, done: Callable[[], bool], timeout_ns: int | None = None,
                   focus: Callable[[], list[Any]] | None = None) -> bool:
@@ -393,5 +427,10 @@ class ZmqRuntime:
         for w in (self._wake_rx, self._wake_tx):
             if w is not None:
                 w.close(0)
+        if self._signal_rx is not None and self._signal_tx is not None:
+            signal.set_wakeup_fd(-1)
+            self._signal_rx.close()
+            self._signal_tx.close()
+            self._signal_rx = self._signal_tx = None
         if self._own_ctx:
             self.ctx.destroy(linger=0)

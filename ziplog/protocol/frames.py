@@ -58,6 +58,8 @@ ERROR = 31
 HELLO = 32
 FORWARD = 33
 PREFIX = 34
+# -- primary -> the other shards' primaries ------------------------------------------------
+NOTICE = 35
 # -- failure handler <-> storage server (dissertation 4.2.5) ------------------------------
 SUSPECT = 40
 PROBE = 41
@@ -332,6 +334,16 @@ class Prefix(Frame, kw_only=True):
     frontier: U64
 
 
+class Notice(Frame, kw_only=True):
+    """Shard ``shard`` decided a record at ``gsn`` in ``epoch``: a receiving primary with
+    nothing of its own below it passes ``gsn`` now (its unused slots up to it become
+    no-ops) rather than when its schedule's clock says so."""
+    op: int = NOTICE
+    shard: U64
+    epoch: U64
+    gsn: U64
+
+
 # -- failure handler <-> storage server ---------------------------------------------------
 class Suspect(Frame, kw_only=True):
     op: int = SUSPECT
@@ -413,7 +425,7 @@ class Rate(Frame, kw_only=True):
 
 
 ClientRequest = Union[Insert, Read, Trim, Subscribe, Credit, Unsubscribe, Status, Range, Count]
-PeerRequest = Union[Hello, Prefix]
+PeerRequest = Union[Hello, Prefix, Notice]
 RecoveryRequest = Union[Probe, Acquired, Fetch, Install, Resume]
 Request = Union[ClientRequest, PeerRequest, RecoveryRequest]
 Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, RangeOk, CountOk, Error]
@@ -426,7 +438,7 @@ REQUESTS: dict[int, type[Frame]] = {
 }
 #: Frames a storage server's ROUTER takes only sealed by a cluster member.
 MEMBER_REQUESTS: dict[int, type[Frame]] = {
-    HELLO: Hello, PREFIX: Prefix, PROBE: Probe, ACQUIRED: Acquired, FETCH: Fetch, INSTALL: Install, RESUME: Resume,
+    HELLO: Hello, PREFIX: Prefix, NOTICE: Notice, PROBE: Probe, ACQUIRED: Acquired, FETCH: Fetch, INSTALL: Install, RESUME: Resume,
 }
 #: Every op that carries authority: accepted only in a SIGNED envelope.
 MEMBER_OPS = frozenset((*MEMBER_REQUESTS, SUSPECT, RATE))

@@ -22,6 +22,8 @@ class _Loop(_Closable, Protocol):
 
     def stop(self) -> None: ...
 
+    def wake_on_signals(self) -> None: ...
+
 
 def serve_forever(rt: _Loop, *parts: _Closable) -> int:
     """A process ``main``'s body: run ``rt`` until SIGTERM/SIGINT, then close ``parts`` (in
@@ -32,6 +34,7 @@ def serve_forever(rt: _Loop, *parts: _Closable) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    rt.wake_on_signals()  # a stop signal ends the wait at once, however long the loop sleeps
     try:
         rt.run_forever()
     finally:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ziplog.cores.effects import Peer, ReadHistory, Ready
+from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardPrimary
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.io.inbound import InboundGuard
 from ziplog.io.throttled_log import ThrottledLog
@@ -85,6 +85,9 @@ class StorageDriver:
         self.epoch_pubs: set[str] = set()
         self.mms_pushes: dict[str, Endpoint] = {}
         self.fh_pushes: dict[str, Endpoint] = {}
+        #: a primary's connections to the other shards' primaries (its NOTICEs): shard ->
+        #: (address, endpoint); one per member shard, made on the first notice to it
+        self.peer_primaries: dict[int, tuple[str, Endpoint]] = {}
         self._disk_buf: list[DiskEvent] = []
         self._last_disk_ns = rt.now()
         #: why the last write failed (None: writing works); the batch stays buffered
@@ -175,6 +178,31 @@ class StorageDriver:
             raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
                                   f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
 
+    def _peer_primary(self, shard: int) -> Endpoint | None:
+        """The connection to ``shard``'s primary at the address ZooKeeper holds now (None
+        while it has none: the notice is dropped; the epoch's close is the backstop)."""
+        addr = self.coord.topology.replicas.get(shard, {}).get(0)
+        cur = self.peer_primaries.get(shard)
+        if cur is not None and cur[0] == addr:
+            return cur[1]
+        if cur is not None:
+            cur[1].close()
+            del self.peer_primaries[shard]
+        if addr is None:
+            return None
+        ep = self.net.dealer(addr, self.guard.frames("a peer primary's link", self._on_peer_primary_frame), "notice",
+                             max_bytes=f.CONTROL_FRAME_LIMIT)
+        self.peer_primaries[shard] = (addr, ep)
+        return ep
+
+    def _on_peer_primary_frame(self, frame: bytes) -> None:
+        """Nothing is answered to a NOTICE but a refusal: worth a line, not an action."""
+        try:
+            msg = f.decode_reply(frame)
+        except f.ProtocolError as exc:
+            msg = exc  # type: ignore[assignment]
+        self.trouble_log("a peer primary answered a notice", msg)
+
     def _count_inbound_failure(self, edge: str) -> None:
         self.core.driver_stats["inbound_failures"] += 1
 
@@ -259,6 +287,10 @@ class StorageDriver:
                 elif dest is Peer.PRIMARY:
                     if self.primary is not None:
                         self.primary.send(f.seal(self.key, encode(msg)))
+                elif type(dest) is ShardPrimary:
+                    ep = self._peer_primary(dest.shard)
+                    if ep is not None:
+                        ep.send(f.seal(self.key, encode(msg)))
                 else:
                     frame = f.seal(self.key, encode(msg))
                     for ep in (self.mms_pushes if dest is Peer.MMS else self.fh_pushes).values():
@@ -335,7 +367,7 @@ class StorageDriver:
             except OSError as exc:
                 log.error("closing the segment files: %s", exc)
         for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
-                   *self.fh_pushes.values()]:
+                   *self.fh_pushes.values(), *(ep for _, ep in self.peer_primaries.values())]:
             if ep is not None:
                 ep.close()
         if self._wakeup is not None:
@@ -359,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a segment file is closed and the next opened past this size (trim deletes whole files)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--noop-timeout-us", type=int, default=1000)
+    ap.add_argument("--noop-timeout-us", type=int, default=0,
+                    help="also pass a slot this long after its expected time (0: only on notices and at the epoch's close)")
+    ap.add_argument("--no-notices", action="store_true",
+                    help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--forward-interval-us", type=int, default=0,
                     help="batch forwarded decisions for up to this long (fewer messages, later stability)")
@@ -374,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
+                               notices=not args.no_notices,
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))

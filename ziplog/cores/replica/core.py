@@ -66,6 +66,7 @@ class ReplicaCore:
             f.Status: self._on_status,
             f.Hello: self._on_hello,
             f.Prefix: self._on_prefix,
+            f.Notice: self._on_notice,
             f.Probe: self.recovery.on_op,
             f.Acquired: self.recovery.on_op,
             f.Fetch: self.recovery.on_op,
@@ -168,6 +169,12 @@ class ReplicaCore:
         if self.recovery.frozen:
             return
         self.role.on_prefix(msg, now)
+
+    def _on_notice(self, route: bytes, msg: f.Notice, now: int) -> None:
+        # A primary that decides nothing now (starting, blocked, frozen for recovery)
+        # has nothing to pass: the notice is dropped (the epoch's close is the backstop).
+        if self.is_primary and not self.recovery.frozen and self.role.deciding:
+            self.role.on_notice(msg, now)  # type: ignore[union-attr]
 
     def on_forward(self, msg: f.Forward, now: int) -> None:
         """A FORWARD on a backup's own connection to its primary."""

@@ -15,10 +15,11 @@ recovery, whose RESUME is the only way back to SERVING.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from typing import Callable
 
-from ziplog.cores.effects import Outbox, Peer, ReadHistory
+from ziplog.cores.effects import Outbox, Peer, ReadHistory, ShardPrimary
 from ziplog.cores.replica.log import DecidedLog, epoch_hint
 from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.parking import Parked, Parking
@@ -37,6 +38,7 @@ from ziplog.protocol.gsna import (
     EpochConfig,
     EpochSchedule,
     SlotCursor,
+    epoch_base,
     epoch_end,
     epoch_of,
 )
@@ -97,7 +99,18 @@ class PrimarySequencer:
         #: (frontier, last epoch) a backup is at after every FORWARD sent so far
         self.fwd_mark: tuple[int, int] = (0, -1)
         self.stable_sent = 0
+        #: the highest stable gsn the backups were told of that holds a record (a FORWARD
+        #: of the stable watermark alone is worth it only when it makes a record stable)
+        self.stable_record_sent = 0
         self.last_forward_ns = 0
+        # -- progress on demand (NOTICE) ----------------------------------------------------
+        #: the highest gsn this primary decided a record at and has not announced yet
+        self.to_announce = 0
+        #: another shard -> the highest gsn it announced: it has passed it
+        self.announced_by: dict[int, int] = {}
+        #: notices of epochs not begun here yet: epoch -> the highest gsn named (at most
+        #: max_epochs_ahead epochs are kept)
+        self.early_notices: dict[int, int] = {}
         # -- refusals ---------------------------------------------------------------------
         #: records refused for good: a client may have moved them to another shard, so a
         #: late duplicate of the INSERT must not place them here too
@@ -177,6 +190,8 @@ class PrimarySequencer:
         self.out.send(route, f.Ack(req_id=msg.req_id, gsn=gsn, replica=0, stable=log.stable, decided=True, final=False))
         self.fwd_events.append(ev)
         self.fwd_bytes += size
+        if gsn > self.to_announce:
+            self.to_announce = gsn
         self.stable_changed()
 
     def _park(self, route: bytes, msg: f.Insert, now: int, need_epoch: int) -> None:
@@ -265,6 +280,13 @@ class PrimarySequencer:
             self.cursor = None
             log.advance_frontier(config.end)  # nothing of ours in this epoch
         self.fwd_events.append(EpochEvent(config.epoch, config.epoch, tuple(config.shards)))
+        self.announced_by = {}  # what another shard passed in an earlier epoch says nothing of this one
+        early = self.early_notices
+        if early:
+            self.early_notices = {e: g for e, g in early.items() if e > config.epoch}
+            g = early.get(config.epoch)
+            if g is not None:
+                self._pass(g)
         self.stable_changed()
         return True
 
@@ -377,10 +399,70 @@ class PrimarySequencer:
             self.prefixes[replica] = min(frontier, self.log.frontier)
             self.stable_changed()
 
+    # -- progress on demand -----------------------------------------------------------------------
+    def _announce(self) -> None:
+        """End of a turn that decided records: tell the other member shards' primaries the
+        highest gsn (one NOTICE each, to those not known to have passed it), so that they
+        pass it now instead of when their schedule's clock says so."""
+        g, self.to_announce = self.to_announce, 0
+        cfg = self.cur_config
+        if cfg is None or epoch_of(g) != cfg.epoch:
+            return  # decided in an epoch that is closed now: its close passed it everywhere
+        msg = None
+        for s in cfg.shards:
+            if s != self.shard and self.announced_by.get(s, 0) < g:
+                msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g)
+                self.out.send(ShardPrimary(s), msg)
+
+    def on_notice(self, msg: f.Notice, now: int) -> None:
+        """Another shard decided a record at ``msg.gsn``: pass it (unused slots up to it
+        become no-ops, replicated like any decision before anyone relies on them). A
+        notice of a later epoch waits for it, one of an earlier epoch is dropped, one of
+        a shard that is no member or naming a gsn outside its epoch changes nothing: a
+        member can burn at most the rest of one epoch of our slots."""
+        if msg.shard == self.shard or not (epoch_base(msg.epoch) <= msg.gsn <= epoch_end(msg.epoch)):
+            return
+        cfg = self.cur_config
+        current = cfg.epoch if cfg is not None else self.log.last_epoch
+        if msg.epoch > current:
+            if msg.epoch <= current + self.s.max_epochs_ahead:
+                if msg.gsn > self.early_notices.get(msg.epoch, 0):
+                    self.early_notices[msg.epoch] = msg.gsn
+            return
+        if cfg is None or msg.epoch < cfg.epoch or msg.shard not in cfg.shards:
+            return
+        if msg.gsn > self.announced_by.get(msg.shard, 0):
+            self.announced_by[msg.shard] = msg.gsn  # keys: member shards only
+        self._pass(msg.gsn)
+
+    def _pass(self, gsn: int) -> None:
+        """Make every slot of ours up to ``gsn`` (in the current epoch) a no-op."""
+        cur, cfg = self.cursor, self.cur_config
+        if cur is None or cfg is None:
+            return  # no slot of ours in this epoch
+        k = self.next_slot
+        if k >= cur.count or cur.gsn(k) > gsn:
+            return  # nothing of ours at or below it is left
+        k = cur.first_slot_after(min(gsn, cfg.end))
+        self.next_slot = k
+        self.log.advance_frontier(cur.gsn(k) - 1 if k < cur.count else cfg.end)
+        self.fwd_events.append(FrontierEvent(self.log.frontier, self.log.last_epoch, self.next_slot))
+        self.stats["passed_on_notice"] = self.stats.get("passed_on_notice", 0) + 1
+        self.stable_changed()
+
+    def _stable_news(self) -> bool:
+        """The stable watermark moved past a record the backups do not know is stable."""
+        log = self.log
+        if log.stable <= self.stable_record_sent:
+            return False
+        gsns = log.gsns
+        i = bisect.bisect_right(gsns, self.stable_record_sent)
+        return i < len(gsns) and gsns[i] <= log.stable
+
     # -- time -----------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
         cur = self.cursor
-        if cur is not None:
+        if cur is not None and self.s.noop_timeout_ns > 0:
             sched, elapsed = cur.schedule, now - self.epoch_start_ns
             if sched.slots_due(self.shard, elapsed - self.s.noop_timeout_ns) > self.next_slot:
                 # Expected records that never came: their slots become no-ops. Catch up to
@@ -406,7 +488,8 @@ class PrimarySequencer:
         # Every FORWARD carries the stable watermark; a FORWARD of its own is only
         # worth it when no records have gone out for a while.
         since = now - self.last_forward_ns
-        push_stable = log.stable > self.stable_sent and since >= s.stable_push_ns
+        # (not when only no-ops became stable: an idle shard's heartbeat carries that)
+        push_stable = since >= s.stable_push_ns and self._stable_news()
         # A backup that lags with nothing new to send may have lost a FORWARD: a
         # periodic (empty) FORWARD names our state so it can spot the gap and ask ...
         lagging = since >= s.lag_probe_ns and any(self.prefixes.get(r, 0) < log.frontier for r in self.backup_routes)
@@ -418,6 +501,11 @@ class PrimarySequencer:
         due = not self.fwd_events or since >= s.forward_interval_ns
         if (self.fwd_events and due) or push_stable or lagging:
             self._forward(now)
+        if self.to_announce:
+            if s.notices:
+                self._announce()
+            else:
+                self.to_announce = 0
 
     def _forward(self, now: int) -> None:
         """Send the buffered decisions, ending with our frontier, to every backup."""
@@ -430,7 +518,7 @@ class PrimarySequencer:
             self.out.send(self.backup_routes[r], msg)
         self.fwd_events = []
         self.fwd_bytes = 0
-        self.stable_sent = log.stable
+        self.stable_sent = self.stable_record_sent = log.stable
         self.last_forward_ns = now
         self.mark_forward_point()
 
@@ -448,11 +536,11 @@ class PrimarySequencer:
             if best is None or t < best:
                 best = t
         cur = self.cursor
-        if cur is not None and self.next_slot < cur.count:
+        if cur is not None and self.next_slot < cur.count and s.noop_timeout_ns > 0:
             t = self.epoch_start_ns + cur.schedule.expected_ns(self.shard, self.next_slot) + s.noop_timeout_ns
             if best is None or t < best:
                 best = t
-        if log.stable > self.stable_sent:
+        if self._stable_news():
             t = last + s.stable_push_ns
             if best is None or t < best:
                 best = t
@@ -497,7 +585,7 @@ class PrimarySequencer:
         self.blocked_reason = None
         self.awaiting = set()
         self.prefixes = {r: self.log.frontier for r in range(1, self.s.replicas)}
-        self.stable_sent = self.log.stable
+        self.stable_sent = self.stable_record_sent = self.log.stable
         self.mark_forward_point()
         self._take_stashed(now)
 

@@ -12,9 +12,14 @@ class ReplicaSettings:
     replica: int
     replicas: int = 2
     max_record_bytes: int = 1 << 20
-    #: A slot of the primary whose expected arrival passed this long ago
-    #: becomes a no-op.
-    noop_timeout_ns: int = 1_000_000
+    #: A slot of the primary whose expected arrival passed this long ago becomes a
+    #: no-op (0, the default: never by time; slots pass when another shard's NOTICE
+    #: names a gsn beyond them, and at the epoch's close).
+    noop_timeout_ns: int = 0
+    #: A primary that decided records tells the other member shards' primaries (NOTICE),
+    #: so they pass its gsn at once. Off, only the clock and epochs' closes pass slots
+    #: (how it worked before: the benchmarks run both).
+    notices: bool = True
     #: How long an InsertAfter or read may wait for a future epoch/position.
     park_timeout_ns: int = 2_000_000_000
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
@@ -39,7 +44,7 @@ class ReplicaSettings:
     forward_batch_bytes: int = 4 << 20
     #: Replicas of a shard hear from each other at least this often: an idle primary
     #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
-    heartbeat_ns: int = 50_000_000
+    heartbeat_ns: int = 100_000_000
     #: A peer silent this long is suspected to have failed and recovery is asked for
     #: (0: never suspect).
     suspect_timeout_ns: int = 500_000_000

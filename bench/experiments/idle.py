@@ -1,0 +1,88 @@
+"""Experiment ``idle``: what an idle cluster costs. A ``local_cluster()`` (2 shards x 2
+replicas, 3 MMS and 3 failure handler replicas; ZooKeeper not counted) with no client at
+all, then with one subscriber following the log, measured from /proc as CPU (in % of
+one core) per kind of process, in two settings, each on a fresh cluster, in one run:
+
+* **shipped**: slots pass on NOTICEs and at the epoch's close; an idle cluster's epochs
+  lengthen up to 200 ms;
+* **clock** (how it worked before): every slot becomes a no-op 1 ms after its expected
+  arrival, no NOTICEs, 10 ms epochs always (``--noop-timeout-us 1000 --no-notices``,
+  MMS ``--idle-interval-ms 10``).
+
+    python -m bench idle [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ..cpu import cpu_seconds
+from ..report import Results, progress
+from .sequential import CLOCK_MMS_ARGS, CLOCK_SERVER_ARGS
+
+NAME = "idle"
+COLUMNS = ["setting", "subscribers", "replicas_pct", "mms_pct", "failure_handler_pct", "total_pct",
+           "epochs_per_s"]
+SETTINGS = {
+    "shipped": ([], []),
+    "clock": (CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS),
+}
+
+
+def _epoch(cluster: Any) -> int:
+    import ziplog
+    with ziplog.Client(cluster.zk_hosts) as c:
+        return max(int(r.get("epoch", -1)) for reps in c.status(wait=5).values() for r in reps)
+
+
+def _measure(cluster: Any, seconds: float) -> dict[str, float]:
+    groups = {"replicas": [p.pid for p in cluster.servers.values()], "mms": [p.pid for p in cluster.mms.values()],
+              "failure_handler": [p.pid for p in cluster.fh.values()]}
+    e0 = _epoch(cluster)
+    before = {k: cpu_seconds(v) for k, v in groups.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    el = time.monotonic() - t0
+    out = {f"{k}_pct": round(100 * (cpu_seconds(v) - before[k]) / el, 2) for k, v in groups.items()}
+    out["total_pct"] = round(sum(out.values()), 2)
+    out["epochs_per_s"] = round((_epoch(cluster) - e0) / el, 1)
+    return out
+
+
+def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
+    import ziplog
+    p = {"quick": quick, "settle_s": 3.0, "measure_s": 10.0 if quick else 30.0, "shards": 2, "replicas": 2}
+    res = Results(NAME, out, p)
+    rows: list[dict[str, Any]] = []
+    for setting in progress(NAME, list(SETTINGS), lambda s: f"{s}: idle, then with a subscriber"):
+        server_args, mms_args = SETTINGS[setting]
+        with ziplog.local_cluster(shards=p["shards"], replicas=p["replicas"], server_args=server_args,
+                                  mms_args=mms_args) as cluster:
+            time.sleep(p["settle_s"])  # elections done, epochs settled into their idle pace
+            rows.append({"setting": setting, "subscribers": 0, **_measure(cluster, p["measure_s"])})
+            res.log(f"  {rows[-1]}")
+            with ziplog.Client(cluster.zk_hosts) as c, c.subscribe() as sub:
+                sub.next(timeout=0.5)  # positioned
+                import threading
+                stop = threading.Event()
+
+                def follow() -> None:
+                    while not stop.is_set():
+                        sub.next(timeout=0.2)
+                t = threading.Thread(target=follow, daemon=True)
+                t.start()
+                try:
+                    rows.append({"setting": setting, "subscribers": 1, **_measure(cluster, p["measure_s"])})
+                finally:
+                    stop.set()
+                    t.join()
+            res.log(f"  {rows[-1]}")
+    res.note("CPU of every process of a kind together, in % of one core, over the measured window; "
+             "the subscriber is a thread of this process (not counted). ZooKeeper's three JVMs are not counted.")
+    res.write(rows, COLUMNS, "An idle cluster: CPU by process kind",
+              intro="`local_cluster()` with no writer: shipped settings (slots pass on NOTICEs and at the epoch's "
+                    "close, idle epochs lengthen to 200 ms) against the clock-driven settings of before "
+                    "(1 ms no-op timeout, no NOTICEs, 10 ms epochs), each on a fresh cluster in one run.")
+    return rows

@@ -1,0 +1,104 @@
+"""Progress on demand without I/O: shard 0's replicas (real cores) hear NOTICEs from
+shard 1's primary. A notice makes the primary pass the named gsn at once (its unused
+slots become no-ops, replicated like any decision); one of a later epoch waits for it,
+one of an earlier epoch, of a shard that is no member, or naming a gsn outside its epoch
+changes nothing; a primary that does not decide ignores them; a member can burn at most
+the rest of one epoch. A primary that decided records announces them to the other
+members, once per turn, and not to a shard that announced a higher gsn itself."""
+
+from __future__ import annotations
+
+from tests.harness import ShardHarness
+from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import EpochSchedule, epoch_base, epoch_end
+
+SHARDS = (0, 1)
+
+
+class Harness(ShardHarness):
+    def __init__(self) -> None:
+        super().__init__({}, [[0, list(SHARDS)]])
+        self.B.connect_primary(0)
+        self.pump()
+        self.next_epoch()
+
+    def notice(self, gsn: int, epoch: int | None = None, shard: int = 1) -> None:
+        msg = wire.Notice(shard=shard, epoch=self.epoch if epoch is None else epoch, gsn=gsn)
+        self.P.on_request(b"peer", wire.open_signed(KEY, wire.seal(KEY, wire.encode(msg)),
+                                                     wire.decode_member_request), self.now)
+        self.pump()
+
+    def slot_gsn(self, shard: int, slot: int) -> int:
+        return EpochSchedule(self.config(self.epoch, SHARDS)).gsn(shard, slot)
+
+
+from ziplog.protocol.auth import ClusterKey  # noqa: E402
+
+KEY = ClusterKey(b"a test cluster's secret")
+
+
+def test_a_notice_passes_the_gsn_at_once_and_the_backup_holds_the_no_ops_first() -> None:
+    h = Harness()
+    g = h.slot_gsn(1, 40)  # shard 1 decided its 41st slot
+    before = h.P.frontier
+    assert before < g
+    h.notice(g)
+    assert h.P.frontier >= g and h.B.frontier == h.P.frontier, "passed, and forwarded to the backup"
+    assert h.P.stable >= g, "stable once the backup holds the no-ops: a subscriber may deliver g"
+    # the next insert takes the first slot of ours after g
+    h.insert(1, b"after the notice")
+    h.pump()
+    assert h.P.log.gsns[-1] > g and h.P.log.gsns[-1] == h.slot_gsn(0, EpochSchedule(
+        h.config(h.epoch, SHARDS)).first_slot_after(0, g))
+
+
+def test_notices_that_must_change_nothing() -> None:
+    h = Harness()
+    h.next_epoch()
+    frontier = h.P.frontier
+    h.notice(epoch_base(h.epoch - 1) + 5, epoch=h.epoch - 1)  # an earlier epoch
+    h.notice(epoch_end(h.epoch) + 7)  # a gsn outside its epoch
+    h.notice(h.slot_gsn(1, 5), shard=9)  # a shard that is no member
+    h.notice(h.slot_gsn(1, 5), shard=0)  # ourselves
+    assert h.P.frontier == frontier
+    # a backup takes no notice, and neither does a frozen or starting primary
+    msg = wire.Notice(shard=1, epoch=h.epoch, gsn=h.slot_gsn(1, 5))
+    h.B.on_request(b"peer", msg, h.now)
+    fresh = h.new_core(0)
+    fresh.on_request(b"peer", msg, h.now)
+    assert fresh.frontier == 0 and h.B.frontier == frontier
+
+
+def test_a_notice_of_a_later_epoch_waits_for_it_and_none_goes_past_the_epoch() -> None:
+    h = Harness()
+    later = h.epoch + 1
+    g = epoch_base(later) + 1000
+    h.notice(g, epoch=later)
+    assert h.P.frontier < epoch_base(later), "nothing of a later epoch passes now"
+    h.next_epoch()
+    assert h.P.frontier >= g, "the epoch began: the waiting notice passed it"
+    # the largest gsn of the epoch burns at most this epoch's slots
+    h.notice(epoch_end(h.epoch))
+    assert h.P.frontier == epoch_end(h.epoch)
+    h.next_epoch()
+    assert h.P.frontier < epoch_end(h.epoch)
+
+
+def test_a_primary_announces_its_records_once_per_turn_to_the_shards_not_past_them() -> None:
+    h = Harness()
+    h.insert(1, b"a")
+    h.insert(2, b"b")
+    h.pump()
+    sent = [(s, m) for s, m in h.notices if isinstance(m, wire.Notice)]
+    top = max(h.P.log.gsns)
+    assert sent == [(1, wire.Notice(shard=0, epoch=h.epoch, gsn=top))], sent
+    # in one turn we decide a record, then shard 1 announces a gsn beyond it: at the
+    # turn's end shard 1 is known to be past ours, and is not told
+    h.notices.clear()
+    h.insert(3, b"c", to=(0,))
+    ours = max(h.P.log.gsns)
+    theirs = h.slot_gsn(1, 500)
+    assert ours < theirs
+    h.P.on_request(b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=theirs), h.now)
+    h.pump()
+    assert h.notices == []
