@@ -102,3 +102,19 @@ def test_a_primary_announces_its_records_once_per_turn_to_the_shards_not_past_th
     h.P.on_request(b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=theirs), h.now)
     h.pump()
     assert h.notices == []
+
+
+def test_no_ops_passed_on_a_notice_reach_the_backup_as_stable() -> None:
+    """Another shard's record waits for these no-ops to be stable, and a subscriber may
+    read this shard from its backup: the primary tells the backup they are stable (a
+    FORWARD of the watermark) without waiting for a record of its own or a heartbeat."""
+    h = Harness()
+    h.now += 1_000_000_000  # long after the first epoch's FORWARDs
+    g = h.slot_gsn(1, 40)
+    h.notice(g)
+    assert h.P.stable >= g and h.B.log.stable < g, "the backup applied the no-ops before they were stable"
+    deadline = h.P.next_deadline(h.now)
+    assert deadline is not None and deadline - h.now < h.P.s.heartbeat_ns, "told no sooner than a heartbeat"
+    h.now = deadline
+    h.pump()
+    assert h.B.log.stable >= g, "the backup still does not know the passed no-ops are stable"

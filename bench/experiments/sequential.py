@@ -434,10 +434,12 @@ def _variants(p: dict[str, Any], rate: int) -> list[tuple[str, list[str], list[s
 
     * clock (before): shards pass slots by the clock (1 ms no-op timeout, no NOTICEs,
       10 ms epochs also when idle), as before progress on demand: the before of this run;
+    * notices+clock: NOTICEs and the 1 ms no-op timeout both (does the timer still help?);
     * (full run) the clock with fine slots: an MMS floor far above the offered rate makes
       every shard's slots dense, so a record's slot is due soon after its call, at the
       price of more no-op expiries: the best the clock could do."""
-    out = [("clock (before)", CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS)]
+    out = [("clock (before)", CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS),
+           ("notices+clock", ["--noop-timeout-us", "1000"], [])]
     if p["variants"]:
         fine = ["--min-rate", str(int(p["fine_slots_x"] * rate))]
         out.append(("clock+fine-slots", CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS + fine))

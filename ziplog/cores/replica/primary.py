@@ -102,6 +102,10 @@ class PrimarySequencer:
         #: the highest stable gsn the backups were told of that holds a record (a FORWARD
         #: of the stable watermark alone is worth it only when it makes a record stable)
         self.stable_record_sent = 0
+        #: the highest gsn we passed on a NOTICE: another shard's record waits for our
+        #: no-ops up to it to be stable, so their stability is news worth a FORWARD too
+        #: (subscribers that read from a backup learn it from there)
+        self.demanded = 0
         self.last_forward_ns = 0
         # -- progress on demand (NOTICE) ----------------------------------------------------
         #: the highest gsn this primary decided a record at and has not announced yet
@@ -447,14 +451,18 @@ class PrimarySequencer:
         self.next_slot = k
         self.log.advance_frontier(cur.gsn(k) - 1 if k < cur.count else cfg.end)
         self.fwd_events.append(FrontierEvent(self.log.frontier, self.log.last_epoch, self.next_slot))
+        self.demanded = max(self.demanded, min(gsn, self.log.frontier))
         self.stats["passed_on_notice"] = self.stats.get("passed_on_notice", 0) + 1
         self.stable_changed()
 
     def _stable_news(self) -> bool:
-        """The stable watermark moved past a record the backups do not know is stable."""
+        """The stable watermark moved past a record the backups do not know is stable, or
+        past no-ops another shard's record waits for."""
         log = self.log
         if log.stable <= self.stable_record_sent:
             return False
+        if self.demanded > self.stable_record_sent:
+            return True
         gsns = log.gsns
         i = bisect.bisect_right(gsns, self.stable_record_sent)
         return i < len(gsns) and gsns[i] <= log.stable
@@ -488,7 +496,8 @@ class PrimarySequencer:
         # Every FORWARD carries the stable watermark; a FORWARD of its own is only
         # worth it when no records have gone out for a while.
         since = now - self.last_forward_ns
-        # (not when only no-ops became stable: an idle shard's heartbeat carries that)
+        # (not when only no-ops nobody waits for became stable: an idle shard's heartbeat
+        # carries that)
         push_stable = since >= s.stable_push_ns and self._stable_news()
         # A backup that lags with nothing new to send may have lost a FORWARD: a
         # periodic (empty) FORWARD names our state so it can spot the gap and ask ...
