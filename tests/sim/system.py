@@ -389,6 +389,7 @@ class SystemSim:
         self.settings["noop_timeout_ns"] = knobs.choice([0, self.settings["noop_timeout_ns"]])
         self.handler_settings = HandlerSettings(retry_ns=rng.choice([5, 10, 20]) * MS, quiet_ns=rng.choice([1, 2]) * suspect,
                                                 install_bytes=knobs.choice([1 << 20, 1 << 20, 100]))
+        self.settings["notice_interval_ns"] = knobs.choice([0, 1 * MS, 5 * MS])
         self.planner_settings = PlannerSettings(default_rate=rng.choice([500, 2000]))
         self.think_us = rng.choice([500, 3000, 10_000])
         nshards = shards if shards is not None else rng.choice([2, 2, 3])

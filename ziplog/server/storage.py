@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--noop-timeout-us", type=int, default=0,
                     help="also pass a slot this long after its expected time (0: only on notices and at the epoch's close)")
+    ap.add_argument("--notice-interval-us", type=float, default=ReplicaSettings.notice_interval_ns / 1000,
+                    help="NOTICEs go out at most this often (a burst's records together)")
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
-                               notices=not args.no_notices,
+                               notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))

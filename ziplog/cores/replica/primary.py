@@ -110,6 +110,7 @@ class PrimarySequencer:
         # -- progress on demand (NOTICE) ----------------------------------------------------
         #: the highest gsn this primary decided a record at and has not announced yet
         self.to_announce = 0
+        self.last_notice_ns = -(1 << 62)
         #: another shard -> the highest gsn it announced: it has passed it
         self.announced_by: dict[int, int] = {}
         #: notices of epochs not begun here yet: epoch -> the highest gsn named (at most
@@ -511,10 +512,11 @@ class PrimarySequencer:
         if (self.fwd_events and due) or push_stable or lagging:
             self._forward(now)
         if self.to_announce:
-            if s.notices:
-                self._announce()
-            else:
+            if not s.notices:
                 self.to_announce = 0
+            elif now - self.last_notice_ns >= s.notice_interval_ns:
+                self.last_notice_ns = now
+                self._announce()
 
     def _forward(self, now: int) -> None:
         """Send the buffered decisions, ending with our frontier, to every backup."""
@@ -555,6 +557,10 @@ class PrimarySequencer:
                 best = t
         if self.fwd_events:
             t = last + s.forward_interval_ns
+            if best is None or t < best:
+                best = t
+        if self.to_announce:
+            t = self.last_notice_ns + s.notice_interval_ns
             if best is None or t < best:
                 best = t
         return best

@@ -20,6 +20,10 @@ class ReplicaSettings:
     #: so they pass its gsn at once. Off, only the clock and epochs' closes pass slots
     #: (how it worked before: the benchmarks run both).
     notices: bool = True
+    #: ... at most once per this interval: the first record after a quiet spell is
+    #: announced at the end of its turn, a burst's records together (each NOTICE costs
+    #: every other shard a no-op range and its replication round).
+    notice_interval_ns: int = 1_000_000
     #: How long an InsertAfter or read may wait for a future epoch/position.
     park_timeout_ns: int = 2_000_000_000
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
