@@ -166,19 +166,26 @@ class _Shard(ShardHarness):
         return ReplicaCore(ReplicaSettings(0, replica, 2, noop_timeout_ns=10**9, suspect_timeout_ns=0))
 
 
-def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
-    """Formerly bug B1 (found by the system simulation): a backup replaced its guesses at each
-    EPOCH broadcast, so a record acknowledged on the fast path whose primary then failed
-    before forwarding it was lost by failure recovery."""
+def _acked_guess_only_on_the_backup() -> tuple[_Shard, InsertWait]:
+    """Record (7, 1) acknowledged on the fast path; the primary crashed before its FORWARD
+    left, so the backup's guess is the only copy."""
     h = _Shard()
     h.B.connect_primary(0)
     h.pump()
     h.send_epoch(0, (0,))
     h.pump()
     h.insert(1, b"acked")
-    h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
+    h.pump(lose=("forward",))
     w = InsertWait(1, 2)
     assert any(w.feed(i, m) for i, m in h.client) and w.fast, "the client completed on the fast path"
+    return h, w
+
+
+def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
+    """Formerly bug B1 (found by the system simulation): a backup replaced its guesses at each
+    EPOCH broadcast, so a record acknowledged on the fast path whose primary then failed
+    before forwarding it was lost by failure recovery."""
+    h, w = _acked_guess_only_on_the_backup()
     h.send_epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
     h.B.on_request(b"handler", wire.Probe(req_id=1, gen=0), h.now)
     reply = h.B.ready().messages[-1][1]
@@ -194,15 +201,7 @@ def test_source_does_not_disown_a_guess_between_install_parts() -> None:
     dropped its guesses and before the part that brought the record back, so it told the
     waiting client the shard would not hold the record. The client placed it on another
     shard, and the recovery put it in this one too."""
-    h = _Shard()
-    h.B.connect_primary(0)
-    h.pump()
-    h.send_epoch(0, (0,))
-    h.pump()
-    h.insert(1, b"acked")
-    h.pump(lose=("forward",))  # the primary crashes before its FORWARD leaves
-    w = InsertWait(1, 2)
-    assert any(w.feed(i, m) for i, m in h.client) and w.fast
+    h, w = _acked_guess_only_on_the_backup()
     B, gsn = h.B, w.decided
     assert gsn is not None
 
