@@ -17,15 +17,22 @@ from ziplog.protocol.membership import history_ranges
 MS = 1_000_000
 
 
-class ShardHarness:
-    """Replicas 0 (primary) and 1 (backup) of shard 0, a client route, and the failure
-    handler. A core set to None is down: it hears nothing."""
+def backup_route(replica: int) -> bytes:
+    """The route a backup's messages reach the primary by (b"backup" for replica 1)."""
+    return b"backup" if replica == 1 else b"backup%d" % replica
 
-    def __init__(self, settings: dict[str, Any] | None = None, history: list[list[Any]] | None = None) -> None:
+
+class ShardHarness:
+    """Replicas 0 (primary) and 1 (backup) of shard 0 (and 2.. with ``replicas``), a
+    client route, and the failure handler. A core set to None is down: it hears nothing."""
+
+    def __init__(self, settings: dict[str, Any] | None = None, history: list[list[Any]] | None = None,
+                 replicas: int = 2) -> None:
         self.settings = settings or {}
+        self.replicas = replicas
         self.now = 0
-        self.cores: dict[int, ReplicaCore | None] = {0: self.new_core(0), 1: self.new_core(1)}
-        self.disk: dict[int, list[DiskEvent]] = {0: [], 1: []}
+        self.cores: dict[int, ReplicaCore | None] = {i: self.new_core(i) for i in range(replicas)}
+        self.disk: dict[int, list[DiskEvent]] = {i: [] for i in range(replicas)}
         self.client: list[tuple[int, wire.Reply]] = []
         self.suspects: list[wire.Suspect] = []
         self.rates: list[wire.Rate] = []
@@ -39,7 +46,7 @@ class ShardHarness:
         self.epoch = -1
 
     def new_core(self, replica: int) -> ReplicaCore:
-        return ReplicaCore(ReplicaSettings(0, replica, 2, **self.settings))
+        return ReplicaCore(ReplicaSettings(0, replica, self.replicas, **self.settings))
 
     @property
     def P(self) -> ReplicaCore:
@@ -65,9 +72,9 @@ class ShardHarness:
     def config(self, epoch: int, members: tuple[int, ...]) -> EpochConfig:
         return EpochConfig(epoch, members, tuple(1000 for _ in members))
 
-    def send_epoch(self, e: int, members: tuple[int, ...], to: tuple[int, ...] = (0, 1)) -> None:
+    def send_epoch(self, e: int, members: tuple[int, ...], to: tuple[int, ...] | None = None) -> None:
         cfg = self.config(e, members)
-        for i in to:
+        for i in (tuple(self.cores) if to is None else to):
             core = self.cores[i]
             if core is not None:
                 core.on_epoch(cfg, self.now)
@@ -119,18 +126,19 @@ class ShardHarness:
                     if "hello" in lose and isinstance(msg, wire.Hello):
                         continue
                     if self.cores[0] is not None:
-                        self.P.on_request(b"backup", wire.decode_member_request(frame), self.now)
+                        self.P.on_request(backup_route(i), wire.decode_member_request(frame), self.now)
                 elif dest is Peer.HANDLER:
                     self.suspects.append(wire.decode_suspect(frame))
                 elif dest is Peer.MMS:
                     self.rates.append(wire.decode_rate(frame))
                 elif isinstance(dest, ShardPrimary):  # another shard's primary: only recorded here
                     self.notices.append((dest.shard, wire.decode_member_request(frame)))
-                elif dest == b"backup":
-                    if "forward" not in lose and self.cores[1] is not None:
+                elif isinstance(dest, bytes) and dest.startswith(b"backup"):
+                    backup = self.cores.get(int(dest[6:] or 1))
+                    if "forward" not in lose and backup is not None:
                         msg2 = wire.decode_from_primary(frame)
                         if isinstance(msg2, wire.Forward):
-                            self.B.on_forward(msg2, self.now)
+                            backup.on_forward(msg2, self.now)
                 elif dest == b"client":
                     self.client.append((i, wire.decode_reply(frame)))
                 elif dest == b"handler":

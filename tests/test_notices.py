@@ -16,9 +16,10 @@ SHARDS = (0, 1)
 
 
 class Harness(ShardHarness):
-    def __init__(self) -> None:
-        super().__init__({}, [[0, list(SHARDS)]])
-        self.B.connect_primary(0)
+    def __init__(self, replicas: int = 2) -> None:
+        super().__init__({}, [[0, list(SHARDS)]], replicas=replicas)
+        for r in range(1, replicas):
+            self.cores[r].connect_primary(0)  # type: ignore[union-attr]
         self.pump()
         self.next_epoch()
 
@@ -104,17 +105,42 @@ def test_a_primary_announces_its_records_once_per_turn_to_the_shards_not_past_th
     assert h.notices == []
 
 
-def test_no_ops_passed_on_a_notice_reach_the_backup_as_stable() -> None:
-    """Another shard's record waits for these no-ops to be stable, and a subscriber may
-    read this shard from its backup: the primary tells the backup they are stable (a
-    FORWARD of the watermark) without waiting for a record of its own or a heartbeat."""
+def test_a_lone_backup_knows_the_no_ops_are_stable_when_it_applies_them() -> None:
+    """Another shard's record waits for these no-ops to be stable, and subscriptions read
+    a two-replica shard from its backup: the backup knows they are stable when the
+    FORWARD that carries them lands (both replicas hold them), before the primary hears
+    its PREFIX, and the primary sends nothing for stability alone."""
     h = Harness()
     h.now += 1_000_000_000  # long after the first epoch's FORWARDs
     g = h.slot_gsn(1, 40)
+    h.P.on_request(b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=g), h.now)
+    h.P.flush(h.now)
+    forward = [m for d, m in h.P.ready().messages if isinstance(m, wire.Forward)]
+    assert len(forward) == 1 and forward[0].stable < g, "the primary cannot know yet that the no-ops are stable"
+    h.B.on_forward(forward[0], h.now)
+    assert h.B.log.stable >= g, "the backup applied the no-ops and does not know both replicas hold them"
+    h.B.flush(h.now)
+    prefix = [m for _, m in h.B.ready().messages if isinstance(m, wire.Prefix)]
+    assert prefix and h.P.stable < g
+    h.P.on_request(b"backup", prefix[0], h.now)
+    assert h.P.stable >= g
+    h.P.flush(h.now + h.P.s.stable_push_ns)
+    assert not [m for _, m in h.P.ready().messages if isinstance(m, wire.Forward)], \
+        "a FORWARD for stability alone, which the backup already knows"
+
+
+def test_with_two_backups_the_primary_tells_them_the_no_ops_are_stable() -> None:
+    """With two backups neither knows what the other holds: the primary tells them (a
+    FORWARD of the watermark) without waiting for a record of its own or a heartbeat."""
+    h = Harness(replicas=3)
+    h.now += 1_000_000_000
+    g = h.slot_gsn(1, 40)
     h.notice(g)
-    assert h.P.stable >= g and h.B.log.stable < g, "the backup applied the no-ops before they were stable"
+    backups = [h.cores[1], h.cores[2]]
+    assert h.P.stable >= g and all(b is not None and b.log.stable < g for b in backups), \
+        "a backup took the no-ops for stable before the primary told it"
     deadline = h.P.next_deadline(h.now)
     assert deadline is not None and deadline - h.now < h.P.s.heartbeat_ns, "told no sooner than a heartbeat"
     h.now = deadline
     h.pump()
-    assert h.B.log.stable >= g, "the backup still does not know the passed no-ops are stable"
+    assert all(b is not None and b.log.stable >= g for b in backups), "a backup still does not know"

@@ -2,16 +2,18 @@
 credit, lease renewal, and resuming where a moved replica left off. The merge of the
 shards' streams into one gap-free stream in gsn order is :class:`SubscriberMerge`.
 
-A subscription reads from replica 0 of every shard ZooKeeper knows and of every shard
-named in the membership it receives; from a shard's next registered replica when the
-one it reads from falls silent (``SUB_SILENCE_NS``), until the preferred one comes back
-at a new address. It grants ``SUB_CREDIT_BYTES`` of credit, and
+A subscription reads every shard ZooKeeper knows and every shard named in the
+membership it receives from the replica that learns stability first
+(:func:`first_to_know`: the backup of a two-replica shard, else replica 0); from a
+shard's next registered replica when the one it reads from falls silent
+(``SUB_SILENCE_NS``), until the preferred one comes back at a new address. It grants ``SUB_CREDIT_BYTES`` of credit, and
 returns credit as records are consumed (plus ``SUB_BATCH_COST`` per batch), so what a
 server queues for a reader that stops is bounded. Servers drop a subscription they
 have not heard from for their lease (60 s): a CREDIT of 0 renews it every
 ``SUB_KEEPALIVE``, and a reader that was away longer than ``SUB_LEASE`` subscribes
-again everywhere from where each shard left off. When a shard's replica 0 moves (a
-restart), the subscription subscribes there again from just past what that shard sent.
+again everywhere from where each shard left off. When a shard's preferred replica
+moves (a restart), the subscription subscribes there again from just past what that
+shard sent.
 
 Effects are ``(what, shard, arg)``: ``("open", shard, addr)`` a connection,
 ``("send", shard, frame)`` on it, ``("close", shard, None)`` it.
@@ -58,12 +60,21 @@ class SubState(enum.Enum):
 BatchObserver = Callable[[int, list[int], int, int], None]
 
 
+def first_to_know(shard: int, replicas: int) -> int:
+    """The replica a subscription reads a shard from by default: the one that learns
+    first that a gsn is stable. With two replicas that is the backup (everything it
+    applies is held by both, so it knows at once, while the primary waits for its PREFIX);
+    with more, the primary (only it hears every backup)."""
+    return 1 if replicas == 2 else 0
+
+
 class SubscriptionCore:
     def __init__(self, sub_id: int, from_gsn: int | None, explicit: bool,
                  pick: Callable[[int, int], int] | None = None) -> None:
         self.sub_id = sub_id
-        #: which replica of a shard (of how many) to read from: replica 0 unless told
-        self.pick = pick or (lambda shard, n: 0)
+        #: which replica of a shard (of how many) to read from, unless told: the one that
+        #: learns stability first (:func:`first_to_know`)
+        self.pick = pick or first_to_know
         self.explicit = explicit
         self.from_gsn = from_gsn or 0
         self.state = SubState.POSITIONING if from_gsn is None else SubState.OPEN

@@ -188,7 +188,12 @@ class BackupFollower:
         self.prefix_dirty = True  # answer every FORWARD: a lost PREFIX must not stall stability
         if changed:
             self._drop_displaced_guesses(now)
-        log.advance_stable(msg.stable)
+        # Stable = held by every replica. With one backup that is everything we applied:
+        # the primary decided it and holds it. So we know it the moment a FORWARD lands,
+        # a PREFIX round before the primary does (our subscribers hear of it that much
+        # sooner, and the primary sends no FORWARD for stability alone). With more
+        # backups only the primary sees every PREFIX: it tells us.
+        log.advance_stable(log.frontier if self.s.replicas == 2 else msg.stable)
         if partial:
             self.out.send(Peer.PRIMARY, self.hello())
             self.hello_sent_at = now

@@ -458,9 +458,10 @@ class PrimarySequencer:
 
     def _stable_news(self) -> bool:
         """The stable watermark moved past a record the backups do not know is stable, or
-        past no-ops another shard's record waits for."""
+        past no-ops another shard's record waits for. (Never with a single backup: it
+        knows everything it applied is stable.)"""
         log = self.log
-        if log.stable <= self.stable_record_sent:
+        if log.stable <= self.stable_record_sent or self.s.replicas == 2:
             return False
         if self.demanded > self.stable_record_sent:
             return True
