@@ -6,7 +6,8 @@ The membership service (``mms.server``) knows a shard only through ZooKeeper and
 sockets, so that is all this process reproduces, for every shard in
 ``first .. first+count-1``:
 
-* **registration**, as ``ziplog.server.StorageServer.start`` does it: the persistent
+* **registration**, as a storage server does it (``StorageDriver.start`` through
+  ``ziplog.io.zk.StorageCoordination.register_replica``): the persistent
   ``/ziplog/shards/<s>`` = ``{"replicas": R}`` and one ephemeral
   ``/ziplog/shards/<s>/<r>`` = ``{"addr", "pid"}`` per replica, here all owned by this
   process's session (bulk transactions, so thousands of shards register in seconds; the

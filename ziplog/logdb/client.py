@@ -19,6 +19,8 @@ request is idempotent; the leader is asked first); the call fails with
 from __future__ import annotations
 
 import asyncio
+import random
+import secrets
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -69,7 +71,8 @@ class _Base:
         self._zk = zk.connect(zk_hosts, timeout=self.timeout)
         try:
             self._dir = Directory(self._zk, name, self.timeout)
-            self._session = Session(self._dir.kv_shards)
+            # transaction ids must not repeat across clients: seeded from the OS
+            self._session = Session(self._dir.kv_shards, random.Random(secrets.randbits(128)))
         except BaseException:
             zk.stop(self._zk)
             raise

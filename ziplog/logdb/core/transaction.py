@@ -24,7 +24,7 @@ never go back in time (also across coordinator replicas).
 
 from __future__ import annotations
 
-import secrets
+import random
 from dataclasses import dataclass
 from typing import Any, Generator
 
@@ -81,6 +81,8 @@ class LogDBError(ZiplogError):
 class Session:
     """What one client carries between transactions."""
     kv_shards: int
+    #: draws transaction ids (the client seeds it from the OS; a simulation from its seed)
+    rng: random.Random
     #: every commit this client saw decided, and every position it read at, is at or
     #: below this gsn
     position: int = 0
@@ -145,7 +147,7 @@ class Transaction:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.txn = secrets.randbits(64)
+        self.txn = session.rng.getrandbits(64)
         #: key -> the rid read ((0, 0): no value) and the value read
         self.reads: dict[bytes, tuple[Rid, bytes | None]] = {}
         #: key -> value to write (None: delete)
