@@ -193,7 +193,7 @@ class BackupFollower:
         # a PREFIX round before the primary does (our subscribers hear of it that much
         # sooner, and the primary sends no FORWARD for stability alone). With more
         # backups only the primary sees every PREFIX: it tells us.
-        log.advance_stable(log.frontier if self.s.replicas == 2 else msg.stable)
+        log.advance_stable(log.frontier if self.s.backup_knows_stable else msg.stable)
         if partial:
             self.out.send(Peer.PRIMARY, self.hello())
             self.hello_sent_at = now

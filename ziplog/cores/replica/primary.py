@@ -461,7 +461,7 @@ class PrimarySequencer:
         past no-ops another shard's record waits for. (Never with a single backup: it
         knows everything it applied is stable.)"""
         log = self.log
-        if log.stable <= self.stable_record_sent or self.s.replicas == 2:
+        if log.stable <= self.stable_record_sent or self.s.backup_knows_stable:
             return False
         if self.demanded > self.stable_record_sent:
             return True

@@ -80,3 +80,9 @@ class ReplicaSettings:
     @property
     def is_primary(self) -> bool:
         return self.replica == 0
+
+    @property
+    def backup_knows_stable(self) -> bool:
+        """A lone backup knows everything it applied is stable (the primary decided it and
+        holds it); with more backups only the primary hears every PREFIX."""
+        return self.replicas == 2
