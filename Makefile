@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml Makefile
 
 run: setup
 	$(PY) -m ziplog.tools.demo
-	$(PY) -m ziplog.logdb.demo
-	$(PY) -m ziplog.spark.demo
+	$(PY) -m ziplog.tools.logdb_demo
+	$(PY) -m ziplog.tools.spark_demo
 
 test: setup
 	$(PY) -m pytest -q

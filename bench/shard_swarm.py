@@ -47,7 +47,7 @@ from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
-from ziplog.server.process import add_cluster_key_argument, load_cluster_key
+from ziplog.shell.process import add_cluster_key_argument, load_cluster_key
 
 #: Shards per ZooKeeper transaction: (1 + replicas) creates each, far below the 1 MB
 #: request limit, and few enough round trips that 8 000 shards register in seconds.

@@ -11,7 +11,7 @@ acts, for the shards it owns (shard % K == G; one group owns all by default). En
 
 Everything the handler decides is in ZooKeeper before it acts on it: the core's
 ``Persist`` actions are performed in order, and nothing after one is performed until
-ZooKeeper took it (``failure_handler.records``).
+ZooKeeper took it (``ziplog.io.zk_recovery``).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from collections import deque
 from typing import Any, Callable, Protocol
 
 from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
-from ziplog.io.inbound import InboundGuard
-from ziplog.io.throttled_log import ThrottledLog
+from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.elected import ElectedDriver, ElectionPort
-from ziplog.server.process import (
+from ziplog.shell.elected import ElectedDriver, ElectionPort
+from ziplog.shell.process import (
     add_cluster_key_argument,
     load_cluster_key,
     serve_forever,
@@ -260,7 +260,7 @@ class FailureHandlerDriver(ElectedDriver):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from failure_handler.records import KazooHandlerCoordination
+    from ziplog.io.zk_recovery import KazooHandlerCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
 
     ap = argparse.ArgumentParser(prog="failure_handler.server", description="ziplog failure handler replica")

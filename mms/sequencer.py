@@ -34,11 +34,12 @@ commit; nothing of that block is used (not even for the next plan) until
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from mms.planner import EpochPlanner, PlannerSettings
+from ziplog.cores.effects import CommitBlock
 from ziplog.protocol.gsna import EpochConfig
+from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 
 
@@ -52,28 +53,6 @@ class Block(NamedTuple):
     first: int
     last: int
     config: EpochConfig
-
-
-class EpochState(NamedTuple):
-    """What ZooKeeper holds when a leader starts: the committed block (None: nothing
-    yet) and the membership history, each with its node's version."""
-
-    block: dict[str, Any] | None
-    block_version: int
-    history: list[list[Any]]
-    history_version: int
-
-
-@dataclass
-class CommitBlock:
-    """A coordination write: one transaction that sets the block node to ``block`` and,
-    when membership changes, the history node to ``history``, each only if its version is
-    still the one given (else another leader committed: this one must step down)."""
-
-    block: dict[str, Any]
-    block_version: int
-    history: list[list[Any]] | None
-    history_version: int
 
 
 class EpochSequencer:

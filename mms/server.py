@@ -24,17 +24,18 @@ import sys
 from typing import Any, Callable, Protocol
 
 from mms.planner import PlannerSettings
-from mms.sequencer import CommitBlock, EpochSequencer, EpochState
-from ziplog.io.inbound import InboundGuard
-from ziplog.io.throttled_log import ThrottledLog
+from mms.sequencer import EpochSequencer
+from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Network, Runtime, Timer
-from ziplog.io.zk import ElectedSession
+from ziplog.cores.effects import CommitBlock
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
+from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.elected import ElectedDriver, ElectionPort
-from ziplog.server.process import (
+from ziplog.shell.elected import ElectedDriver, ElectionPort
+from ziplog.shell.process import (
     add_cluster_key_argument,
     load_cluster_key,
     serve_forever,
@@ -189,57 +190,8 @@ class MembershipDriver(ElectedDriver):
         self.pull.close()
 
 
-class KazooMembershipCoordination(ElectedSession):
-    """The ``MembershipCoordination`` port on kazoo."""
-
-    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Runtime) -> None:
-        super().__init__(zk_hosts, key, rt)
-        self.rt = rt
-
-    def register_mms(self, replica_id: int, addrs: dict[str, str]) -> None:
-        from kazoo.exceptions import NodeExistsError
-
-        for path in (layout.EPOCH_PATH, layout.MEMBERSHIP_PATH):
-            try:
-                self.zk.create(path, b"", makepath=True)
-            except NodeExistsError:
-                pass
-        self.keep_registered(f"{layout.MMS_REPLICAS}/{replica_id}", addrs)
-
-    def read_epoch_state(self) -> EpochState:
-        return read_epoch_state(self.zk)
-
-    def commit_block(self, commit: CommitBlock, on_done: Callable[[bool], None]) -> None:
-        reply = block_transaction(self.zk, commit).commit_async()
-
-        def answered(result: Any) -> None:
-            try:
-                ok = not any(isinstance(r, Exception) for r in result.get())
-            except Exception:  # the session failed: as good as refused
-                ok = False
-            if not ok:
-                log.warning("block from epoch %d refused", commit.block["epoch"])
-            self.rt.call_soon_threadsafe(lambda: on_done(ok))
-
-        reply.rawlink(answered)
-
-
-def read_epoch_state(zk: Any) -> EpochState:
-    zk.sync(layout.EPOCH_PATH)
-    data, stat = zk.get(layout.EPOCH_PATH)
-    hdata, hstat = zk.get(layout.MEMBERSHIP_PATH)
-    return EpochState(layout.dec(data), stat.version, layout.dec(hdata) or [], hstat.version)
-
-
-def block_transaction(zk: Any, commit: CommitBlock) -> Any:
-    txn = zk.transaction()
-    txn.set_data(layout.EPOCH_PATH, layout.enc(commit.block), version=commit.block_version)
-    if commit.history is not None:
-        txn.set_data(layout.MEMBERSHIP_PATH, layout.enc(commit.history), version=commit.history_version)
-    return txn
-
-
 def main(argv: list[str] | None = None) -> int:
+    from ziplog.io.zk_membership import KazooMembershipCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
 
     ap = argparse.ArgumentParser(prog="mms.server", description="ziplog membership service replica")

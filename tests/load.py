@@ -147,7 +147,7 @@ def _longest_gap(times: list[float], start: float, end: float) -> float:
 
 
 def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] | None:
-    from failure_handler.records import read_record
+    from ziplog.io.zk_recovery import read_record
     return read_record(cluster._zkc, shard)[0]
 
 

@@ -18,7 +18,7 @@ from tests.zookeeper import require_zookeeper, running_ensemble
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
-from ziplog.server.process import write_cluster_key
+from ziplog.shell.process import write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 

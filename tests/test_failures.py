@@ -152,7 +152,7 @@ def test_add_and_remove_shard_under_load(cluster: ziplog.LocalCluster) -> None:
 
 
 def test_recovery_record_is_chunked_when_large(cluster: ziplog.LocalCluster) -> None:
-    from failure_handler.records import CHUNK_BYTES, read_record, write_record
+    from ziplog.io.zk_recovery import CHUNK_BYTES, read_record, write_record
     from ziplog.protocol import layout
     zk = cluster._zkc
     shard = 990  # a shard id no replica uses

@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 import ziplog
 from tests import junk
 from tests.load import Load, leader_lines, recovery_generations, tracebacks
-from ziplog.logdb import local_logdb
-from ziplog.logdb.coordination import Directory
+from ziplog.tools.logdb_local import local_logdb
+from ziplog.io.zk_logdb import Directory
 from ziplog.logdb.core import frames as ldb
 from ziplog.protocol import frames as wire
 
 EXAMPLES = int(os.environ.get("ZIPLOG_FUZZ_EXAMPLES", "300"))
-#: what the driver logs when the handling of one message failed (ziplog/io/inbound.py)
+#: what the driver logs when the handling of one message failed (ziplog/shell/inbound.py)
 CONTAINED = "failed (message dropped, still serving)"
 
 

@@ -18,11 +18,12 @@ import zmq
 
 import ziplog
 from tests.logdb_checks import check_shards_against, replay_log, wait_applied
-from ziplog.logdb import AsyncLogDB, LogDB, TransactionAborted, local_logdb
+from ziplog.logdb import AsyncLogDB, LogDB, TransactionAborted
+from ziplog.tools.logdb_local import local_logdb
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.kvshard import decode_snapshot, owner
 from ziplog.logdb.core.records import HEADER, Commit, Write, encode
-from ziplog.logdb.local import LocalLogDB
+from ziplog.tools.logdb_local import LocalLogDB
 
 
 @pytest.fixture(scope="module")

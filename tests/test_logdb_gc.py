@@ -13,8 +13,9 @@ import pytest
 
 import ziplog
 from ziplog import RecordId, TrimmedError
-from ziplog.logdb import LogDB, local_logdb
-from ziplog.logdb.local import LocalLogDB
+from ziplog.logdb import LogDB
+from ziplog.tools.logdb_local import local_logdb
+from ziplog.tools.logdb_local import LocalLogDB
 
 
 @pytest.fixture(scope="module")

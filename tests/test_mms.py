@@ -14,7 +14,7 @@ from kazoo.client import KazooClient
 import ziplog
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.sequencer import EpochSequencer
-from mms.server import block_transaction, read_epoch_state
+from ziplog.io.zk_membership import block_transaction, read_epoch_state
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout, membership
@@ -396,7 +396,8 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
 
 
 def test_an_idle_cluster_s_epochs_lengthen_and_the_first_records_shorten_them() -> None:
-    from mms.sequencer import IDLE_EPOCHS, EpochSequencer, EpochState
+    from mms.sequencer import IDLE_EPOCHS, EpochSequencer
+    from ziplog.protocol.membership import EpochState
     from ziplog.protocol.topology import TopologyView
     topo = TopologyView()
     topo.replica_counts = {0: 2}

@@ -24,7 +24,10 @@ from ziplog.protocol.errors import (
 from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
 
-def __getattr__(name: str):  # lazy: importing ziplog stays cheap for servers and tools
+# The package root is the facade, above every layer: it names what users import, lazily
+# (importing ziplog stays cheap for servers and tools), and no module of the library
+# imports it (the layers contract would see the chain up through it).
+def __getattr__(name: str):
     if name in ("Client", "Subscription", "Record"):
         from ziplog.client import blocking
         return getattr(blocking, name)
@@ -34,11 +37,14 @@ def __getattr__(name: str):  # lazy: importing ziplog stays cheap for servers an
     if name in ("local_cluster", "LocalCluster"):
         from ziplog.tools import cluster
         return getattr(cluster, name)
+    if name in ("local_logdb", "LocalLogDB"):
+        from ziplog.tools import logdb_local
+        return getattr(logdb_local, name)
     raise AttributeError(name)
 
 
 __all__ = [
     "Client", "AsyncClient", "Subscription", "Record", "RecordId", "RID_GENESIS", "RID_RECENT", "Policy",
-    "local_cluster", "LocalCluster", "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
+    "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
     "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
 ]

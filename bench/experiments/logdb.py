@@ -107,7 +107,7 @@ def run_point(zk_hosts: str, name: str, scalog: list[list[str]] | None, clients:
 @contextlib.contextmanager
 def ziplog_logdb(p: dict[str, Any]) -> Iterator[tuple[str, str, None, Any]]:
     import ziplog
-    from ziplog.logdb import local_logdb
+    from ziplog.tools.logdb_local import local_logdb
     with ziplog.local_cluster(shards=p["shards"], replicas=p["replicas"], mms_args=p["mms_args"]) as cluster, \
             local_logdb(cluster, coordinators=p["coordinators"], kv_shards=p["kv_shards"],
                         coordinator_args=["--no-gc"]) as ldb:
@@ -139,7 +139,7 @@ class _ScalogLogDB:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         from ziplog.io import zk
-        from ziplog.logdb.coordination import Directory
+        from ziplog.io.zk_logdb import Directory
         c = zk.connect(self.zk_hosts)
         try:
             d = Directory(c, self.name, timeout)
@@ -156,7 +156,7 @@ class _ScalogLogDB:
 @contextlib.contextmanager
 def scalog_logdb(p: dict[str, Any], tmp: Path) -> Iterator[tuple[str, str, list[list[str]], Any]]:
     from bench.systems.scalog import ScalogSystem
-    from ziplog.server.process import write_cluster_key
+    from ziplog.shell.process import write_cluster_key
     from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
     system = ScalogSystem(shards=p["shards"], replicas=p["replicas"])
     system.start()

@@ -50,14 +50,14 @@ import zmq
 from kazoo.client import KazooClient
 
 from mms.planner import EpochPlanner, PlannerSettings
-from mms.sequencer import EpochState
+from ziplog.protocol.membership import EpochState
 from mms.server import MembershipDriver
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.process import write_cluster_key
+from ziplog.shell.process import write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 

@@ -28,7 +28,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mms.sequencer import CommitBlock, EpochState
+from ziplog.cores.effects import CommitBlock
+from ziplog.protocol.membership import EpochState
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent, SnapshotEvent

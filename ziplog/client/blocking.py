@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
@@ -31,6 +31,7 @@ from ziplog.protocol.errors import (
     ZiplogError,
     ZiplogTimeoutError,
 )
+from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import RID_GENESIS, Policy, RecordId
 
 __all__ = ["Client", "Record", "Subscription"]
@@ -41,10 +42,35 @@ class Client(ClientBase):
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
                  client_id: int | None = None) -> None:
+        zk_session = zk.connect(zk_hosts)
+        topology = zk.Topology(zk_session)
+        self._start(zk_session, topology, timeout, policy, client_id)
+        topology.on_change(lambda: self._rt.call_soon_threadsafe(self._driver.on_topology))
+        if not topology.wait(lambda: bool(topology.live_shards()), timeout):
+            self.close()
+            raise NoShardAvailableError("no live shard appeared in ZooKeeper")
+
+    @classmethod
+    def direct(cls, replicas: dict[int, Sequence[str]], *, timeout: float = 30.0) -> "Client":
+        """A client of the named replicas only (shard -> its replicas' addresses, the
+        primary first), with no ZooKeeper session: for reads where the caller knows where
+        a shard lives (a Spark task, from its plan). ``read_range``, ``count_range`` and
+        ``read_record`` of those shards work; a replica that does not answer is passed
+        over for the next, and none answering is a ZiplogTimeoutError after ``timeout``."""
+        topology = TopologyView()
+        topology.replicas = {s: dict(enumerate(addrs)) for s, addrs in replicas.items()}
+        topology.replica_counts = {s: len(addrs) for s, addrs in replicas.items()}
+        topology.changed()
+        client = cls.__new__(cls)
+        client._start(None, topology, timeout, None, None)
+        return client
+
+    def _start(self, zk_session: Any, topology: TopologyView, timeout: float, policy: Policy | None,
+               client_id: int | None) -> None:
         self.timeout = timeout
         self._closed = False
-        self._zk = zk.connect(zk_hosts)
-        self.topology = zk.Topology(self._zk)
+        self._zk = zk_session
+        self.topology = topology
         # It runs only while a call waits (no wake-up socket), reading one reply per
         # replica per turn (no batches to drain).
         self._rt = ZmqRuntime(wake=False, drain_limit=1)
@@ -52,10 +78,6 @@ class Client(ClientBase):
                                   int(timeout * 1e9))
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)
         self._subs: list[Subscription] = []
-        self.topology.on_change(lambda: self._rt.call_soon_threadsafe(self._driver.on_topology))
-        if not self.topology.wait(lambda: bool(self.topology.live_shards()), timeout):
-            self.close()
-            raise NoShardAvailableError("no live shard appeared in ZooKeeper")
 
     def live_shards(self) -> list[int]:
         """Shards in the current membership with every replica up."""
@@ -70,7 +92,8 @@ class Client(ClientBase):
             sub.close()
         self._driver.close()
         self._rt.close()
-        zk.stop(self._zk)
+        if self._zk is not None:
+            zk.stop(self._zk)
 
     def __enter__(self) -> "Client":
         return self

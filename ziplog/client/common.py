@@ -4,9 +4,9 @@ counters, and what a client learned of the shards' stable watermarks."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
-from ziplog.client.driver import SubscriptionDriver
+from ziplog.client.driver import ClientDriver, SubscriptionDriver
 from ziplog.cores.client.state import ClientState
 from ziplog.protocol.types import Policy
 
@@ -18,6 +18,21 @@ def new_client_id() -> int:
 
 class ClientBase:
     _state: ClientState
+    _rt: Any
+    _driver: Any
+
+    @property
+    def runtime(self) -> Any:
+        """The runtime this client's driver runs on (a ``ZmqRuntime`` for ``Client``, an
+        ``AsyncioRuntime`` for ``AsyncClient``): drivers built on this client, such as
+        LogDB's, run on it too."""
+        return self._rt
+
+    @property
+    def driver(self) -> ClientDriver:
+        """This client's driver (for drivers built on it: their log operations go here)."""
+        assert self._driver is not None, "the client is not connected"
+        return self._driver  # type: ignore[no-any-return]
 
     @property
     def client_id(self) -> int:

@@ -5,6 +5,7 @@ coordination requests) and never edits a core's fields."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 from ziplog.protocol.events import DiskEvent
@@ -47,6 +48,19 @@ class ReadHistory:
 
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, ReadHistory) and (self.first, self.last) == (other.first, other.last)
+
+
+@dataclass
+class CommitBlock:
+    """Coordination write (the membership service): one transaction that sets the epoch
+    block node to ``block`` and, when membership changes, the history node to
+    ``history``, each only if its version is still the one given (else another leader
+    committed: this one must step down)."""
+
+    block: dict[str, Any]
+    block_version: int
+    history: list[list[Any]] | None
+    history_version: int
 
 
 class Ready:

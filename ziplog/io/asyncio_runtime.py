@@ -1,8 +1,9 @@
-"""The :class:`~ziplog.io.ports.Runtime` and the connecting half of the
-:class:`~ziplog.io.ports.Network` on an asyncio event loop (uvloop when installed) with
-``zmq.asyncio`` sockets: what ``ziplog.aio.AsyncClient`` runs its driver on.
+"""The :class:`~ziplog.io.ports.Runtime`, the connecting half of the
+:class:`~ziplog.io.ports.Network` and bound ROUTERs on an asyncio event loop (uvloop
+when installed) with ``zmq.asyncio`` sockets: what ``ziplog.aio.AsyncClient`` runs its
+driver on, and the LogDB processes theirs.
 
-Each connection has one reader task; every frame it reads, every timer and every call
+Each socket has one reader task; every frame it reads, every timer and every call
 from another thread is one turn, after which the turn-end hooks run.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from ziplog.io.ports import FrameHandler
+from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 
 log = logging.getLogger("ziplog.io")
 
@@ -55,6 +56,42 @@ class _Connection:
         self.sock.close(linger_ms)
 
 
+class _Router:
+    """A bound ROUTER; each message of two parts (route, frame) is a turn of ``on_frame``,
+    one of more parts a turn of ``on_multipart``."""
+
+    __slots__ = ("rt", "sock", "addr", "reader")
+
+    def __init__(self, rt: "AsyncioRuntime", sock: zmq.asyncio.Socket, addr: str, on_frame: RoutedHandler,
+                 on_multipart: MultipartHandler) -> None:
+        self.rt = rt
+        self.sock = sock
+        self.addr = addr
+        self.reader = rt.loop.create_task(self._read(on_frame, on_multipart), name=f"ziplog-router-{addr}")
+
+    async def _read(self, on_frame: RoutedHandler, on_multipart: MultipartHandler) -> None:
+        sock, turn = self.sock, self.rt.turn
+        while True:
+            parts = await sock.recv_multipart()
+            if len(parts) == 2:
+                turn(on_frame, parts[0], parts[1])
+            else:
+                turn(on_multipart, parts[0], len(parts) - 1)
+
+    def send_to(self, route: bytes, frame: bytes) -> bool:
+        try:
+            fut: Any = self.sock.send_multipart([route, frame], copy=len(frame) < 65536)
+            fut.add_done_callback(_quiet)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def close(self) -> None:
+        self.rt._connections.discard(self)
+        self.reader.cancel()
+        self.sock.close(0)
+
+
 def _quiet(fut: Any) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -75,7 +112,7 @@ class AsyncioRuntime:
         self.loop = loop or asyncio.get_running_loop()
         self.ctx = zmq.asyncio.Context()
         self._turn_end: list[Callable[[], None]] = []
-        self._connections: set[_Connection] = set()
+        self._connections: set[_Connection | _Router] = set()
         self.closed = False
 
     # -- Runtime ----------------------------------------------------------------------------------
@@ -113,6 +150,21 @@ class AsyncioRuntime:
         c = _Connection(self, sock, addr, on_frame)
         self._connections.add(c)
         return c
+
+    # -- Network (binding side) ------------------------------------------------------------------
+    def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
+               port: int = 0, max_bytes: int = -1) -> _Router:
+        """Bind a ROUTER (port 0: any free port)."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        r = _Router(self, sock, f"tcp://{host}:{port}", on_frame, on_multipart)
+        self._connections.add(r)
+        return r
 
     async def aclose(self) -> None:
         """Stop every reader and close every socket."""

@@ -434,3 +434,16 @@ class ZmqRuntime:
             self._signal_rx = self._signal_tx = None
         if self._own_ctx:
             self.ctx.destroy(linger=0)
+
+
+def round_trip(addr: str, frame: bytes, timeout_ns: int, max_bytes: int = -1) -> bytes | None:
+    """Send ``frame`` on a DEALER to the ROUTER at ``addr`` and wait for one frame back
+    (None: nothing came within ``timeout_ns``); for one-off probes (a replica's STATUS)."""
+    rt = ZmqRuntime(wake=False, drain_limit=1)
+    got: list[bytes] = []
+    try:
+        rt.dealer(addr, got.append, "probe", max_bytes).send(frame)
+        rt.run_until(lambda: bool(got), timeout_ns)
+        return got[0] if got else None
+    finally:
+        rt.close()

@@ -1,5 +1,5 @@
 """A bank on LogDB: accounts, and transfers between them from several processes. What
-the demo (``python -m ziplog.logdb.demo``) and ``ziplog logdb bank`` run.
+the demo (``python -m ziplog.tools.logdb_demo``) and ``ziplog logdb bank`` run.
 
 Every transfer is one transaction (read two balances, write both); a transfer that
 aborts on a conflict runs again (``db.run``). At the end a read-only transaction reads

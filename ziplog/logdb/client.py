@@ -8,12 +8,13 @@
         db.run(lambda t: t.put(b"bob", b"10"))  # runs again after an abort
         print(db.get(b"alice"))
 
-Both drive the same sans-I/O transaction steps (:mod:`ziplog.logdb.core.transaction`)
-on a ziplog client and ZeroMQ DEALER sockets to the coordinators and KV shards, which
-they find in ZooKeeper (:class:`~ziplog.logdb.coordination.Directory`). A request that
-gets no answer within ``request_timeout`` goes to the next coordinator replica (every
-request is idempotent; the leader is asked first); the call fails with
-``ZiplogTimeoutError`` after ``timeout``.
+Both run the same driver (:class:`~ziplog.logdb.driver.TransactionDriver`) over the
+same sans-I/O transaction steps (:mod:`ziplog.logdb.core.transaction`), on their ziplog
+client's runtime: the log's calls go to the client's driver, the coordinators' and KV
+shards' requests over DEALERs of that runtime to the addresses ZooKeeper names
+(:class:`~ziplog.io.zk_logdb.Directory`). A request that gets no answer within
+``request_timeout`` goes to the next coordinator replica (every request is idempotent;
+the leader is asked first); the call fails with ``ZiplogTimeoutError`` after ``timeout``.
 """
 
 from __future__ import annotations
@@ -21,28 +22,14 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
-import time
 from typing import Any, Awaitable, Callable, TypeVar
 
-import zmq
-import zmq.asyncio
-
 from ziplog.io import zk
-from ziplog.logdb.coordination import Directory
-from ziplog.logdb.core import frames as f
+from ziplog.io.zk_logdb import Directory
 from ziplog.logdb.core.records import TransactionAborted
-from ziplog.logdb.core.transaction import (
-    Ask,
-    AskKv,
-    Insert,
-    Op,
-    ReadRecord,
-    Session,
-    Steps,
-    Transaction,
-    get,
-)
-from ziplog.protocol.errors import ClientClosedError, ZiplogTimeoutError
+from ziplog.logdb.core.transaction import Rid, Session, Steps, Transaction, get
+from ziplog.logdb.driver import REQUEST_TIMEOUT_NS, ClientLog, LogPort, OnResult, TransactionDriver
+from ziplog.protocol.errors import ClientClosedError
 from ziplog.protocol.types import RecordId
 
 __all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted"]
@@ -50,9 +37,7 @@ __all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted"]
 T = TypeVar("T")
 
 #: a request unanswered this long goes to the next replica
-REQUEST_TIMEOUT_S = 1.0
-#: sockets to addresses no longer in the directory are closed beyond this many
-MAX_IDLE_SOCKETS = 8
+REQUEST_TIMEOUT_S = REQUEST_TIMEOUT_NS / 1e9
 
 
 class _Base:
@@ -60,12 +45,6 @@ class _Base:
     _dir: Directory
     timeout: float
     request_timeout: float
-
-    def _targets(self, op: Ask | AskKv) -> list[str]:
-        if type(op) is AskKv:
-            addr = self._dir.kv_addr(op.shard)
-            return [addr] if addr else []
-        return self._dir.coordinators()
 
     def _open_directory(self, zk_hosts: str, name: str) -> None:
         self._zk = zk.connect(zk_hosts, timeout=self.timeout)
@@ -152,26 +131,28 @@ class Txn(_TxnBase):
 
 
 class LogDB(_Base):
-    """A LogDB client. Not thread-safe: one per thread."""
+    """A LogDB client. Not thread-safe: one per thread. ``log``: a ziplog ``Client`` to
+    run on (default: its own)."""
 
     def __init__(self, zk_hosts: str, *, name: str = "default", timeout: float = 30.0,
                  request_timeout: float = REQUEST_TIMEOUT_S, log: Any = None) -> None:
         self.timeout = timeout
         self.request_timeout = request_timeout
         self._closed = False
+        self._driver: TransactionDriver | None = None
         self._open_directory(zk_hosts, name)
-        self._ctx = zmq.Context()
-        self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._poller = zmq.Poller()
         self._own_log = log is None
+        self._log = log
         try:
             if log is None:
                 from ziplog.client.blocking import Client
-                log = Client(zk_hosts, timeout=timeout)
+                self._log = Client(zk_hosts, timeout=timeout)
+            self._rt = self._log.runtime
+            self._driver = TransactionDriver(self._rt, self._rt, self._dir, ClientLog(self._log.driver),
+                                             int(timeout * 1e9), int(request_timeout * 1e9))
         except BaseException:
             self.close()
             raise
-        self._log = log
         self.committed = 0
         self.aborted = 0
 
@@ -179,10 +160,9 @@ class LogDB(_Base):
         if self._closed:
             return
         self._closed = True
-        for s in self._socks.values():
-            s.close(0)
-        self._ctx.term()
-        if getattr(self, "_own_log", False) and getattr(self, "_log", None) is not None:
+        if self._driver is not None:
+            self._driver.close()
+        if self._own_log and self._log is not None:
             self._log.close()
         zk.stop(self._zk)
 
@@ -219,76 +199,12 @@ class LogDB(_Base):
             raise ClientClosedError("LogDB is closed")
         return self._drive(get(self._session, key))  # type: ignore[no-any-return]
 
-    # -- the driver -------------------------------------------------------------------------------
     def _drive(self, steps: Steps) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
-            try:
-                value = self._perform(op)
-            except Exception as exc:  # thrown into the steps: they decide (a trimmed read goes to a KV shard)
-                error = exc
-
-    def _perform(self, op: Op) -> Any:
-        if type(op) is Insert:
-            return self._log.insert_after(op.data, RecordId(*op.after))
-        if type(op) is ReadRecord:
-            return self._log.read_record(RecordId(*op.rid))
-        assert type(op) is Ask or type(op) is AskKv
-        return self._ask(op)
-
-    def _sock(self, addr: str) -> zmq.Socket[Any]:
-        s = self._socks.get(addr)
-        if s is None:
-            if len(self._socks) >= MAX_IDLE_SOCKETS:
-                live = set(self._dir.coordinators())
-                for old in [a for a in self._socks if a not in live]:
-                    self._poller.unregister(self._socks[old])
-                    self._socks.pop(old).close(0)
-            s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.MAXMSGSIZE, f.ANSWER_LIMIT)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            self._poller.register(s, zmq.POLLIN)
-        return s
-
-    def _ask(self, op: Ask | AskKv) -> f.Answer:
-        req = op.request.req
-        frame = f.encode(op.request)
-        deadline = time.monotonic() + self.timeout
-        tried = 0
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise ZiplogTimeoutError(f"no answer to {type(op.request).__name__} within {self.timeout}s")
-            targets = self._targets(op)
-            if not targets:
-                self._dir.wait("kv" if type(op) is AskKv else "coordinator", min(deadline - now, 0.5))
-                continue
-            addr = targets[tried % len(targets)]
-            tried += 1
-            try:
-                self._sock(addr).send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            end = min(deadline, time.monotonic() + self.request_timeout)
-            while (left := end - time.monotonic()) > 0:
-                for sock, _ in self._poller.poll(max(1, int(left * 1000))):
-                    try:
-                        ans = f.decode_answer(sock.recv(zmq.NOBLOCK))
-                    except (zmq.Again, f.BadFrame):
-                        continue
-                    if ans.req != req:
-                        continue  # the answer to an earlier try
-                    if type(ans) is f.Failed and ans.code == f.BUSY:
-                        end = 0  # ask the next replica now
-                        break
-                    return ans
+        """Turn the log client's runtime until the steps are done."""
+        assert self._driver is not None
+        run = self._driver.run(steps)
+        self._rt.run_until(lambda: run.done)
+        return run.result()
 
 
 # -- asyncio -----------------------------------------------------------------------------------------
@@ -330,6 +246,8 @@ class AsyncLogDB(_Base):
         self._own_log = log is None
         self._started = False
         self._closed = False
+        self._driver: TransactionDriver | None = None
+        self._own_rt: Any = None
         self.committed = 0
         self.aborted = 0
 
@@ -342,19 +260,25 @@ class AsyncLogDB(_Base):
     async def _start(self) -> None:
         if self._started:
             return
-        await asyncio.get_running_loop().run_in_executor(None, self._open_directory, self.zk_hosts, self.name)
-        self._ctx = zmq.asyncio.Context()
-        self._socks: dict[str, zmq.asyncio.Socket] = {}
-        self._readers: list[asyncio.Task[None]] = []
-        self._waiting: dict[int, asyncio.Future[f.Answer]] = {}
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._open_directory, self.zk_hosts, self.name)
         self._started = True
-        if self._log is None:
-            from ziplog.client.aio import AsyncClient
-            try:
+        try:
+            if self._log is None:
+                from ziplog.client.aio import AsyncClient
                 self._log = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout)
-            except BaseException:
-                await self.close()
-                raise
+            log: LogPort
+            if hasattr(self._log, "driver"):  # a ziplog AsyncClient: run on its runtime
+                rt, log = self._log.runtime, ClientLog(self._log.driver)
+            else:  # another log with the same awaitable calls (a benchmark's)
+                from ziplog.io.asyncio_runtime import AsyncioRuntime
+                rt = self._own_rt = AsyncioRuntime(loop)
+                log = AwaitableLog(self._log)
+            self._driver = TransactionDriver(rt, rt, self._dir, log, int(self.timeout * 1e9),
+                                             int(self.request_timeout * 1e9))
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         if self._closed:
@@ -362,11 +286,10 @@ class AsyncLogDB(_Base):
         self._closed = True
         if not self._started:
             return
-        for t in self._readers:
-            t.cancel()
-        for s in self._socks.values():
-            s.close(0)
-        self._ctx.destroy(linger=0)
+        if self._driver is not None:
+            self._driver.close()
+        if self._own_rt is not None:
+            await self._own_rt.aclose()
         if self._own_log and self._log is not None:
             await self._log.close()
         zk.stop(self._zk)
@@ -403,74 +326,38 @@ class AsyncLogDB(_Base):
         return await self._drive(get(self._session, key))  # type: ignore[no-any-return]
 
     async def _drive(self, steps: Steps) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
-            try:
-                if type(op) is Insert:
-                    value = await self._log.insert_after(op.data, RecordId(*op.after))
-                elif type(op) is ReadRecord:
-                    value = await self._log.read_record(RecordId(*op.rid))
-                else:
-                    assert type(op) is Ask or type(op) is AskKv
-                    value = await self._ask(op)
-            except Exception as exc:
-                error = exc
+        assert self._driver is not None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def _sock(self, addr: str) -> zmq.asyncio.Socket:
-        s = self._socks.get(addr)
-        if s is None:
-            s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.MAXMSGSIZE, f.ANSWER_LIMIT)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            self._readers.append(asyncio.get_running_loop().create_task(self._read(s)))
-        return s
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            data = await sock.recv()
-            try:
-                ans = f.decode_answer(data)
-            except f.BadFrame:
-                continue
-            fut = self._waiting.get(ans.req)
-            if fut is not None and not fut.done():
-                fut.set_result(ans)
+        run = self._driver.run(steps, finished)
+        await done
+        return run.result()
 
-    async def _ask(self, op: Ask | AskKv) -> f.Answer:
-        req = op.request.req
-        frame = f.encode(op.request)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        tried = 0
-        try:
-            while True:
-                now = loop.time()
-                if now >= deadline:
-                    raise ZiplogTimeoutError(f"no answer to {type(op.request).__name__} within {self.timeout}s")
-                targets = self._targets(op)
-                if not targets:
-                    await loop.run_in_executor(None, self._dir.wait, "kv" if type(op) is AskKv else "coordinator",
-                                               min(deadline - now, 0.5))
-                    continue
-                addr = targets[tried % len(targets)]
-                tried += 1
-                fut = self._waiting.get(req)
-                if fut is None or fut.done():
-                    fut = self._waiting[req] = loop.create_future()
-                await self._sock(addr).send(frame)
-                try:
-                    ans = await asyncio.wait_for(asyncio.shield(fut), min(self.request_timeout, deadline - now))
-                except asyncio.TimeoutError:
-                    continue
-                if type(ans) is f.Failed and ans.code == f.BUSY:
-                    continue
-                return ans
-        finally:
-            self._waiting.pop(req, None)
+
+class AwaitableLog:
+    """A LogPort on an object with ziplog's awaitable ``insert_after`` and
+    ``read_record`` (a log other than ziplog's, in the benchmarks)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def insert(self, data: bytes, after: Rid, on_result: OnResult) -> None:
+        self._report(self.log.insert_after(data, RecordId(*after)), on_result)
+
+    def read(self, rid: Rid, on_result: OnResult) -> None:
+        self._report(self.log.read_record(RecordId(*rid)), on_result)
+
+    @staticmethod
+    def _report(coro: Any, on_result: OnResult) -> None:
+        def done(task: asyncio.Task[Any]) -> None:
+            if task.cancelled():
+                on_result(None, asyncio.CancelledError())
+            elif task.exception() is not None:
+                on_result(None, task.exception())
+            else:
+                on_result(task.result(), None)
+        asyncio.ensure_future(coro).add_done_callback(done)

@@ -7,7 +7,7 @@ Every replica replays the same log and answers any client (the answers are a fun
 of the log prefix); the replicas elect a leader through ZooKeeper, which clients ask
 first and which alone collects garbage: every ``GC_EVERY_S`` it trims the log below
 the smallest position every KV shard and coordinator replica can replay from
-(:func:`ziplog.logdb.coordination.collectable`).
+(:func:`collectable`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ziplog.logdb.core.coordinator import CoordinatorCore, Send
+from ziplog.logdb.core.coordinator import CoordinatorCore, Send, collection_point
 from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
-from ziplog.server.elected import ElectedDriver, ElectionPort
+from ziplog.shell.elected import ElectedDriver, ElectionPort
 
 log = logging.getLogger("ziplog.logdb.coordinator")
 
@@ -30,6 +30,13 @@ log = logging.getLogger("ziplog.logdb.coordinator")
 SNAPSHOT_NS = 5_000_000_000
 #: the leader looks for a new trim point this often
 GC_EVERY_S = 2.0
+
+
+def collectable(zk: Any, name: str) -> int:
+    """The gsn the log may be trimmed below: the smallest published position, once every
+    KV shard has published one (0 until then)."""
+    from ziplog.io.zk_logdb import gc_positions
+    return collection_point(*gc_positions(zk, name))
 
 
 class SnapshotFile:
@@ -103,24 +110,20 @@ class CoordinatorDriver(ElectedDriver):
 async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     """The process's body. ``open_log`` opens the log it replays (default: a ziplog
     ``AsyncClient``; the benchmark runs the same process on another log)."""
-    import zmq
-    import zmq.asyncio
-
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
-    from ziplog.logdb.coordination import collectable, db_path, ensure_db, publish_gc
-    from ziplog.io.inbound import InboundGuard
-    from ziplog.logdb.process import answer_requests, bind_router, replay, run_until_stopped, stop_event
+    from ziplog.io.zk_logdb import db_path, ensure_db, publish_gc
+    from ziplog.logdb.process import replay, run_until_stopped, serve_requests, stop_event
+    from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.types import RecordId
-    from ziplog.server.process import load_cluster_key
+    from ziplog.shell.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
     loop = asyncio.get_running_loop()
     rt = AsyncioRuntime(loop)
     session = zk.ElectedSession(args.zk, key, rt)
     stop = stop_event()
-    ctx = zmq.asyncio.Context()
     client = None
     try:
         ensure_db(session.zk, args.name, args.kv_shards)
@@ -129,11 +132,11 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         stored = snapshots.load()
         core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
         who = f"coordinator-{args.id}"
-        router, addr = bind_router(ctx)
+        guard = InboundGuard(log, rt)
+        router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard)
 
         def send(answer: Send) -> None:
-            route, frame = answer
-            router.send_multipart([route, frame], zmq.NOBLOCK)
+            router.send_to(*answer)
 
         async def save(position: int, data: bytes) -> None:
             await loop.run_in_executor(None, snapshots.save, data)
@@ -147,10 +150,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                                    int(args.snapshot_every * 1e9))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
-        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": addr, "pid": os.getpid()})
+        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": router.addr, "pid": os.getpid()})
         driver.contend()
-
-        guard = InboundGuard(log, rt)
 
         async def tick() -> None:
             while True:
@@ -173,21 +174,19 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                     log.warning("collection failed (tried again): %r", exc)
 
         return await run_until_stopped(
-            stop, [answer_requests(router, driver.on_request, guard), replay(client, core.position + 1, driver, 0.05),
-                   tick(), collect()],
+            stop, [replay(client, core.position + 1, driver, 0.05), tick(), collect()],
             lambda: f"the log is trimmed past this replica's snapshot (gsn {core.position}): copy a peer's "
                     "snapshot file into its data directory")
     finally:
         if client is not None:
             await client.close()
         session.close()
-        ctx.destroy(linger=0)
         await rt.aclose()
 
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.client.aio import run
-    from ziplog.server.process import add_cluster_key_argument
+    from ziplog.shell.process import add_cluster_key_argument
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")

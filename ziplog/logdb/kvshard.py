@@ -101,23 +101,21 @@ class KvShardDriver:
 async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     """The process's body. ``open_log`` opens the log it replays (default: a ziplog
     ``AsyncClient``; the benchmark runs the same process on another log)."""
-    import zmq.asyncio
+    import asyncio
 
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
-    from ziplog.logdb.coordination import db_path, ensure_db, publish_gc
-    import zmq
-
-    from ziplog.io.inbound import InboundGuard
-    from ziplog.io.ports import MonotonicClock
-    from ziplog.logdb.process import answer_requests, bind_router, replay, run_until_stopped, stop_event
-    from ziplog.server.process import load_cluster_key
+    from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zk_logdb import db_path, ensure_db, publish_gc
+    from ziplog.logdb.process import replay, run_until_stopped, serve_requests, stop_event
+    from ziplog.shell.inbound import InboundGuard
+    from ziplog.shell.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
     stop = stop_event()
+    rt = AsyncioRuntime(asyncio.get_running_loop())
     client = None
-    ctx = zmq.asyncio.Context()
     store = None
     try:
         ensure_db(session.zk, args.name, args.shards)
@@ -131,16 +129,14 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
                  core.applied, core.replay_from)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
-        router, addr = bind_router(ctx, args.port)
-        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": addr, "pid": os.getpid()})
-
         def answer(route: bytes, frame: bytes) -> None:
-            router.send_multipart([route, driver.answer(frame)], zmq.NOBLOCK)
+            router.send_to(route, driver.answer(frame))
 
-        guard = InboundGuard(log, MonotonicClock())
+        router = serve_requests(rt, answer, InboundGuard(log, rt), port=args.port)
+        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": router.addr, "pid": os.getpid()})
         code = await run_until_stopped(
-            stop, [answer_requests(router, answer, guard), replay(client, core.replay_from, driver, 0.1, driver.flush,
-                                            lambda: driver.blocked, STORE_RETRY_NS / 1e9)],
+            stop, [replay(client, core.replay_from, driver, 0.1, driver.flush, lambda: driver.blocked,
+                          STORE_RETRY_NS / 1e9)],
             lambda: f"the log is trimmed past this shard's snapshot (gsn {core.position}): restore the shard "
                     "from a peer's copy or from the start of the log")
         driver.flush()
@@ -148,14 +144,14 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     finally:
         if client is not None:
             await client.close()
-        ctx.destroy(linger=0)
+        await rt.aclose()
         if store is not None:
             store.close()
         session.close()
 
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
-    from ziplog.server.process import add_cluster_key_argument
+    from ziplog.shell.process import add_cluster_key_argument
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")

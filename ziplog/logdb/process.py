@@ -1,6 +1,7 @@
 """What the coordinator and KV shard processes share around their drivers: the stop
-signals, the ROUTER clients talk to, the loop that feeds the log's records and positions
-to a driver, and running the process's tasks until a signal or a failure."""
+signals, the ROUTER clients talk to (on the process's runtime), the loop that feeds the
+log's records and positions to a driver, and running the process's tasks until a signal
+or a failure."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import logging
 import signal
 from typing import Any, Callable, Coroutine, Protocol
 
-import zmq
-import zmq.asyncio
-
-from ziplog.io.inbound import InboundGuard
+from ziplog.io.ports import Router
+from ziplog.shell.inbound import InboundGuard
 from ziplog.logdb.core import frames as f
 from ziplog.protocol.errors import TrimmedError
 from ziplog.protocol.types import RecordId
@@ -35,37 +34,27 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-def bind_router(ctx: zmq.asyncio.Context, port: int = 0) -> tuple[zmq.asyncio.Socket, str]:
-    """A ROUTER on loopback (``port`` 0: any free one) and its address."""
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.MAXMSGSIZE, f.REQUEST_LIMIT)
-    router.setsockopt(zmq.LINGER, 0)
-    if port:
-        router.bind(f"tcp://127.0.0.1:{port}")
-    else:
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-    return router, f"tcp://127.0.0.1:{port}"
-
-
-async def answer_requests(router: zmq.asyncio.Socket, handle: Callable[[bytes, bytes], None],
-                          guard: InboundGuard) -> None:
-    """Serve the clients' ROUTER for good: each request is one frame after its route,
-    handled under ``guard`` (a failure answers the sender INTERNAL and the loop goes on);
-    a message of more parts is answered BAD_REQUEST."""
+def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: InboundGuard,
+                   host: str = "127.0.0.1", port: int = 0) -> Router:
+    """Bind the clients' ROUTER on the process's runtime (``port`` 0: any free one): each
+    request is one frame after its route, handled under ``guard`` (a failure answers the
+    sender INTERNAL and the process goes on); a message of more parts is answered
+    BAD_REQUEST. ``handle`` answers through the returned router's ``send_to``."""
+    router: Router | None = None
 
     def internal(route: bytes, frame: bytes, exc: Exception) -> None:
-        router.send_multipart([route, f.encode(f.Failed(req=_req_of(frame), code=f.INTERNAL,
-                                                        message=f"{type(exc).__name__} while handling the request"))],
-                              zmq.NOBLOCK)
+        assert router is not None
+        router.send_to(route, f.encode(f.Failed(req=_req_of(frame), code=f.INTERNAL,
+                                                message=f"{type(exc).__name__} while handling the request")))
 
-    contained = guard.routed("the clients' ROUTER", handle, internal)
-    while True:
-        parts = await router.recv_multipart()
-        if len(parts) != 2:
-            router.send_multipart([parts[0], f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=(
-                f"a request is one frame, got {len(parts) - 1}")))], zmq.NOBLOCK)
-            continue
-        contained(parts[0], parts[1])
+    def multipart(route: bytes, parts: int) -> None:
+        assert router is not None
+        router.send_to(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST,
+                                                message=f"a request is one frame, got {parts}")))
+
+    router = rt.router(guard.routed("the clients' ROUTER", handle, internal), multipart, host, port,
+                       max_bytes=f.REQUEST_LIMIT)
+    return router
 
 
 def _req_of(frame: bytes) -> int:

@@ -3,7 +3,17 @@ service commits it to ZooKeeper, and the per-epoch ranges read from it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class EpochState(NamedTuple):
+    """What ZooKeeper holds when a membership service leader starts: the committed epoch
+    block (None: nothing yet) and the membership history, each with its node's version."""
+
+    block: dict[str, Any] | None
+    block_version: int
+    history: list[list[Any]]
+    history_version: int
 
 
 def members_in_history(history: list[list[Any]], epoch: int) -> tuple[int, ...]:

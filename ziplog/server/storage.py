@@ -25,8 +25,8 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardPrimary
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
-from ziplog.io.inbound import InboundGuard
-from ziplog.io.throttled_log import ThrottledLog
+from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import (
     CoordinationUnavailable,
     Disk,
@@ -41,7 +41,7 @@ from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import history_ranges
-from ziplog.server.process import (
+from ziplog.shell.process import (
     add_cluster_key_argument,
     load_cluster_key,
     serve_forever,
@@ -74,7 +74,7 @@ class StorageDriver:
         self.disk = disk
         self.core = ReplicaCore(settings)
         self.core.driver_stats["inbound_failures"] = 0
-        #: contains a failure in handling one inbound message (see ziplog.io.inbound)
+        #: contains a failure in handling one inbound message (see ziplog.shell.inbound)
         self.guard = InboundGuard(log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
                                  self.on_multipart, host, port, max_bytes=f.request_limit(settings.max_record_bytes))

@@ -282,8 +282,6 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     this process on an empty data directory (failure recovery fills it)."""
     from pathlib import Path
 
-    import zmq
-
     from ziplog.io import zk as discovery
     from ziplog.io.segments import replica_dir
     from ziplog.protocol import layout
@@ -308,13 +306,9 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     if not 0 <= args.replica < replicas:
         raise _UsageError(f"shard {args.shard} has replicas 0..{replicas - 1}")
     if old and old.get("addr"):  # registered: a dead one's session may not have expired yet
-        ctx = zmq.Context()
-        try:
-            if replica_status(ctx, old["addr"], int(args.alive_check_s * 1000)) is not None:
-                raise _UsageError(f"shard {args.shard} replica {args.replica} answers at {old['addr']}: "
-                                  "stop it before replacing it")
-        finally:
-            ctx.destroy(linger=0)
+        if replica_status(old["addr"], int(args.alive_check_s * 1000)) is not None:
+            raise _UsageError(f"shard {args.shard} replica {args.replica} answers at {old['addr']}: "
+                              "stop it before replacing it")
     argv = [sys.executable, "-m", "ziplog.server", "--zk", hosts, "--shard", str(args.shard),
             "--replica", str(args.replica), "--replicas", str(replicas), "--data-dir", str(data_dir),
             *(["--cluster-key-file", args.cluster_key_file] if args.cluster_key_file else []), *args.server_args]
@@ -327,7 +321,7 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ziplog.server.process import write_cluster_key
+    from ziplog.shell.process import write_cluster_key
 
     try:
         write_cluster_key(Path(args.file))

@@ -20,9 +20,10 @@ from typing import Any, Callable, Iterator
 
 from ziplog.io import zk as discovery
 from ziplog.io.segments import replica_dir
+from ziplog.io.zmq_runtime import round_trip
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
-from ziplog.server.process import load_cluster_key, write_cluster_key
+from ziplog.shell.process import load_cluster_key, write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
@@ -134,22 +135,17 @@ class LocalCluster:
         ok = self.topology.wait(lambda: set(shards) <= set(self.topology.live_shards()), timeout)
         if not ok:
             raise RuntimeError(f"shards {shards} did not join in {timeout}s; see logs in {self.logs}\n{self._tails()}")
-        import zmq
-        ctx = zmq.Context()
-        try:
-            for s in shards:
-                while True:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"shard {s} not serving; see {self.logs}\n{self._tails()}")
-                    addrs = self.topology.replica_addrs(s)
-                    if addrs and self._primary_ready(ctx, addrs[0]):
-                        break
-                    time.sleep(0.05)
-        finally:
-            ctx.destroy(linger=0)
+        for s in shards:
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shard {s} not serving; see {self.logs}\n{self._tails()}")
+                addrs = self.topology.replica_addrs(s)
+                if addrs and self._primary_ready(addrs[0]):
+                    break
+                time.sleep(0.05)
 
-    def _primary_ready(self, ctx: Any, addr: str) -> bool:
-        reply = replica_status(ctx, addr, 2000)
+    def _primary_ready(self, addr: str) -> bool:
+        reply = replica_status(addr, 2000)
         if not isinstance(reply, wire.StatusOk):
             return False
         st = reply.status
@@ -255,20 +251,11 @@ def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: C
     return leader
 
 
-def replica_status(ctx: Any, addr: str, timeout_ms: int) -> wire.Reply | None:
-    """One STATUS round trip to the storage replica at ``addr`` (a ZeroMQ context's
-    DEALER): its reply, or None when none came within ``timeout_ms``."""
-    import zmq
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
-        sock.send(wire.encode(wire.Status(req_id=1)))
-        if not sock.poll(timeout_ms):
-            return None
-        return wire.decode_reply(sock.recv())
-    finally:
-        sock.close(0)
+def replica_status(addr: str, timeout_ms: int) -> wire.Reply | None:
+    """One STATUS round trip to the storage replica at ``addr``: its reply, or None when
+    none came within ``timeout_ms``."""
+    reply = round_trip(addr, wire.encode(wire.Status(req_id=1)), timeout_ms * 1_000_000, wire.CLIENT_REPLY_LIMIT)
+    return None if reply is None else wire.decode_reply(reply)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Where a LogDB lives in ZooKeeper, and a client's watched view of it.
+"""Where a LogDB lives in ZooKeeper, through kazoo: its node, its processes'
+registrations, their collection positions, and a client's watched view of it.
 
 Under ``/ziplog/logdb/<name>`` (a cluster path: only members write, anyone reads):
 
@@ -9,9 +10,10 @@ Under ``/ziplog/logdb/<name>`` (a cluster path: only members write, anyone reads
 * ``kv/<i>``: ephemeral ``{"addr": ..., "pid": ...}`` of KV shard i;
 * ``gc/<who>``: persistent ``{"position": P}``: ``who`` (``coordinator-<id>``,
   ``kv-<i>``) has a durable snapshot at P and could replay from P + 1. The coordinator
-  leader trims the log below the smallest of them (all N KV shards and every coordinator
-  replica that ever published must have one: a replica retired for good must have its
-  node removed, or it holds collection back).
+  leader trims the log below the smallest of them (all N KV shards and every
+  coordinator replica that ever published must have one: a replica retired for good
+  must have its node removed, or it holds collection back): see
+  ``ziplog.logdb.coordinator.collectable``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from kazoo.protocol.states import KazooState
 
-from ziplog.logdb.core.coordinator import collection_point
 from ziplog.protocol.layout import dec, enc
 
 log = logging.getLogger("ziplog.logdb")
@@ -79,9 +80,9 @@ def publish_gc(zk: KazooClient, name: str, who: str, position: int) -> None:
         log.warning("could not publish the collection position of %s: %r", who, exc)
 
 
-def collectable(zk: KazooClient, name: str) -> int:
-    """The gsn the log may be trimmed below: the smallest published position, once every
-    KV shard has published one (0 until then)."""
+def gc_positions(zk: KazooClient, name: str) -> tuple[dict[str, int], int | None]:
+    """Every published collection position (who -> position) and the LogDB's KV shard
+    count (None: unreadable); the apps decide from them where the log may be trimmed."""
     path = db_path(name)
     shards = (dec(zk.get(path)[0]) or {}).get("kv_shards")
     positions: dict[str, int] = {}
@@ -92,7 +93,7 @@ def collectable(zk: KazooClient, name: str) -> int:
             continue
         if type(meta.get("position")) is int:
             positions[who] = meta["position"]
-    return collection_point(positions, shards if isinstance(shards, int) else None)
+    return positions, shards if isinstance(shards, int) else None
 
 
 class Directory:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ziplog.io import zk
-from ziplog.logdb.coordination import db_path
+from ziplog.io.zk_logdb import db_path
 from ziplog.protocol.layout import dec
 from ziplog.logdb.store import SqliteStore
 from ziplog.tools import procs

@@ -1,4 +1,4 @@
-"""``python -m ziplog.logdb.demo`` (``make run`` runs it after the log's demo): a bank on
+"""``python -m ziplog.tools.logdb_demo`` (``make run`` runs it after the log's demo): a bank on
 LogDB under faults.
 
 Starts a local cluster (ZooKeeper x3, the membership service, 2 shards x 2 replicas),
@@ -19,14 +19,15 @@ from ziplog.logdb.bank import run_bank
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ziplog.tools.logdb_demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--processes", type=int, default=3)
     ap.add_argument("--accounts", type=int, default=20)
     args = ap.parse_args(argv)
 
     import ziplog
-    from ziplog.logdb import LogDB, local_logdb
+    from ziplog.logdb import LogDB
+    from ziplog.tools.logdb_local import local_logdb
 
     print("starting a local cluster and a LogDB (2 coordinators, 3 KV shards)...", flush=True)
     with ziplog.local_cluster(shards=2, replicas=2) as cluster, local_logdb(cluster, coordinators=2, kv_shards=3) as ldb:

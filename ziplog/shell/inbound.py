@@ -20,7 +20,7 @@ import traceback
 from typing import Callable
 
 from ziplog.io.ports import Clock, FrameHandler, RoutedHandler
-from ziplog.io.throttled_log import ThrottledLog
+from ziplog.shell.throttled_log import ThrottledLog
 
 
 def where(exc: BaseException) -> str:

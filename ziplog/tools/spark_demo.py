@@ -1,4 +1,4 @@
-"""``python -m ziplog.spark.demo``: a streaming word count over a live writer, stopped and
+"""``python -m ziplog.tools.spark_demo``: a streaming word count over a live writer, stopped and
 restarted from its checkpoint.
 
 Starts a local cluster and a local Spark (local[2], bound to 127.0.0.1); a writer
@@ -24,7 +24,7 @@ WORDS = ["log", "shard", "epoch", "replica", "gsn", "spark", "stream", "order"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ziplog.spark.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ziplog.tools.spark_demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="how long each of the two runs follows the writer")
     args = ap.parse_args(argv)
 
