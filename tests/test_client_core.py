@@ -136,3 +136,19 @@ def test_a_read_during_a_replica_restart_asks_the_registered_replicas_then_the_o
     # a shard ZooKeeper never heard of fails at once
     call = ReadCall(c, RecordId(9, 4), 10 * S)
     assert call.start(0, topo) == [] and isinstance(call.error, UnknownRecordError)
+
+
+def test_a_read_asks_again_the_replicas_whose_answer_was_lost() -> None:
+    """A request or answer lost (a replica restarted on the same address while the read
+    waited) would leave a read that needs every replica's answer waiting out its whole
+    deadline: the silent replicas are asked again every retry interval."""
+    c, topo = _client(Policy.random()), _topology([0])
+    call = ReadCall(c, RecordId(9, 0), 10 * S)
+    (addrs, msg), = call.start(0, topo)
+    assert addrs == ("tcp://s0r0", "tcp://s0r1")
+    call.on_reply("tcp://s0r0", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=5), 1, topo)
+    assert not call.done and call.wake_at is not None and call.wake_at < 10 * S
+    (again, msg2), = call.on_timer(call.wake_at, topo)
+    assert again == ("tcp://s0r1",) and msg2 == msg  # the same request: only the silent replica
+    call.on_reply("tcp://s0r1", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=5), call.wake_at + 1, topo)
+    assert call.done and call.result() == b"r"

@@ -3,7 +3,10 @@ shard killed before any SQLite statement of its run never holds data without its
 position or a position without its data, and once restarted it ends exactly where a
 shard that never crashed ends: every committed write of its keys applied once, in gsn
 order. The coordinator's core, replaying the same log, decides the same transactions
-the shards applied."""
+the shards applied. And LogDB's production drivers (coordinators, KV shards, clients)
+on the whole simulated system (``tests/sim/logdb_system.py``), with kills: serializable,
+outcomes as told, every commit applied once; the checker's own tests tamper with a
+settled run to show it notices."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.sim import logdb_system
 from tests.sim.logdb import CRASH_EXIT, crash_child, make_log, reference, run_shard
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.coordinator import CoordinatorCore
 from ziplog.logdb.core.kvshard import owner
+from ziplog.logdb.core.validator import Validator
 from ziplog.logdb.store import SqliteStore
 
 SHARDS = 2
@@ -73,3 +78,71 @@ def test_the_coordinator_decides_what_the_shards_apply(tmp_path: Path, seed: int
     (route, frame), = core.on_request(b"r", f.encode(f.Outcome(req=1, txn=some.txn, commit_gsn=some.gsn)))
     answer = f.decode_answer(frame)
     assert type(answer) is f.OutcomeIs and answer.committed and answer.gsn == some.gsn
+
+
+# -- LogDB on the whole simulated system (tests/sim/logdb_system.py) ---------------------------------
+def test_logdb_on_the_simulated_system_is_serializable_and_applies_each_commit_once() -> None:
+    """Coordinators, KV shards and bank clients (the production drivers) over the
+    simulated log, with kills of all of them and the log's own faults: every seed checks
+    serializability, the outcomes clients were told, exactly-once application and the
+    coordinators' agreement (``python -m tests.sim --logdb --seeds 2000`` runs more)."""
+    totals: dict[str, int] = {}
+    for seed in range(40):
+        out = logdb_system.run(seed)
+        for k, v in out.logdb.items():
+            totals[k] = totals.get(k, 0) + v
+    # not vacuous: commits of both kinds, aborts and kills happened
+    assert totals["committed_writes"] > 50 and totals["committed_reads"] > 20, totals
+    assert totals["aborted"] > 0 and totals["logdb_kills"] > 10, totals
+
+
+def _settled_sim(seed: int) -> logdb_system.LogDbSim:
+    sim = logdb_system.LogDbSim(seed)
+    sim.run()
+    assert any(writes for *_, writes in sim.committed), "the seed committed no transfer: pick another"
+    return sim
+
+
+def test_the_logdb_simulation_sees_a_shard_that_applied_a_write_twice_or_a_wrong_value() -> None:
+    sim = _settled_sim(0)
+    try:
+        sim.check_logdb()  # as it ran: green
+        kv = next(k for k in sim.kvs if k.store is not None and k.store.items())
+        assert kv.store is not None
+        key = next(iter(kv.store.items()))
+        kv.store.db.execute("UPDATE kv SET value = ? WHERE key = ?", (b"12345", key))
+        with pytest.raises(AssertionError, match="holds"):
+            sim.check_logdb()
+        kv.store.db.execute("UPDATE kv SET value = ? WHERE key = ?", (sim_value(sim, key), key))
+        sim.check_logdb()
+        gsn, txn, n = kv.store.journal()[-1]
+        kv.store.db.execute("INSERT INTO journal (gsn, txn, keys, applied_at) VALUES (?, ?, ?, 0)",
+                            (gsn + 1, (txn ^ 1).to_bytes(8, "big"), n))
+        with pytest.raises(AssertionError, match="journal"):
+            sim.check_logdb()
+    finally:
+        sim.close()
+
+
+def sim_value(sim: logdb_system.LogDbSim, key: bytes) -> bytes | None:
+    """The value the log's last committed write of ``key`` holds."""
+    value: bytes | None = None
+    v = Validator()
+    for gsn, shard, data in sim.readers[0].delivered:
+        d = v.on_record(gsn, shard, data)
+        if d is not None and d.committed and not d.duplicate:
+            value = next((val for k, _, val in d.writes if k == key), value)
+    return value
+
+
+def test_the_logdb_simulation_sees_a_read_no_serial_order_explains() -> None:
+    sim = _settled_sim(0)
+    try:
+        i = next(i for i, c in enumerate(sim.committed) if c[5] and c[4])
+        cid, txn, at, rid, reads, writes = sim.committed[i]
+        key = next(iter(reads))
+        sim.committed[i] = (cid, txn, at, rid, {**reads, key: b"-777"}, writes)
+        with pytest.raises(AssertionError, match="not serializable"):
+            sim.check_logdb()
+    finally:
+        sim.close()

@@ -10,6 +10,12 @@ subscribers, crashes)::
     python -m tests.sim --system --seeds 10000 [--first 0] [--jobs J]
     python -m tests.sim --system --seed S --trace      # replay one seed with its trace
 
+LogDB on the whole system (``tests/sim/logdb_system.py``: coordinators, KV shards and
+bank clients on top, with their own kills; serializability and exactly-once checked)::
+
+    python -m tests.sim --logdb --seeds 2000 [--jobs J]
+    python -m tests.sim --logdb --seed S --trace
+
 Seeds that fail only because of a known protocol bug (``tests.sim.system.KNOWN_BUGS``) are
 reported apart (and do not fail the run) only with ``--lenient``.
 """
@@ -17,6 +23,7 @@ reported apart (and do not fail the run) only with ``--lenient``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import sys
@@ -44,12 +51,21 @@ def _shard_main(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the simulation ``--system`` runs: ``system``, or ``logdb_system`` with ``--logdb`` (set
+#: before the workers fork)
+_SIM = "system"
+
+
+def _run(seed: int, trace: bool = False) -> Any:
+    return importlib.import_module(f"{__package__}.{_SIM}").run(seed, trace=trace)
+
+
 def _system_one(seed: int) -> tuple[int, dict[str, int] | None, float, str | None, str | None]:
     """Worker: (seed, counts or None, simulated ms, failure message or None, known bug or None)."""
-    from .system import KnownBug, run
+    from .system import KnownBug
 
     try:
-        out = run(seed)
+        out = _run(seed)
     except KnownBug as exc:
         return seed, None, 0.0, str(exc), exc.bug
     except AssertionError as exc:
@@ -58,10 +74,8 @@ def _system_one(seed: int) -> tuple[int, dict[str, int] | None, float, str | Non
 
 
 def _system_trace(seed: int) -> int:
-    from .system import run
-
     try:
-        out = run(seed, trace=True)
+        out = _run(seed, trace=True)
     except AssertionError as exc:
         sim: Any = getattr(exc, "sim", None)
         if sim is not None:
@@ -129,7 +143,8 @@ def _system_main(args: argparse.Namespace) -> int:
         print("totals: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     if failed:
         print("failed seeds: " + " ".join(str(s) for s, _ in sorted(failed)))
-        print(f"replay one: python -m tests.sim --system --seed {min(s for s, _ in failed)} --trace")
+        flag = "--logdb" if _SIM == "logdb_system" else "--system"
+        print(f"replay one: python -m tests.sim {flag} --seed {min(s for s, _ in failed)} --trace")
         return 1
     return 0
 
@@ -137,6 +152,7 @@ def _system_main(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.sim")
     ap.add_argument("--system", action="store_true", help="simulate the whole system (default: one shard)")
+    ap.add_argument("--logdb", action="store_true", help="simulate LogDB on the whole system")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--first", type=int, default=0, help="first seed")
     ap.add_argument("--seed", type=int, default=None, help="run this one seed")
@@ -147,6 +163,10 @@ def main() -> int:
                     help="--system: report seeds hitting a formerly known bug apart instead of failing them")
     ap.add_argument("--verbose", action="store_true", help="--system: print every known-bug seed too")
     args = ap.parse_args()
+    if args.logdb:
+        global _SIM
+        _SIM = "logdb_system"
+        return _system_main(args)
     return _system_main(args) if args.system else _shard_main(args)
 
 

@@ -215,7 +215,10 @@ class ReadCall(Call):
     STABLE_READ_WAIT; any other from all replicas, settled by the first answer that
     reports it stable or by all answers agreeing (``ReadWait``). A replica that is not
     registered (restarting) does not fail the read: the registered ones are asked (one
-    stable answer settles it), and the rest as they register, within the deadline."""
+    stable answer settles it), and the rest as they register, within the deadline. A
+    replica that has not answered is asked again every retry interval, at the address it
+    is registered at then (the request or the answer was lost: a replica restarted on
+    the same address in between, say); a read is idempotent."""
 
     def __init__(self, client: ClientState, rid: RecordId, deadline_ns: int) -> None:
         super().__init__(deadline_ns)
@@ -241,7 +244,7 @@ class ReadCall(Call):
             self.wait = ReadWait(self._req(), rid.gsn, 1)
             self.wake_at = min(self.deadline_ns, now + STABLE_READ_WAIT_NS)
             return [((self.only,), wire.Read(req_id=self.wait.req_id, gsn=rid.gsn))]
-        return self._ask_all(topo)
+        return self._ask_all(now, topo)
 
     def _req(self) -> int:
         req = self.client.next_req()
@@ -251,11 +254,11 @@ class ReadCall(Call):
     def waiting_on(self) -> Sequence[str]:
         return (self.only,) if self.only is not None else tuple(self.asked)
 
-    def _ask_all(self, topo: TopologyView) -> Sends:
+    def _ask_all(self, now: int, topo: TopologyView) -> Sends:
         self.only = None
         self.wait = ReadWait(self._req(), self.rid.gsn, self.replicas)
         self.asked = {}
-        self.wake_at = self.deadline_ns
+        self.wake_at = min(self.deadline_ns, now + self.client.retry_after_ns)
         return self._ask_registered(topo)
 
     def _ask_registered(self, topo: TopologyView) -> Sends:
@@ -293,8 +296,20 @@ class ReadCall(Call):
         if now >= self.deadline_ns:
             return self.fail(ZiplogTimeoutError(f"read of {self.rid!r} not answered in time"))
         if self.only is not None:
-            return self._ask_all(topo)  # that replica is slow or gone: ask them all
-        return []
+            return self._ask_all(now, topo)  # that replica is slow or gone: ask them all
+        return self._ask_silent(now, topo)
+
+    def _ask_silent(self, now: int, topo: TopologyView) -> Sends:
+        """Ask again every registered replica whose answer has not come."""
+        wait = self.wait
+        assert wait is not None
+        self.wake_at = min(self.deadline_ns, now + self.client.retry_after_ns)
+        silent = {addr: i for i, addr in topo.replicas.get(self.rid.shard, {}).items()
+                  if i < self.replicas and i not in wait.answers}
+        if not silent:
+            return []
+        self.asked.update(silent)
+        return [(tuple(silent), wire.Read(req_id=wait.req_id, gsn=self.rid.gsn))]
 
     def on_topology(self, now: int, topo: TopologyView) -> Sends:
         if self.done or self.only is not None or self.wait is None:
