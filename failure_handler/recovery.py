@@ -1,11 +1,12 @@
 """The failure handler's recovery protocol (dissertation 4.2.5), sans-I/O.
 
 :class:`RecoveryCore` takes events (a replica's suspicion, replies from replicas,
-the membership history, completed durable writes, the passage of time) and leaves
-what must happen in ``actions``: frames to send to a replica (:class:`Send`) and
-recovery records to write durably (:class:`Persist`). The process shell in
-``failure_handler.server`` performs them with ZeroMQ and ZooKeeper; the
-whole-system simulation performs them in memory.
+the membership history, completed durable writes, the passage of time) and hands back
+what must happen as a ``Ready`` (:meth:`RecoveryCore.ready`, the vocabulary of
+:mod:`ziplog.cores.effects`): frames to a replica of a shard (``ReplicaOf``
+destinations) and recovery records to write durably (``WriteRecovery`` coordination
+requests). The driver in ``failure_handler.server`` performs them with ZeroMQ and
+ZooKeeper; the whole-system simulation runs the same driver on simulated ports.
 
 One recovery of one shard, generation ``gen``:
 
@@ -47,6 +48,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from ziplog.cores.effects import Outbox, Ready, ReplicaOf, WriteRecovery
 from ziplog.cores.replica import stream_events
 from ziplog.protocol import frames as wire
 from ziplog.protocol.events import RecordEvent, record_size
@@ -56,24 +58,6 @@ from ziplog.protocol.membership import history_ranges
 PROBING = "probing"
 ACQUIRED = "acquired"
 DONE = "done"
-
-
-@dataclass
-class Send:
-    shard: int
-    replica: int
-    msg: wire.RecoveryRequest
-
-
-@dataclass
-class Persist:
-    """Write the shard's recovery record durably, and set (``recovering``) or clear its
-    flag in the shard's metadata, in one step. Report completion with
-    :meth:`RecoveryCore.on_persisted`."""
-
-    shard: int
-    record: dict[str, Any]
-    recovering: bool
 
 
 @dataclass
@@ -129,7 +113,7 @@ class ShardRecovery:
 class RecoveryCore:
     def __init__(self, settings: HandlerSettings | None = None) -> None:
         self.s = settings or HandlerSettings()
-        self.actions: list[Send | Persist] = []
+        self.out = Outbox()
         self.active: dict[int, ShardRecovery] = {}
         self.last_gen: dict[int, int] = {}  # shard -> highest generation claimed
         self.ended_at: dict[int, int] = {}  # shard -> when its last recovery ended
@@ -138,10 +122,12 @@ class RecoveryCore:
         self._req = itertools.count(1)
         self.completed: list[tuple[int, int]] = []  # (shard, gen) of every recovery it finished
 
-    def take_actions(self) -> list[Send | Persist]:
-        """The actions since the last call, in order (the core's batch of effects)."""
-        out, self.actions = self.actions, []
-        return out
+    def ready(self) -> Ready:
+        """The effects since the last call: requests to replicas (to :class:`ReplicaOf`
+        destinations) and recovery records to write (:class:`WriteRecovery`, answered
+        with :meth:`on_persisted`). The driver writes first, and sends once ZooKeeper took
+        the writes: a request never leaves before the record it follows is durable."""
+        return self.out.ready()
 
     # -- inputs ---------------------------------------------------------------------------------
     def load(self, shard: int, replicas: int, record: dict[str, Any] | None, now: int) -> None:
@@ -271,7 +257,7 @@ class RecoveryCore:
 
     def _persist(self, rec: ShardRecovery, record: dict[str, Any], recovering: bool) -> None:
         rec.persisting = True
-        self.actions.append(Persist(rec.shard, record, recovering))
+        self.out.coordinate.append(WriteRecovery(rec.shard, record, recovering))
 
     def _acquire(self, rec: ShardRecovery, replica: int, state: dict[str, Any]) -> None:
         guesses = state.get("guesses") or []
@@ -312,7 +298,7 @@ class RecoveryCore:
         r = rec.reps.setdefault(replica, _Replica())
         r.pending = (msg.req_id, msg.op)
         r.sent_at = now
-        self.actions.append(Send(rec.shard, replica, msg))
+        self.out.send(ReplicaOf(rec.shard, replica), msg)
 
     def _due(self, r: _Replica, now: int) -> bool:
         return r.pending is None or now - r.sent_at >= self.s.retry_ns
@@ -336,7 +322,7 @@ class RecoveryCore:
                 req = next(self._req)
                 rec.authority_req = req
                 rec.authority_sent_at = now
-                self.actions.append(Send(rec.shard, acq["source"], wire.Acquired(req_id=req, gen=rec.gen)))
+                self.out.send(ReplicaOf(rec.shard, acq["source"]), wire.Acquired(req_id=req, gen=rec.gen))
         if rec.e_last is None:
             rec.e_last = self._last_epoch_with(rec.shard)
             if rec.e_last is None:
@@ -404,7 +390,7 @@ class RecoveryCore:
         lo = max(base, r.fetch_lo)
         req = next(self._req)
         rec.fetch_for[req] = target
-        self.actions.append(Send(rec.shard, src, wire.Fetch(req_id=req, gen=rec.gen, lo=lo, hi=x, max_bytes=self.s.fetch_bytes)))
+        self.out.send(ReplicaOf(rec.shard, src), wire.Fetch(req_id=req, gen=rec.gen, lo=lo, hi=x, max_bytes=self.s.fetch_bytes))
         r.sent_at = now  # the target waits on this fetch: its retry timer runs
         r.pending = (-1, wire.FETCH)
 

@@ -9,9 +9,10 @@ acts, for the shards it owns (shard % K == G; one group owns all by default). En
     pushed by storage replicas to every handler replica
   * DEALER -> each storage replica's ROUTER: PROBE, ACQUIRED, FETCH, INSTALL, RESUME
 
-Everything the handler decides is in ZooKeeper before it acts on it: the core's
-``Persist`` actions are performed in order, and nothing after one is performed until
-ZooKeeper took it (``ziplog.io.zk_recovery``).
+Everything the handler decides is in ZooKeeper before it acts on it: of each batch of
+the core's effects, the recovery records (``WriteRecovery``) are written first, one at a
+time, and nothing after a write is performed until ZooKeeper took it
+(``ziplog.io.zk_recovery``); the batch's messages follow.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import sys
 from collections import deque
 from typing import Any, Callable, Protocol
 
-from failure_handler.recovery import HandlerSettings, Persist, RecoveryCore, Send
+from failure_handler.recovery import HandlerSettings, RecoveryCore
+from ziplog.cores.effects import Message, Ready, ReplicaOf, WriteRecovery
 from ziplog.shell.inbound import InboundGuard
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
@@ -94,8 +96,8 @@ class FailureHandlerDriver(ElectedDriver):
         self.term = 0
         self.versions: dict[int, int] = {}  # record versions this term wrote or read
         self.dealers: dict[tuple[int, int], tuple[str, Endpoint]] = {}
-        #: actions taken from the core and not yet performed (they wait behind a write)
-        self.queue: deque[Send | Persist] = deque()
+        #: effects taken from the core and not yet performed (they wait behind a write)
+        self.queue: deque[WriteRecovery | Message] = deque()
         self.writing = False
         self.timer: Timer | None = None
         self.seen_generation = -1
@@ -221,28 +223,36 @@ class FailureHandlerDriver(ElectedDriver):
 
     # -- effects ----------------------------------------------------------------------------------
     def _act(self) -> None:
-        """Perform the core's actions in order; a write holds back everything after it
-        until ZooKeeper took it."""
+        """Perform the core's effects: each batch's writes, then its messages; a write
+        holds back everything after it until ZooKeeper took it."""
         core = self.core
         if core is None:
             return
-        self.queue.extend(core.take_actions())
+        self._take(core.ready())
         while self.queue and not self.writing:
             a = self.queue.popleft()
-            if isinstance(a, Send):
-                d = self.dealers.get((a.shard, a.replica))
-                if d is not None:  # not registered (down): the core retries
-                    d[1].send(wire.seal(self.key, wire.encode(a.msg)))
-            else:
+            if isinstance(a, WriteRecovery):
                 self.writing = True
                 term, v = self.term, self.versions.get(a.shard, -1)
                 self.coord.write_record(a.shard, a.record, a.recovering, v,
                                         lambda version, a=a: self._written(term, a, version))  # type: ignore[misc]
+            else:
+                dest, msg = a
+                assert isinstance(dest, ReplicaOf), dest  # the handler's messages go to replicas
+                d = self.dealers.get((dest.shard, dest.replica))
+                if d is not None:  # not registered (down): the core retries
+                    d[1].send(wire.seal(self.key, wire.encode(msg)))
             if not self.queue:
-                self.queue.extend(core.take_actions())
+                self._take(core.ready())
         self._arm()
 
-    def _written(self, term: int, a: Persist, version: int | None) -> None:
+    def _take(self, ready: Ready) -> None:
+        for w in ready.coordinate:
+            assert type(w) is WriteRecovery
+            self.queue.append(w)
+        self.queue.extend(ready.messages)
+
+    def _written(self, term: int, a: WriteRecovery, version: int | None) -> None:
         if term != self.term or self.core is None:
             return  # a write of a term that is over
         self.writing = False

@@ -26,8 +26,9 @@ Between plans the planner's inputs that matter for membership are unchanged, and
 of an unchanged input is the committed membership again (members = previous members |
 ready - gone - recovering is idempotent), so skipping it loses nothing.
 
-:meth:`EpochSequencer.prepare` may hand back a :class:`CommitBlock` for the driver to
-commit; nothing of that block is used (not even for the next plan) until
+:meth:`EpochSequencer.prepare` may hand back a :class:`CommitBlock` (a coordination
+request of its ``Ready``) for the driver to commit; nothing of that block is used (not
+even for the next plan) until
 :meth:`EpochSequencer.on_commit_result` says ZooKeeper took it, and
 :meth:`EpochSequencer.config` refuses an epoch whose block is not committed.
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from mms.planner import EpochPlanner, PlannerSettings
-from ziplog.cores.effects import CommitBlock
+from ziplog.cores.effects import CommitBlock, Ready
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
@@ -128,24 +129,25 @@ class EpochSequencer:
         return min(base_ns << min(idle, 20), idle_max_ns)
 
     # -- the steps of an epoch ------------------------------------------------------------
-    def prepare(self) -> CommitBlock | None:
+    def prepare(self) -> Ready:
         """Get ``next_epoch`` ready: plan if something can have changed, and hand back
-        the commit of a new block from ``next_epoch`` if one is due or membership
-        changed. May be called again for the same epoch (nothing broadcast in between):
-        the topology may have changed meanwhile. Not while a commit is unanswered."""
+        (as a coordination effect) the commit of a new block from ``next_epoch`` if one
+        is due or membership changed. May be called again for the same epoch (nothing
+        broadcast in between): the topology may have changed meanwhile. Not while a
+        commit is unanswered."""
         assert self._committing is None, "the previous commit is not answered yet"
         if not self.needs_plan():
-            return None
+            return Ready()
         cfg, history = self._plan()
         changed = history is not None
         block = self.block
         if block is None or self.next_epoch > block.last or (changed and self.next_epoch > block.first):
             self.change_pending = False
-            return self._commit(cfg, changed)
+            return Ready(coordinate=[self._commit(cfg, changed)])
         # A change found at the first epoch of a block (one inherited, or one we just
         # committed for this epoch) cannot cut it: it waits for the next epoch.
         self.change_pending = changed
-        return None
+        return Ready()
 
     def on_commit_result(self, ok: bool) -> bool:
         """ZooKeeper's answer to the commit :meth:`prepare` handed out. False: it refused

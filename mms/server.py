@@ -141,9 +141,9 @@ class MembershipDriver(ElectedDriver):
     def _prepare(self) -> None:
         seq = self.seq
         assert seq is not None
-        commit = seq.prepare()
-        if commit is not None:
-            term = self.term
+        term = self.term
+        for commit in seq.prepare().coordinate:
+            assert type(commit) is CommitBlock
             self.coord.commit_block(commit, lambda ok: self._committed(term, ok))
 
     def _committed(self, term: int, ok: bool) -> None:

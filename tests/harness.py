@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from failure_handler.recovery import Persist, RecoveryCore, Send
-from ziplog.cores.effects import Peer, ReadHistory, ShardPrimary
+from failure_handler.recovery import RecoveryCore
+from ziplog.cores.effects import Peer, ReadHistory, ReplicaOf, ShardPrimary, WriteRecovery
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol.events import DiskEvent
@@ -40,8 +40,8 @@ class ShardHarness:
         self.history: list[list[Any]] = history if history is not None else [[0, [0]]]
         self.handler = RecoveryCore()
         self.handler.load(0, 2, None, 0)
-        self.persisted: list[Persist] = []
-        #: called with each Persist once written (a test may drop the shard then)
+        self.persisted: list[WriteRecovery] = []
+        #: called with each WriteRecovery once written (a test may drop the shard then)
         self.on_persist: Any = None
         self.epoch = -1
 
@@ -152,19 +152,21 @@ class ShardHarness:
                 core.on_history(history_ranges(self.history, req.first, req.last), self.now)
 
     def run_handler(self) -> bool:
-        acts = self.handler.take_actions()
-        for a in acts:
-            if isinstance(a, Persist):
-                self.persisted.append(a)
-                self.handler.on_persisted(a.shard, int(a.record["gen"]), self.now)
-                if self.on_persist is not None:
-                    self.on_persist(a)
-            else:
-                assert isinstance(a, Send)
-                core = self.cores.get(a.replica)
-                if core is not None:  # a replica that is down never hears it
-                    core.on_request(b"handler", wire.decode_member_request(wire.encode(a.msg)), self.now)
-        return bool(acts)
+        """Perform the handler's effects as its driver does: the writes (answered at
+        once), then the messages."""
+        ready = self.handler.ready()
+        for a in ready.coordinate:
+            assert isinstance(a, WriteRecovery)
+            self.persisted.append(a)
+            self.handler.on_persisted(a.shard, int(a.record["gen"]), self.now)
+            if self.on_persist is not None:
+                self.on_persist(a)
+        for dest, msg in ready.messages:
+            assert isinstance(dest, ReplicaOf)
+            core = self.cores.get(dest.replica)
+            if core is not None:  # a replica that is down never hears it
+                core.on_request(b"handler", wire.decode_member_request(wire.encode(msg)), self.now)
+        return bool(ready)
 
     def tick(self, advance_ns: int = 0) -> None:
         self.now += advance_ns

@@ -229,8 +229,7 @@ class SteppedLeader:
 
     def prepare(self) -> None:
         """As the driver prepares: the commit the sequencer asks for, performed and answered."""
-        commit = self.seq.prepare()
-        if commit is not None:
+        for commit in self.seq.prepare().coordinate:
             results = block_transaction(self.zk, commit).commit()
             assert self.seq.on_commit_result(not any(isinstance(r, Exception) for r in results))
 
@@ -275,8 +274,8 @@ def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None
     lead = SteppedLeader(zk_ns, topo)
 
     # The first block's commit is asked for; nothing goes out until it is answered.
-    commit = lead.seq.prepare()
-    assert commit is not None and lead.seq.committing and not lead.seq.ready()
+    commit, = lead.seq.prepare().coordinate
+    assert lead.seq.committing and not lead.seq.ready()
     with pytest.raises(AssertionError, match="committed"):
         lead.seq.config()
     assert lead.seq.on_commit_result(not any(isinstance(r, Exception)
@@ -356,8 +355,7 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     # The deposed leader sees the new shard too; its commit is refused and it steps
     # down instead of broadcasting epoch 13 with a config nobody committed.
     assert old.seq.next_epoch == 13 and old.seq.needs_plan()
-    commit = old.seq.prepare()
-    assert commit is not None
+    commit, = old.seq.prepare().coordinate
     results = block_transaction(zk_ns, commit).commit()
     assert not old.seq.on_commit_result(not any(isinstance(r, Exception) for r in results)), \
         "a deposed leader's block commit must be refused"

@@ -150,7 +150,7 @@ class CoordinatorReplica:
 
         router = serve_requests(proc, handle, InboundGuard(log, proc))
         self.driver = CoordinatorDriver(proc, SimElection(sim.zk, proc, session), ELECTION, self.rid, core,
-                                        lambda answer: router.send_to(*answer), save, snapshot_ns=30 * MS)
+                                        router.send_to, save, snapshot_ns=30 * MS)
         sim.directory.coord[self.rid] = (router.addr, session)
         client = _client_driver(sim, proc, 5000 + self.rid * 100 + self.inc)
         sim.tr(f"{name}: up, replaying from gsn {core.position + 1}")

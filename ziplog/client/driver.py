@@ -23,6 +23,7 @@ from ziplog.cores.client.calls import (
 )
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.subscription import SubscriptionCore
+from ziplog.cores.effects import Close, Messages, Open
 from ziplog.io.ports import Connector, Endpoint, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import ClientClosedError, ZiplogError
@@ -112,10 +113,12 @@ class ClientDriver:
         self.calls[call] = on_done
         self._run(call, call.start(self.rt.now() if now is None else now, self.topology))
 
-    def _run(self, call: Call, sends: Sequence[tuple[Sequence[str], wire.Frame]]) -> None:
-        """Perform a call's step: send what it asked for, then finish it or (re)arm its timer."""
+    def _run(self, call: Call, sends: Messages) -> None:
+        """Perform a call's step: send what it asked for (a call's messages go to replica
+        addresses), then finish it or (re)arm its timer."""
         if sends:
             encode, conns, pending = wire.encode, self.conns, self.pending
+            addrs: Any
             for addrs, msg in sends:
                 frame = encode(msg)
                 pending[msg.req_id] = call  # type: ignore[attr-defined]
@@ -279,23 +282,24 @@ class SubscriptionDriver:
     def positioned(self, from_gsn: int) -> None:
         self.perform(self.core.positioned(from_gsn, self.driver.rt.now(), self.driver.topology))
 
-    def perform(self, effects: list[tuple[str, int, Any]]) -> None:
+    def perform(self, effects: Messages) -> None:
         net = self.driver.net
-        for what, shard, arg in effects:
-            if what == "send":
-                conn = self.conns.get(shard)
-                if conn is not None:
-                    conn.send(wire.encode(arg))
-            elif what == "open":
+        for stream, item in effects:
+            shard = stream.shard  # type: ignore[union-attr]  # a subscription's messages go to its streams
+            if type(item) is Open:
                 old = self.conns.pop(shard, None)
                 if old is not None:
                     old.close()
-                self.conns[shard] = net.dealer(arg, self._frame_handler(shard), "subscription",
+                self.conns[shard] = net.dealer(item.addr, self._frame_handler(shard), "subscription",
                                                max_bytes=wire.CLIENT_REPLY_LIMIT)
-            else:
+            elif type(item) is Close:
                 conn = self.conns.pop(shard, None)
                 if conn is not None:
                     conn.close(UNSUBSCRIBE_LINGER_MS)
+            else:
+                conn = self.conns.get(shard)
+                if conn is not None:
+                    conn.send(wire.encode(item))
         at = self.core.wake_at
         if at != self.timer_at:
             if self.timer is not None:

@@ -1,6 +1,29 @@
 """What a core hands back: one batch of effects per step, in the manner of etcd raft's
-``Ready``. A driver performs them (sends the messages, persists the events, answers the
-coordination requests) and never edits a core's fields."""
+``Ready``. A driver performs them (persists, asks ZooKeeper, sends) and never edits a
+core's fields. Every core speaks this one vocabulary (the replica, the client's calls and
+subscriptions, the failure handler, the membership service, LogDB's coordinator and KV
+shard):
+
+* a **message** (:data:`Message`) is ``(Dest, item)``: the item is a frame of the edge's
+  protocol (a struct: the driver encodes and, where the edge needs it, seals it) or, on a
+  connection the core owns, :class:`Open` or :class:`Close` of it, in order with the
+  frames around it;
+* a **destination** (:data:`Dest`) names whom, not how: a ROUTER route (bytes), a kind
+  of :class:`Peer`, another shard's primary (:class:`ShardPrimary`), a replica of a shard
+  at the address ZooKeeper holds for it now (:class:`ReplicaOf`), a subscription's stream
+  from a shard (:class:`Stream`), or replica addresses (a tuple of str: a call's targets);
+* a **persist** item goes to the process's stable storage, in order (a replica's
+  decided-stream events, a KV shard's apply batch);
+* a **coordination** request goes to ZooKeeper and its answer back to the core
+  (:class:`ReadHistory`, :class:`CommitBlock`, :class:`WriteRecovery`).
+
+A core returns a :class:`Ready`; one that only ever sends (the client's calls and
+subscriptions, LogDB's coordinator) returns its :data:`Messages` alone. Every driver
+performs one the same way: the messages in order, the persist items in order, the
+coordination requests; only a coordination *write* (:class:`CommitBlock`,
+:class:`WriteRecovery`) holds anything back: the batch's messages and every later batch
+wait until ZooKeeper took it. Nothing else waits (a replica's durability is memory on
+f+1 replicas: its disk is written at the end of the turn)."""
 
 from __future__ import annotations
 
@@ -30,7 +53,36 @@ class ShardPrimary(NamedTuple):
     shard: int
 
 
-Dest = Union[bytes, Peer, ShardPrimary]
+class ReplicaOf(NamedTuple):
+    """Replica ``replica`` of ``shard``, at the address ZooKeeper holds for it now."""
+
+    shard: int
+    replica: int
+
+
+class Stream(NamedTuple):
+    """A subscription's connection to one replica of ``shard``."""
+
+    shard: int
+
+
+class Open(NamedTuple):
+    """Item: connect the stream the message is addressed to to ``addr`` (replacing the
+    connection it had)."""
+
+    addr: str
+
+
+class Close(NamedTuple):
+    """Item: close the connection the message is addressed to (what is queued on it may
+    still leave for a moment)."""
+
+
+#: whom a message is for (see the module's docstring)
+Dest = Union[bytes, Peer, ShardPrimary, ReplicaOf, Stream, tuple[str, ...]]
+#: ``(destination, frame or Open/Close)``
+Message = tuple[Dest, Any]
+Messages = list[Message]
 
 
 class ReadHistory:
@@ -63,17 +115,31 @@ class CommitBlock:
     history_version: int
 
 
+@dataclass
+class WriteRecovery:
+    """Coordination write (the failure handler): the shard's recovery record, durably,
+    and its ``recovering`` flag set or cleared in the shard's metadata, in one step;
+    answered with ``RecoveryCore.on_persisted``."""
+
+    shard: int
+    record: dict[str, Any]
+    recovering: bool
+
+
+Coordinate = Union[ReadHistory, CommitBlock, WriteRecovery]
+
+
 class Ready:
-    """One batch of effects: ``messages`` to send, in order; ``persist``: decided-stream
-    events to write, in order; ``coordinate``: coordination requests to answer."""
+    """One batch of effects: ``messages`` to send, in order; ``persist``: items for stable
+    storage, in order; ``coordinate``: coordination requests to answer."""
 
     __slots__ = ("messages", "persist", "coordinate")
 
-    def __init__(self, messages: list[tuple[Dest, Frame]], persist: list[DiskEvent],
-                 coordinate: list[ReadHistory]) -> None:
-        self.messages = messages
-        self.persist = persist
-        self.coordinate = coordinate
+    def __init__(self, messages: Messages | None = None, persist: list[Any] | None = None,
+                 coordinate: list[Coordinate] | None = None) -> None:
+        self.messages = [] if messages is None else messages
+        self.persist = [] if persist is None else persist
+        self.coordinate = [] if coordinate is None else coordinate
 
     def __bool__(self) -> bool:
         return bool(self.messages or self.persist or self.coordinate)
@@ -88,9 +154,9 @@ class Outbox:
     __slots__ = ("messages", "persist", "coordinate")
 
     def __init__(self) -> None:
-        self.messages: list[tuple[Dest, Frame]] = []
+        self.messages: Messages = []
         self.persist: list[DiskEvent] = []
-        self.coordinate: list[ReadHistory] = []
+        self.coordinate: list[Coordinate] = []
 
     def send(self, dest: Dest, msg: Frame) -> None:
         self.messages.append((dest, msg))

@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ziplog.logdb.core.coordinator import CoordinatorCore, Send, collection_point
+from ziplog.cores.effects import Messages
+from ziplog.logdb.core import frames as f
+from ziplog.logdb.core.coordinator import CoordinatorCore, collection_point
 from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
 from ziplog.shell.elected import ElectedDriver, ElectionPort
 
@@ -69,7 +71,7 @@ class CoordinatorDriver(ElectedDriver):
     kind = "logdb-coordinator"
 
     def __init__(self, rt: Any, election: ElectionPort, election_path: str, replica_id: int,
-                 core: CoordinatorCore, send: Callable[[Send], None],
+                 core: CoordinatorCore, send: Callable[[bytes, bytes], None],
                  save_snapshot: Callable[[int, bytes], None], snapshot_ns: int = SNAPSHOT_NS) -> None:
         super().__init__(rt, election, election_path, replica_id)
         self.snapshot_ns = snapshot_ns
@@ -79,22 +81,23 @@ class CoordinatorDriver(ElectedDriver):
         self._snapshot_at = rt.now()
         self._snapshot_position = core.position
 
-    def _send_all(self, answers: list[Send]) -> None:
-        for a in answers:
-            self.send(a)
+    def _perform(self, messages: Messages) -> None:
+        """Send the core's answers, encoded, to their routes."""
+        for route, answer in messages:
+            self.send(route, f.encode(answer))  # type: ignore[arg-type]  # a coordinator answers routes
 
     def on_record(self, gsn: int, shard: int, data: bytes) -> None:
-        self._send_all(self.core.on_record(gsn, shard, data))
+        self._perform(self.core.on_record(gsn, shard, data))
 
     def on_position(self, gsn: int) -> None:
-        self._send_all(self.core.on_position(gsn))
+        self._perform(self.core.on_position(gsn))
 
     def on_request(self, route: Any, frame: bytes) -> None:
-        self._send_all(self.core.on_request(route, frame))
+        self._perform(self.core.on_request(route, frame))
 
     def on_tick(self) -> None:
         now = self.rt.now()
-        self._send_all(self.core.on_tick(now))
+        self._perform(self.core.on_tick(now))
         if now - self._snapshot_at >= self.snapshot_ns and self.core.position > self._snapshot_position:
             self._snapshot_at = now
             self._snapshot_position = self.core.position
@@ -135,8 +138,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         guard = InboundGuard(log, rt)
         router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard)
 
-        def send(answer: Send) -> None:
-            router.send_to(*answer)
+        def send(route: bytes, frame: bytes) -> None:
+            router.send_to(route, frame)
 
         async def save(position: int, data: bytes) -> None:
             await loop.run_in_executor(None, snapshots.save, data)

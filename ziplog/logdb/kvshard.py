@@ -58,9 +58,10 @@ class KvShardDriver:
         if batch is not None and now < self._retry_at:
             return False
         if batch is None:
-            batch = self.core.due(now)
-            if batch is None:
+            due = self.core.due(now).persist
+            if not due:
                 return True
+            batch, = due  # one atomic write at a time
         try:
             self.store.apply(batch)
         except sqlite3.IntegrityError:

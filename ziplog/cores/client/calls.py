@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Sequence
 
+from ziplog.cores.effects import Messages
 from ziplog.cores.client.state import STABLE_READ_WAIT_NS, ClientState
 from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirect
 from ziplog.protocol import frames as wire
@@ -25,8 +26,9 @@ from ziplog.protocol.errors import (
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import RecordId
 
-#: frames to send: (the replica addresses, the message)
-Sends = list[tuple[Sequence[str], wire.Frame]]
+#: what a call hands back: messages to replica addresses (``(tuple of addresses,
+#: frame)``; the effects' vocabulary, :mod:`ziplog.cores.effects`)
+Sends = Messages
 
 
 class Call:

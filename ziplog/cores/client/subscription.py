@@ -15,8 +15,9 @@ again everywhere from where each shard left off. When a shard's preferred replic
 moves (a restart), the subscription subscribes there again from just past what that
 shard sent.
 
-Effects are ``(what, shard, arg)``: ``("open", shard, addr)`` a connection,
-``("send", shard, frame)`` on it, ``("close", shard, None)`` it.
+Its effects are messages (:mod:`ziplog.cores.effects`) to a shard's stream
+(:class:`Stream`): :class:`Open` (a connection to a replica's address), frames on it,
+:class:`Close`, in order.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable
 
+from ziplog.cores.effects import Close, Message, Open, Stream
 from ziplog.cores.merge import SubscriberMerge
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import from_reply
@@ -44,7 +46,7 @@ SUB_RECONNECT_NS = 200_000_000
 #: batch at least every epoch (progress moves even with no records).
 SUB_SILENCE_NS = 1_000_000_000
 
-Effect = tuple[str, int, Any]
+Effect = Message
 
 
 class SubState(enum.Enum):
@@ -143,7 +145,7 @@ class SubscriptionCore:
                 continue  # we left it because it was silent: stay where we are
             self.left.pop(shard, None)
             if old is not None:
-                out.append(("close", shard, None))
+                out.append((Stream(shard), Close()))
                 start = merge.resume_point(shard)
                 self.resubscribes += 1
             else:
@@ -151,8 +153,8 @@ class SubscriptionCore:
                 start = self.from_gsn if self.explicit else (0 if self.from_gsn == 1 else self.from_gsn)
             self.addrs[shard] = addr
             self.consumed[shard] = 0
-            out.append(("open", shard, addr))
-            out.append(("send", shard, wire.Subscribe(sub_id=self.sub_id, from_gsn=start, credit=SUB_CREDIT_BYTES)))
+            out.append((Stream(shard), Open(addr)))
+            out.append((Stream(shard), wire.Subscribe(sub_id=self.sub_id, from_gsn=start, credit=SUB_CREDIT_BYTES)))
         return out
 
     def resubscribe_all(self, topo: TopologyView) -> list[Effect]:
@@ -189,7 +191,7 @@ class SubscriptionCore:
         if now >= self.last_keepalive + SUB_KEEPALIVE_NS:
             # renew the servers' lease even while nothing is consumed
             self.last_keepalive = now
-            out.extend(("send", s, wire.Credit(sub_id=self.sub_id, credit=0)) for s in self.addrs)
+            out.extend((Stream(s), wire.Credit(sub_id=self.sub_id, credit=0)) for s in self.addrs)
         if now >= self.next_look:
             self.next_look = now + SUB_RECONNECT_NS
             out.extend(self.connect_known(topo))
@@ -226,9 +228,9 @@ class SubscriptionCore:
                 self.left[shard] = addr
             self.addrs[shard] = nxt
             self.consumed[shard] = 0
-            out.append(("close", shard, None))
-            out.append(("open", shard, nxt))
-            out.append(("send", shard, wire.Subscribe(sub_id=self.sub_id, from_gsn=merge.resume_point(shard),
+            out.append((Stream(shard), Close()))
+            out.append((Stream(shard), Open(nxt)))
+            out.append((Stream(shard), wire.Subscribe(sub_id=self.sub_id, from_gsn=merge.resume_point(shard),
                                                       credit=SUB_CREDIT_BYTES)))
         return out
 
@@ -269,7 +271,7 @@ class SubscriptionCore:
         out: list[Effect] = []
         if c >= SUB_CREDIT_BYTES // 4:
             if shard in self.addrs:
-                out.append(("send", shard, wire.Credit(sub_id=self.sub_id, credit=c)))
+                out.append((Stream(shard), wire.Credit(sub_id=self.sub_id, credit=c)))
             c = 0
         self.consumed[shard] = c
         return out
@@ -280,8 +282,8 @@ class SubscriptionCore:
         self.state = SubState.CLOSED
         out: list[Effect] = []
         for s in self.addrs:
-            out.append(("send", s, wire.Unsubscribe(sub_id=self.sub_id)))
-            out.append(("close", s, None))
+            out.append((Stream(s), wire.Unsubscribe(sub_id=self.sub_id)))
+            out.append((Stream(s), Close()))
         self.addrs = {}
         return out
 

@@ -4,7 +4,8 @@ clients' requests that wait until the replay is far enough to answer them.
 Events: a record of the log (:meth:`on_record`), the subscription's position
 (:meth:`on_position`: nothing can appear at or below it any more), a request frame from
 a client route (:meth:`on_request`), the clock (:meth:`on_tick`). Each returns the
-answers to send, ``(route, frame)``. Every coordinator replica runs this same core over
+answers to send as messages (:mod:`ziplog.cores.effects`): ``(route, answer)``, the
+answer a LogDB frame the driver encodes. Every coordinator replica runs this same core over
 the same log, so any of them gives the same answers; the elected leader is only the one
 clients ask first (and the one that collects garbage).
 """
@@ -15,6 +16,7 @@ import heapq
 import itertools
 from typing import Any
 
+from ziplog.cores.effects import Messages
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.records import NO_RID
 from ziplog.logdb.core.validator import Validator
@@ -26,7 +28,6 @@ MAX_WAITING = 100_000
 #: another replica)
 WAIT_LIMIT_NS = 20_000_000_000
 
-Send = tuple[Any, bytes]
 
 
 def collection_point(positions: dict[str, int], kv_shards: int | None) -> int:
@@ -52,32 +53,32 @@ class CoordinatorCore:
         return self.validator.position
 
     # -- the log ----------------------------------------------------------------------------------
-    def on_record(self, gsn: int, shard: int, data: bytes) -> list[Send]:
+    def on_record(self, gsn: int, shard: int, data: bytes) -> Messages:
         self.validator.on_record(gsn, shard, data)
         return self._release()
 
-    def on_position(self, gsn: int) -> list[Send]:
+    def on_position(self, gsn: int) -> Messages:
         self.validator.advance(gsn)
         return self._release()
 
     # -- clients ----------------------------------------------------------------------------------
-    def on_request(self, route: Any, data: bytes) -> list[Send]:
+    def on_request(self, route: Any, data: bytes) -> Messages:
         try:
             req = f.decode_request(data)
         except f.BadFrame as exc:
-            return [(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}")))]
+            return [(route, f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}"))]
         if type(req) is f.KvGet:
-            return [(route, f.encode(f.Failed(req=req.req, code=f.BAD_REQUEST,
-                                              message="a coordinator serves no values: ask the key's KV shard")))]
+            return [(route, f.Failed(req=req.req, code=f.BAD_REQUEST,
+                                     message="a coordinator serves no values: ask the key's KV shard"))]
         need = req.commit_gsn if type(req) is f.Outcome else req.min_gsn  # type: ignore[union-attr]
         if need <= self.validator.position:
             return [(route, self._answer(req))]
         if len(self._waiting) >= self.max_waiting:
-            return [(route, f.encode(f.Failed(req=req.req, code=f.BUSY, message="too many requests wait here")))]
+            return [(route, f.Failed(req=req.req, code=f.BUSY, message="too many requests wait here"))]
         heapq.heappush(self._waiting, (need, next(self._order), self.now, route, req))
         return []
 
-    def on_tick(self, now: int) -> list[Send]:
+    def on_tick(self, now: int) -> Messages:
         """The clock: requests waiting longer than ``WAIT_LIMIT_NS`` are answered BUSY."""
         self.now = now
         if not self._waiting:
@@ -87,40 +88,39 @@ class CoordinatorCore:
             return []
         self._waiting = [w for w in self._waiting if now - w[2] <= WAIT_LIMIT_NS]
         heapq.heapify(self._waiting)
-        return [(w[3], f.encode(f.Failed(req=w[4].req, code=f.BUSY,
-                                         message=f"this coordinator has not reached gsn {w[0]} yet")))
+        return [(w[3], f.Failed(req=w[4].req, code=f.BUSY, message=f"this coordinator has not reached gsn {w[0]} yet"))
                 for w in old]
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def _release(self) -> list[Send]:
+    def _release(self) -> Messages:
         waiting = self._waiting
         if not waiting or waiting[0][0] > self.validator.position:
             return []
-        out: list[Send] = []
+        out: Messages = []
         while waiting and waiting[0][0] <= self.validator.position:
             _, _, _, route, req = heapq.heappop(waiting)
             out.append((route, self._answer(req)))
         return out
 
-    def _answer(self, req: f.Request) -> bytes:
+    def _answer(self, req: f.Request) -> f.Answer:
         v = self.validator
         assert v.position >= (req.commit_gsn if type(req) is f.Outcome else req.min_gsn)  # type: ignore[union-attr]
         if type(req) is f.Latest:
             gsn, shard = v.latest.get(req.key, NO_RID)
-            return f.encode(f.LatestIs(req=req.req, gsn=gsn, shard=shard, position=v.position))
+            return f.LatestIs(req=req.req, gsn=gsn, shard=shard, position=v.position)
         if type(req) is f.Outcome:
             d = v.decided.get(req.txn)
             if d is None:
-                return f.encode(f.Failed(req=req.req, code=f.UNKNOWN_TXN,
-                                         message=f"no decision for transaction {req.txn} up to gsn {v.position}"))
-            return f.encode(f.OutcomeIs(req=req.req, committed=d.committed, reason=d.reason, gsn=d.gsn, shard=d.shard))
+                return f.Failed(req=req.req, code=f.UNKNOWN_TXN,
+                                message=f"no decision for transaction {req.txn} up to gsn {v.position}")
+            return f.OutcomeIs(req=req.req, committed=d.committed, reason=d.reason, gsn=d.gsn, shard=d.shard)
         assert type(req) is f.Validate
         for key, rid in req.reads.items():
             now = v.latest.get(key, NO_RID)
             if now != rid:
-                return f.encode(f.Valid(req=req.req, ok=False, position=v.position,
-                                        reason=f"read-write conflict on key {key!r}: read {rid}, now {now}"))
-        return f.encode(f.Valid(req=req.req, ok=True, reason="", position=v.position))
+                return f.Valid(req=req.req, ok=False, position=v.position,
+                               reason=f"read-write conflict on key {key!r}: read {rid}, now {now}")
+        return f.Valid(req=req.req, ok=True, reason="", position=v.position)

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from ziplog.cores.effects import Ready
 from ziplog.logdb.core.validator import Decision, Validator
 
 #: an idle shard stores its position this often (so a restart does not rescan)
@@ -128,18 +129,19 @@ class KvShardCore:
         self.validator.advance(gsn)
 
     # -- the store --------------------------------------------------------------------------------
-    def due(self, now: int) -> ApplyBatch | None:
-        """The next atomic write, if one is due: committed writes to store, or (idle) a
-        position that moved a while ago, and a snapshot when its interval passed."""
+    def due(self, now: int) -> Ready:
+        """The next atomic write, if one is due, as the one persist effect of a ``Ready``:
+        committed writes to store, or (idle) a position that moved a while ago, and a
+        snapshot when its interval passed. Answer with :meth:`on_stored`."""
         position = self.validator.position
         if position <= self.applied and not self._pending:
-            return None
+            return Ready()
         snapshot_due = now - self._snapshot_at >= self.snapshot_ns and position > self.snapshot_position
         if not self._pending and not snapshot_due and now - self._stored_at < self.idle_store_ns:
-            return None
+            return Ready()
         batch = ApplyBatch(position, self._pending, encode_snapshot(self.validator) if snapshot_due else None)
         self._pending = []
-        return batch
+        return Ready(persist=[batch])
 
     def on_stored(self, batch: ApplyBatch, now: int) -> None:
         """The store holds ``batch`` (durably, when it carried a snapshot)."""
