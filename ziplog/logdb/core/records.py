@@ -21,6 +21,7 @@ from typing import Annotated, Union
 
 import msgspec
 
+from ziplog.protocol.app_records import RecordCodec
 from ziplog.protocol.errors import ZiplogError
 
 MAGIC = b"ZLDB"
@@ -64,20 +65,14 @@ class Commit(msgspec.Struct, array_like=True, tag=2, tag_field="kind", forbid_un
 
 Record = Union[Write, Commit]
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Record)
+_codec: RecordCodec[Record] = RecordCodec(HEADER, Record)
 
 
 def encode(record: Record) -> bytes:
-    return HEADER + _encoder.encode(record)
+    return _codec.encode(record)
 
 
 def decode(data: bytes) -> Record | None:
-    """The LogDB record ``data`` holds, or None when it is not one (another
-    application's record, garbage, another format version, a bad field)."""
-    if not data.startswith(HEADER):
-        return None
-    try:
-        return _decoder.decode(memoryview(data)[len(HEADER):])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    """The record ``data`` holds, or None when it is not one (another application's
+    record, garbage, another format version, a bad field)."""
+    return _codec.decode(data)
