@@ -301,6 +301,15 @@ class AsyncSubscription(SubscriptionBase):
         """The next record, or None if none arrives within ``timeout`` seconds (or the
         subscription reached its ``end``: see :attr:`ended`). Raises ClientClosedError
         once closed, and the error that broke the subscription if any."""
+        return await self._next(timeout, None)
+
+    async def next_until(self, position: int, timeout: float | None = None) -> Record | None:
+        """The next record, or None as soon as none is buffered and :attr:`position` is
+        at or past ``position`` (or after ``timeout`` seconds): a reader catches up to
+        a position without waiting for a record that may never come."""
+        return await self._next(timeout, position)
+
+    async def _next(self, timeout: float | None, until: int | None) -> Record | None:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         sub = self._sub
@@ -314,6 +323,8 @@ class AsyncSubscription(SubscriptionBase):
             if rec is not None:
                 return rec
             sub.core.raise_error()
+            if until is not None and sub.core.position >= until:
+                return None
             self._wake.clear()
             if deadline is None:
                 await self._wake.wait()

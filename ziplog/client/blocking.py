@@ -248,6 +248,22 @@ class Subscription(SubscriptionBase):
             core.raise_error()
         return rec
 
+    def next_until(self, position: int, timeout: float | None = None) -> Record | None:
+        """The next record, or None as soon as none is buffered and :attr:`position` is
+        at or past ``position`` (or after ``timeout`` seconds): a reader catches up to
+        a position without waiting for a record that may never come."""
+        if self._closed:
+            raise ClientClosedError("subscription is closed")
+        sub = self._sub
+        sub.read()
+        core = sub.core
+        self._client._rt.run_until(lambda: core.has_record() or core.error is not None or core.position >= position,
+                                   None if timeout is None else int(timeout * 1e9))
+        rec = sub.pop()
+        if rec is None:
+            core.raise_error()
+        return rec
+
     def close(self) -> None:
         if self._closed:
             return

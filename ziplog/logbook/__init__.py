@@ -7,3 +7,15 @@ record's data; a per-book trim is a trim record in the log. ``ziplog.logbook.cor
 sans-I/O part (the record format, an index node's core, the aggregation of answers at one
 cut).
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:  # lazy: the cores stay importable without ZeroMQ or ZooKeeper
+    if name in ("LogBook", "LogRecord", "Engine"):
+        from ziplog.logbook import client
+        return getattr(client, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LogBook", "LogRecord", "Engine"]

@@ -1,0 +1,180 @@
+"""LogBook's blocking client: ``ziplog.logbook.LogBook``, Boki's API on ziplog.
+
+    from ziplog.logbook import LogBook
+    with LogBook(zk_hosts, book_id=7) as lb:
+        s = lb.append(b"hello", tags=[1, "user:42"])
+        rec = lb.read_next(0, tag="user:42")      # the first record of the book with that tag
+        tail = lb.check_tail()
+        child = lb.child()                         # sees at least what lb has seen
+
+A :class:`LogBook` is a session on one book: it carries its position (see
+:mod:`ziplog.logbook.core.session`) and shares an :class:`Engine` with its children.
+The engine is one ziplog client and a complete index of the log kept by its own
+subscription (Boki's engine with a local index); lookups wait until that index reached
+the session's position. The index tier of dedicated nodes (IndiLog) takes its place
+for logs whose index does not fit one process.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ziplog.client.blocking import Client
+from ziplog.logbook.core import records as r
+from ziplog.logbook.core import session as s
+from ziplog.logbook.core.index import Assignment, Hit, IndexNode
+from ziplog.protocol.errors import ZiplogTimeoutError
+from ziplog.protocol.types import RID_GENESIS, RecordId
+
+__all__ = ["LogBook", "LogRecord", "Engine"]
+
+LogRecord = s.LogRecord
+
+#: aux data entries an engine keeps (least recently used dropped first)
+AUX_ENTRIES = 100_000
+
+
+class Engine:
+    """One ziplog client, a complete local index fed by its subscription from the start
+    of the log, and the aux-data cache; shared by the sessions of one thread."""
+
+    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES) -> None:
+        self.timeout = timeout
+        self.client = Client(zk_hosts, timeout=timeout)
+        try:
+            self.index = IndexNode(0, Assignment([(0, 1)]))
+            self.sub = self.client.subscribe(RID_GENESIS)
+        except BaseException:
+            self.client.close()
+            raise
+        self.aux: OrderedDict[int, bytes] = OrderedDict()
+        self.aux_entries = aux_entries
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sub.close()
+            self.client.close()
+
+    def catch_up(self, position: int) -> None:
+        """Feed the index everything delivered so far, and at least up to ``position``
+        (Boki's rule: an index behind the reader's position does not answer it)."""
+        sub = self.sub
+        while True:
+            rec = sub.next_until(position, self.timeout)
+            if rec is None:
+                self.index.on_watermark(sub.position)
+                if self.index.watermark >= position:
+                    return
+                raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
+            self._feed(rec.rid.gsn, rec.rid.shard, rec.data)
+
+    def _feed(self, gsn: int, shard: int, data: bytes) -> None:
+        rec = r.decode(data)
+        if type(rec) is r.Entry:
+            self.index.on_entry(gsn, shard, rec.book, rec.tags)
+        elif type(rec) is r.Trim:
+            self.index.on_trim(gsn, rec.book, rec.seqnum)
+
+    def perform(self, op: s.Op) -> Any:
+        if type(op) is s.Insert:
+            rid = self.client.insert_after(op.data, RecordId(op.after, -1))
+            return rid.gsn, rid.shard
+        if type(op) is s.ReadRecord:
+            return self.client.read_record(RecordId(op.hit.gsn, op.hit.shard))
+        assert type(op) is s.Lookup
+        self.catch_up(op.min_cut)
+        cut = self.index.watermark
+        find = self.index.next if op.how == "next" else self.index.prev
+        hit: Hit | None = find(op.book, op.tag, op.seqnum, cut)
+        return cut, hit
+
+    def set_aux(self, seqnum: int, aux: bytes) -> None:
+        self.aux[seqnum] = aux
+        self.aux.move_to_end(seqnum)
+        while len(self.aux) > self.aux_entries:
+            self.aux.popitem(last=False)
+
+    def get_aux(self, seqnum: int) -> bytes | None:
+        aux = self.aux.get(seqnum)
+        if aux is not None:
+            self.aux.move_to_end(seqnum)
+        return aux
+
+
+class LogBook:
+    """A session on book ``book_id``. Not thread-safe: one engine per thread."""
+
+    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: Engine | None = None,
+                 _position: int = 0) -> None:
+        if not isinstance(book_id, int) or not 0 <= book_id < 1 << 64:
+            raise ValueError("a book id is an integer in 0..2**64-1")
+        self.book_id = book_id
+        self._own_engine = _engine is None
+        self._engine = _engine if _engine is not None else Engine(zk_hosts, timeout)
+        self._pos = s.Position(_position)
+
+    @property
+    def position(self) -> int:
+        """Every answer this session got was computed at a cut at or below this gsn, and
+        every later one will be at or above it (Boki's metalog position)."""
+        return self._pos.gsn
+
+    def child(self) -> "LogBook":
+        """A session on the same book and engine that starts at this one's position."""
+        return LogBook("", self.book_id, _engine=self._engine, _position=self._pos.gsn)
+
+    def close(self) -> None:
+        if self._own_engine:
+            self._engine.close()
+
+    def __enter__(self) -> "LogBook":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _drive(self, steps: s.Steps) -> Any:
+        value: Any = None
+        while True:
+            try:
+                op = steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = self._engine.perform(op)
+
+    # -- Boki's API ---------------------------------------------------------------------------------
+    def append(self, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> int:
+        """Append ``data`` with ``tags``; its seqnum (above everything this session saw)."""
+        result: int = self._drive(s.append(self._pos, self.book_id, data, tags))
+        return result
+
+    def read_next(self, min_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
+        """The first record of the book with ``tag`` (None: any) and seqnum >= ``min_seqnum``."""
+        return self._with_aux(self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum)))
+
+    def read_prev(self, max_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
+        """The last record of the book with ``tag`` (None: any) and seqnum <= ``max_seqnum``."""
+        return self._with_aux(self._drive(s.read(self._pos, "prev", self.book_id, tag, max_seqnum)))
+
+    def check_tail(self, tag: int | str | None = None) -> LogRecord | None:
+        """The book's last record with ``tag`` (None: any)."""
+        return self.read_prev(s.MAX_SEQNUM, tag)
+
+    def trim(self, trim_seqnum: int) -> None:
+        """Trim the book: its records with seqnum < ``trim_seqnum`` are gone for every
+        read at a cut past the trim."""
+        self._drive(s.trim(self._pos, self.book_id, trim_seqnum))
+
+    def set_aux_data(self, seqnum: int, aux: bytes) -> None:
+        """Attach ``aux`` to the record at ``seqnum`` in this engine's cache
+        (best-effort, as in Boki: a restart forgets it)."""
+        self._engine.set_aux(seqnum, bytes(aux))
+
+    def _with_aux(self, rec: LogRecord | None) -> LogRecord | None:
+        if rec is None:
+            return None
+        aux = self._engine.get_aux(rec.seqnum)
+        return rec if aux is None else LogRecord(rec.seqnum, rec.data, rec.tags, rec.names, aux)

@@ -1,0 +1,113 @@
+"""A LogBook session as a sans-I/O protocol: each call is a generator that yields the
+operations it needs (:class:`Insert` into the log, :class:`Lookup` in the index,
+:class:`ReadRecord`) and is sent their results, as LogDB's transactions are. Every
+engine drives the same steps.
+
+Boki's guarantees come from one number, the session's **position** P (Boki's metalog
+position of a function), carried from call to call and handed to children:
+
+* an **append** is InsertAfter(P): its seqnum is above everything the session has seen
+  (read-your-writes: a later read asks for a cut at or above it), and P moves to it;
+* a **read** is computed by the index on one cut C >= P (the lookup waits until the
+  index reached P, it never answers below it: monotonic reads), and P moves to C; since
+  C is at or below the stable-prefix watermark, no record at or below C can appear
+  later, so every answer served at C stays true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator
+
+from ziplog.logbook.core import records as r
+from ziplog.logbook.core.index import Hit
+
+#: the largest seqnum (check_tail reads back from it)
+MAX_SEQNUM = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    """Insert ``data`` into the log after gsn ``after``; its (gsn, shard) is sent back."""
+    data: bytes
+    after: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Ask the index, at a cut at or above ``min_cut``, for the first (``"next"``: seqnum
+    at or above ``seqnum``) or last (``"prev"``: at or below) entry of ``book`` with
+    ``tag`` (None: any); ``(cut, Hit | None)`` is sent back."""
+    how: str
+    book: int
+    tag: int | None
+    seqnum: int
+    min_cut: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRecord:
+    hit: Hit
+
+
+Op = Insert | Lookup | ReadRecord
+Steps = Generator[Op, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    """A record of a book (Boki's ``LogRecord``): ``tags`` as the index keeps them
+    (string tags hashed; ``names`` maps those back to their strings)."""
+    seqnum: int
+    data: bytes
+    tags: tuple[int, ...]
+    names: dict[int, str]
+    aux_data: bytes | None = None
+
+
+class Position:
+    """The session's position: what it has seen of the log (see the module's docstring)."""
+
+    __slots__ = ("gsn",)
+
+    def __init__(self, gsn: int = 0) -> None:
+        self.gsn = gsn
+
+    def reached(self, gsn: int) -> None:
+        if gsn > self.gsn:
+            self.gsn = gsn
+
+
+def append(pos: Position, book: int, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> Steps:
+    """Append ``data`` to ``book`` with ``tags``; returns its seqnum."""
+    record = r.encode(r.entry(book, data, tags))
+    gsn, _ = yield Insert(record, pos.gsn)
+    assert gsn > pos.gsn, ("InsertAfter placed an append at or below the session's position", gsn, pos.gsn)
+    pos.reached(gsn)
+    return gsn
+
+
+def trim(pos: Position, book: int, seqnum: int) -> Steps:
+    """Trim ``book`` below ``seqnum``: a trim record, after the session's position."""
+    if not 0 <= seqnum <= MAX_SEQNUM:
+        raise ValueError("a seqnum is in 0..2**64-1")
+    gsn, _ = yield Insert(r.encode(r.Trim(book=book, seqnum=seqnum)), pos.gsn)
+    pos.reached(gsn)
+    return None
+
+
+def read(pos: Position, how: str, book: int, tag: int | str | None, seqnum: int) -> Steps:
+    """``read_next`` (``how="next"``) or ``read_prev`` (``"prev"``): the record, or None."""
+    if not 0 <= seqnum <= MAX_SEQNUM:
+        raise ValueError("a seqnum is in 0..2**64-1")
+    key = None if tag is None else r.tag_of(tag)
+    cut, hit = yield Lookup(how, book, key, seqnum, pos.gsn)
+    assert cut >= pos.gsn, ("the index answered below the session's position", cut, pos.gsn)
+    pos.reached(cut)
+    if hit is None:
+        return None
+    data = yield ReadRecord(hit)
+    rec = r.decode(data)
+    assert type(rec) is r.Entry and rec.book == book, ("the index named a record that is not an entry of the book",
+                                                        hit, rec)
+    return LogRecord(hit.gsn, rec.data, rec.tags, rec.names)
