@@ -45,6 +45,10 @@ class Engine:
         try:
             self.index = IndexNode(0, Assignment([(0, 1)]))
             self.sub = self.client.subscribe(RID_GENESIS)
+            #: the log's stable-prefix watermark when the engine started: no lookup is
+            #: answered below it, so a fresh session sees at least what was there then
+            #: (Boki's engines follow the metalog all along; this one catches up on demand)
+            self.floor = self.client.watermark()
         except BaseException:
             self.client.close()
             raise
@@ -85,7 +89,7 @@ class Engine:
         if type(op) is s.ReadRecord:
             return self.client.read_record(RecordId(op.hit.gsn, op.hit.shard))
         assert type(op) is s.Lookup
-        self.catch_up(op.min_cut)
+        self.catch_up(max(op.min_cut, self.floor))
         cut = self.index.watermark
         find = self.index.next if op.how == "next" else self.index.prev
         hit: Hit | None = find(op.book, op.tag, op.seqnum, cut)
@@ -137,13 +141,7 @@ class LogBook:
         self.close()
 
     def _drive(self, steps: s.Steps) -> Any:
-        value: Any = None
-        while True:
-            try:
-                op = steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value = self._engine.perform(op)
+        return s.drive(steps, self._engine.perform)
 
     # -- Boki's API ---------------------------------------------------------------------------------
     def append(self, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> int:

@@ -17,7 +17,7 @@ position of a function), carried from call to call and handed to children:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 from ziplog.logbook.core import records as r
 from ziplog.logbook.core.index import Hit
@@ -52,6 +52,18 @@ class ReadRecord:
 
 Op = Insert | Lookup | ReadRecord
 Steps = Generator[Op, Any, Any]
+
+
+def drive(steps: Generator[Any, Any, Any], perform: Callable[[Any], Any]) -> Any:
+    """Run ``steps`` to their end, sending each operation's result from ``perform``
+    (an exception ``perform`` raises ends them too)."""
+    value: Any = None
+    while True:
+        try:
+            op = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value = perform(op)
 
 
 @dataclass(frozen=True, slots=True)
