@@ -6,6 +6,7 @@ another engine), tags, trims and aux data."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Iterator
 
@@ -139,3 +140,34 @@ def test_a_subscription_catches_up_to_a_position_without_waiting_for_a_record(cl
                 assert rid in got and sub.position >= rid.gsn
 
     ziplog.aio.run(main())
+
+
+def test_the_asyncio_twin_answers_as_the_blocking_one(cluster: ziplog.LocalCluster) -> None:
+    from ziplog.logbook.aio import AsyncLogBook
+
+    async def main() -> tuple[list[int], int]:
+        async with AsyncLogBook(cluster.zk_hosts, 40) as lb:
+            kids = [lb.child() for _ in range(4)]
+            # concurrent tasks on one engine, each appending and reading its own tag
+            async def work(i: int, kid: AsyncLogBook) -> int:
+                s = await kid.append(b"%d" % i, tags=[i])
+                rec = await kid.read_next(0, tag=i)
+                assert rec is not None and rec.seqnum == s and rec.data == b"%d" % i
+                return s
+            seqnums = list(await asyncio.gather(*(work(i, k) for i, k in enumerate(kids))))
+            await lb.set_aux_data(seqnums[0], b"aux")
+            again = await lb.read_next(seqnums[0], tag=0)
+            assert again is not None and again.aux_data == b"aux"
+            await lb.trim(max(seqnums))
+            first = await lb.read_next(0)
+            assert first is not None and first.seqnum == max(seqnums)
+            tail = await lb.check_tail()
+            assert tail is not None and tail.seqnum == max(seqnums)
+            return seqnums, max(k.position for k in [lb, *kids])
+
+    seqnums, position = ziplog.aio.run(main())
+    # a blocking session handed that position sees the same book
+    with LogBook(cluster.zk_hosts, 40) as lb:
+        child = LogBook("", 40, _engine=lb._engine, _position=position)
+        tail = child.check_tail()
+        assert tail is not None and tail.seqnum == max(seqnums) and child.read_next(0) == tail

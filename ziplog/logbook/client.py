@@ -35,25 +35,66 @@ LogRecord = s.LogRecord
 AUX_ENTRIES = 100_000
 
 
-class Engine:
+class EngineState:
+    """What an engine holds apart from its I/O (shared by the blocking and asyncio
+    engines): the local index, the aux-data cache, and how a lookup is answered."""
+
+    def __init__(self, timeout: float, aux_entries: int) -> None:
+        self.timeout = timeout
+        self.index = IndexNode(0, Assignment([(0, 1)]))
+        self.aux: OrderedDict[int, bytes] = OrderedDict()
+        self.aux_entries = aux_entries
+        #: the log's stable-prefix watermark when the engine started: no lookup is
+        #: answered below it, so a fresh session sees at least what was there then
+        #: (Boki's engines follow the metalog all along; this one catches up on demand)
+        self.floor = 0
+
+    def feed(self, gsn: int, shard: int, data: bytes) -> None:
+        rec = r.decode(data)
+        if type(rec) is r.Entry:
+            self.index.on_entry(gsn, shard, rec.book, rec.tags)
+        elif type(rec) is r.Trim:
+            self.index.on_trim(gsn, rec.book, rec.seqnum)
+
+    def answer(self, op: s.Lookup) -> tuple[int, Hit | None]:
+        """The lookup at the index's watermark (the caller caught it up to ``op.min_cut``)."""
+        cut = self.index.watermark
+        assert cut >= op.min_cut
+        find = self.index.next if op.how == "next" else self.index.prev
+        return cut, find(op.book, op.tag, op.seqnum, cut)
+
+    def set_aux(self, seqnum: int, aux: bytes) -> None:
+        self.aux[seqnum] = aux
+        self.aux.move_to_end(seqnum)
+        while len(self.aux) > self.aux_entries:
+            self.aux.popitem(last=False)
+
+    def get_aux(self, seqnum: int) -> bytes | None:
+        aux = self.aux.get(seqnum)
+        if aux is not None:
+            self.aux.move_to_end(seqnum)
+        return aux
+
+    def with_aux(self, rec: LogRecord | None) -> LogRecord | None:
+        if rec is None:
+            return None
+        aux = self.get_aux(rec.seqnum)
+        return rec if aux is None else LogRecord(rec.seqnum, rec.data, rec.tags, rec.names, aux)
+
+
+class Engine(EngineState):
     """One ziplog client, a complete local index fed by its subscription from the start
     of the log, and the aux-data cache; shared by the sessions of one thread."""
 
     def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES) -> None:
-        self.timeout = timeout
+        super().__init__(timeout, aux_entries)
         self.client = Client(zk_hosts, timeout=timeout)
         try:
-            self.index = IndexNode(0, Assignment([(0, 1)]))
             self.sub = self.client.subscribe(RID_GENESIS)
-            #: the log's stable-prefix watermark when the engine started: no lookup is
-            #: answered below it, so a fresh session sees at least what was there then
-            #: (Boki's engines follow the metalog all along; this one catches up on demand)
             self.floor = self.client.watermark()
         except BaseException:
             self.client.close()
             raise
-        self.aux: OrderedDict[int, bytes] = OrderedDict()
-        self.aux_entries = aux_entries
         self.closed = False
 
     def close(self) -> None:
@@ -73,14 +114,7 @@ class Engine:
                 if self.index.watermark >= position:
                     return
                 raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
-            self._feed(rec.rid.gsn, rec.rid.shard, rec.data)
-
-    def _feed(self, gsn: int, shard: int, data: bytes) -> None:
-        rec = r.decode(data)
-        if type(rec) is r.Entry:
-            self.index.on_entry(gsn, shard, rec.book, rec.tags)
-        elif type(rec) is r.Trim:
-            self.index.on_trim(gsn, rec.book, rec.seqnum)
+            self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
 
     def perform(self, op: s.Op) -> Any:
         if type(op) is s.Insert:
@@ -90,35 +124,19 @@ class Engine:
             return self.client.read_record(RecordId(op.hit.gsn, op.hit.shard))
         assert type(op) is s.Lookup
         self.catch_up(max(op.min_cut, self.floor))
-        cut = self.index.watermark
-        find = self.index.next if op.how == "next" else self.index.prev
-        hit: Hit | None = find(op.book, op.tag, op.seqnum, cut)
-        return cut, hit
+        return self.answer(op)
 
-    def set_aux(self, seqnum: int, aux: bytes) -> None:
-        self.aux[seqnum] = aux
-        self.aux.move_to_end(seqnum)
-        while len(self.aux) > self.aux_entries:
-            self.aux.popitem(last=False)
+class SessionBase:
+    """What both twins' sessions hold: the book, the engine (their own, or their
+    parent's), and the position."""
 
-    def get_aux(self, seqnum: int) -> bytes | None:
-        aux = self.aux.get(seqnum)
-        if aux is not None:
-            self.aux.move_to_end(seqnum)
-        return aux
-
-
-class LogBook:
-    """A session on book ``book_id``. Not thread-safe: one engine per thread."""
-
-    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: Engine | None = None,
-                 _position: int = 0) -> None:
-        if not isinstance(book_id, int) or not 0 <= book_id < 1 << 64:
+    def __init__(self, book_id: int, engine: Any, own_engine: bool, position: int) -> None:
+        if not isinstance(book_id, int) or isinstance(book_id, bool) or not 0 <= book_id < 1 << 64:
             raise ValueError("a book id is an integer in 0..2**64-1")
         self.book_id = book_id
-        self._own_engine = _engine is None
-        self._engine = _engine if _engine is not None else Engine(zk_hosts, timeout)
-        self._pos = s.Position(_position)
+        self._own_engine = own_engine
+        self._engine = engine
+        self._pos = s.Position(position)
 
     @property
     def position(self) -> int:
@@ -126,9 +144,23 @@ class LogBook:
         every later one will be at or above it (Boki's metalog position)."""
         return self._pos.gsn
 
+    def _child_args(self) -> dict[str, Any]:
+        """A child: the same book and engine, starting at this session's position."""
+        return {"_engine": self._engine, "_position": self._pos.gsn}
+
+
+class LogBook(SessionBase):
+    """A session on book ``book_id``. Not thread-safe: one engine per thread."""
+
+    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: Engine | None = None,
+                 _position: int = 0) -> None:
+        super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout), _engine is None,
+                         _position)
+        self._engine: Engine
+
     def child(self) -> "LogBook":
         """A session on the same book and engine that starts at this one's position."""
-        return LogBook("", self.book_id, _engine=self._engine, _position=self._pos.gsn)
+        return LogBook("", self.book_id, **self._child_args())
 
     def close(self) -> None:
         if self._own_engine:
@@ -172,7 +204,4 @@ class LogBook:
         self._engine.set_aux(seqnum, bytes(aux))
 
     def _with_aux(self, rec: LogRecord | None) -> LogRecord | None:
-        if rec is None:
-            return None
-        aux = self._engine.get_aux(rec.seqnum)
-        return rec if aux is None else LogRecord(rec.seqnum, rec.data, rec.tags, rec.names, aux)
+        return self._engine.with_aux(rec)

@@ -1,0 +1,134 @@
+"""LogBook's asyncio twin: ``ziplog.logbook.aio.AsyncLogBook``, the same calls awaited.
+
+    async with AsyncLogBook(zk_hosts, book_id=7) as lb:
+        s = await lb.append(b"hello", tags=["user:42"])
+        rec = await lb.read_next(0, tag="user:42")
+
+It drives the same session steps (:mod:`ziplog.logbook.core.session`) as the blocking
+:class:`~ziplog.logbook.LogBook`, on an :class:`AsyncEngine`: an ``AsyncClient`` and the
+same local index (:class:`~ziplog.logbook.client.EngineState`). Sessions of one event
+loop may share an engine (``child()``); lookups of concurrent tasks are serialized on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ziplog.client.aio import AsyncClient
+from ziplog.logbook.client import AUX_ENTRIES, EngineState, LogRecord, SessionBase
+from ziplog.logbook.core import session as s
+from ziplog.protocol.errors import ZiplogTimeoutError
+from ziplog.protocol.types import RID_GENESIS, RecordId
+
+__all__ = ["AsyncLogBook", "AsyncEngine", "LogRecord"]
+
+
+class AsyncEngine(EngineState):
+    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES) -> None:
+        super().__init__(timeout, aux_entries)
+        self.zk_hosts = zk_hosts
+        self.client: AsyncClient | None = None
+        self.sub: Any = None
+        #: one catch-up at a time (the subscription has one reader)
+        self._feeding = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.client = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout)
+        try:
+            self.sub = self.client.subscribe(RID_GENESIS)
+            self.floor = await self.client.watermark()
+        except BaseException:
+            await self.client.close()
+            raise
+
+    async def close(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.close()
+
+    async def catch_up(self, position: int) -> None:
+        """Feed the index everything delivered so far, and at least up to ``position``."""
+        async with self._feeding:
+            sub = self.sub
+            while True:
+                rec = await sub.next_until(position, self.timeout)
+                if rec is None:
+                    self.index.on_watermark(sub.position)
+                    if self.index.watermark >= position:
+                        return
+                    raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
+                self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
+
+    async def perform(self, op: s.Op) -> Any:
+        client = self.client
+        assert client is not None, "the engine is not started"
+        if type(op) is s.Insert:
+            rid = await client.insert_after(op.data, RecordId(op.after, -1))
+            return rid.gsn, rid.shard
+        if type(op) is s.ReadRecord:
+            return await client.read_record(RecordId(op.hit.gsn, op.hit.shard))
+        assert type(op) is s.Lookup
+        await self.catch_up(max(op.min_cut, self.floor))
+        return self.answer(op)
+
+
+class AsyncLogBook(SessionBase):
+    """A session on book ``book_id``: ``async with AsyncLogBook(zk_hosts, book_id)`` (or
+    ``await AsyncLogBook.connect(...)``)."""
+
+    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: AsyncEngine | None = None,
+                 _position: int = 0) -> None:
+        super().__init__(book_id, _engine if _engine is not None else AsyncEngine(zk_hosts, timeout), _engine is None,
+                         _position)
+        self._engine: AsyncEngine
+
+    @classmethod
+    async def connect(cls, zk_hosts: str, book_id: int, **kw: Any) -> "AsyncLogBook":
+        lb = cls(zk_hosts, book_id, **kw)
+        await lb.__aenter__()
+        return lb
+
+    async def __aenter__(self) -> "AsyncLogBook":
+        if self._own_engine and self._engine.client is None:
+            await self._engine.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_engine:
+            await self._engine.close()
+
+    def child(self) -> "AsyncLogBook":
+        """A session on the same book and engine that starts at this one's position."""
+        return AsyncLogBook("", self.book_id, **self._child_args())
+
+    async def _drive(self, steps: s.Steps) -> Any:
+        value: Any = None
+        while True:
+            try:
+                op = steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = await self._engine.perform(op)
+
+    async def append(self, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> int:
+        result: int = await self._drive(s.append(self._pos, self.book_id, data, tags))
+        return result
+
+    async def read_next(self, min_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
+        return self._engine.with_aux(await self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum)))
+
+    async def read_prev(self, max_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
+        return self._engine.with_aux(await self._drive(s.read(self._pos, "prev", self.book_id, tag, max_seqnum)))
+
+    async def check_tail(self, tag: int | str | None = None) -> LogRecord | None:
+        return await self.read_prev(s.MAX_SEQNUM, tag)
+
+    async def trim(self, trim_seqnum: int) -> None:
+        await self._drive(s.trim(self._pos, self.book_id, trim_seqnum))
+
+    async def set_aux_data(self, seqnum: int, aux: bytes) -> None:
+        self._engine.set_aux(seqnum, bytes(aux))
