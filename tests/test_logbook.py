@@ -171,3 +171,27 @@ def test_the_asyncio_twin_answers_as_the_blocking_one(cluster: ziplog.LocalClust
         child = LogBook("", 40, _engine=lb._engine, _position=position)
         tail = child.check_tail()
         assert tail is not None and tail.seqnum == max(seqnums) and child.read_next(0) == tail
+
+
+def test_the_command_line_appends_and_reads_a_book(cluster: ziplog.LocalCluster) -> None:
+    import subprocess
+    import sys
+
+    def book(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "book", *args, "--zk", cluster.zk_hosts],
+                              capture_output=True, text=True, timeout=120)
+
+    a = book("append", "50", "first", "--tag", "7", "--tag", "user:1")
+    assert a.returncode == 0, a.stderr
+    b = book("append", "50", "second", "--tag", "7")
+    assert b.returncode == 0, b.stderr
+    s1, s2 = int(a.stdout), int(b.stdout)
+    assert s1 < s2
+    nxt = book("read-next", "50", "0", "--tag", "user:1")
+    assert nxt.returncode == 0 and nxt.stdout.split("\t") == [str(s1), "7,user:1", "first\n"], nxt
+    prev = book("read-prev", "50", str(s2), "--tag", "7")
+    assert prev.returncode == 0 and prev.stdout.startswith(f"{s2}\t"), prev
+    tail = book("tail", "50")
+    assert tail.returncode == 0 and tail.stdout.endswith("second\n"), tail
+    none = book("read-next", "50", str(s2 + 1))
+    assert none.returncode == 1 and "no record" in none.stderr

@@ -372,7 +372,52 @@ def cmd_logdb_bank(args: argparse.Namespace) -> int:
     return 0 if report.total == report.expected_total else 1
 
 
+# -- LogBook --------------------------------------------------------------------------------------
+def _tag(text: str) -> int | str:
+    """A tag on the command line: digits are an integer tag, anything else a string tag."""
+    return int(text) if text.isdigit() else text
+
+
+def _book(args: argparse.Namespace) -> Any:
+    from ziplog.logbook import LogBook
+    return LogBook(_zk_hosts(args), args.book, timeout=args.timeout)
+
+
+def _print_record(rec: Any) -> int:
+    if rec is None:
+        print("no record", file=sys.stderr)
+        return 1
+    tags = ",".join(rec.names.get(t, str(t)) for t in rec.tags)
+    _out(f"{rec.seqnum}\t{tags}\t{format_data(rec.data)}")
+    return 0
+
+
+def cmd_book_append(args: argparse.Namespace) -> int:
+    with _book(args) as lb:
+        _out(str(lb.append(args.data.encode("utf-8", "surrogateescape"), [_tag(t) for t in args.tag])))
+    return 0
+
+
+def cmd_book_read(args: argparse.Namespace) -> int:
+    tag = None if args.tag is None else _tag(args.tag)
+    with _book(args) as lb:
+        if args.book_command == "read-next":
+            return _print_record(lb.read_next(args.seqnum, tag))
+        if args.book_command == "read-prev":
+            return _print_record(lb.read_prev(args.seqnum, tag))
+        return _print_record(lb.check_tail(tag))
+
+
 # -- parser ---------------------------------------------------------------------------------------
+def _app_action(subs: Any, name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """An action of an app's command (``logdb``, ``book``): ZooKeeper hosts and a timeout."""
+    sp: argparse.ArgumentParser = subs.add_parser(name, help=help, description=help)
+    sp.add_argument("--zk", metavar="HOSTS", default=None, help=f"ZooKeeper hosts (default: ${ENV_ZK})")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-call timeout (default 30)")
+    sp.set_defaults(func=func)
+    return sp
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ziplog", description="A totally ordered, sharded, replicated shared log.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -456,11 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     ldsub.required = True
 
     def logdb_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        sp = ldsub.add_parser(name, help=help, description=help)
-        sp.add_argument("--zk", metavar="HOSTS", default=None, help=f"ZooKeeper hosts (default: ${ENV_ZK})")
+        sp = _app_action(ldsub, name, help, func)
         sp.add_argument("--name", default="default", help="the LogDB's name (default 'default')")
-        sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-request timeout (default 30)")
-        sp.set_defaults(func=func)
         return sp
 
     lg = logdb_cmd("get", "print the latest committed value of KEY", cmd_logdb_get)
@@ -472,6 +514,28 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--accounts", type=_positive_int, default=20)
     lb.add_argument("--processes", type=_positive_int, default=3)
     lb.add_argument("--seconds", type=float, default=5.0)
+
+    bk = sub.add_parser("book", help="Boki's LogBook on the log: append to and read a book by tag",
+                        description="Append to and read a LogBook book (a record's seqnum is its gsn).")
+    bksub = bk.add_subparsers(dest="book_command", metavar="ACTION")
+    bksub.required = True
+
+    def book_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        sp = _app_action(bksub, name, help, func)
+        sp.add_argument("book", type=int, metavar="BOOK", help="the book id (0..2**64-1)")
+        return sp
+
+    ba = book_cmd("append", "append DATA with --tag TAG (repeatable; digits: an integer tag); prints its seqnum",
+                  cmd_book_append)
+    ba.add_argument("data", metavar="DATA")
+    ba.add_argument("--tag", action="append", default=[], metavar="TAG")
+    for name, help in (("read-next", "print the first record with --tag TAG (default: any) and seqnum >= SEQNUM"),
+                       ("read-prev", "print the last record with --tag TAG (default: any) and seqnum <= SEQNUM")):
+        br = book_cmd(name, help, cmd_book_read)
+        br.add_argument("seqnum", type=int, metavar="SEQNUM")
+        br.add_argument("--tag", default=None, metavar="TAG")
+    bt = book_cmd("tail", "print the book's last record with --tag TAG (default: any)", cmd_book_read)
+    bt.add_argument("--tag", default=None, metavar="TAG")
     return p
 
 
@@ -483,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     name = {"cluster": f"cluster {getattr(args, 'cluster_command', '')}",
             "replica": f"replica {getattr(args, 'replica_command', '')}",
-            "logdb": f"logdb {getattr(args, 'logdb_command', '')}"}.get(args.command, args.command)
+            "logdb": f"logdb {getattr(args, 'logdb_command', '')}",
+            "book": f"book {getattr(args, 'book_command', '')}"}.get(args.command, args.command)
     try:
         return args.func(args)
     except _UsageError as e:
