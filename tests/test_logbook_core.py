@@ -196,3 +196,40 @@ def test_a_cut_never_goes_below_the_sessions_position() -> None:
     assert choose_cut([10, 7, 12], 8) is None  # one node is behind the session: the read waits
     assert first([None, Hit(9, 1), Hit(4, 0)]) == Hit(4, 0) and last([Hit(9, 1), None, Hit(4, 0)]) == Hit(9, 1)
     assert first([None, None]) is None
+
+
+# -- BokiStore's replay (ziplog/logbook/core/objects.py) ----------------------------------------------
+def _replay_over(updates: dict[int, Any], steps: Any) -> Any:
+    """Drive a replay's steps over ``updates`` (seqnum -> update), answering each Scan."""
+    from ziplog.logbook.core import objects as o
+    from ziplog.logbook.core.session import drive
+
+    def scan(op: o.Scan) -> list[tuple[int, Any]]:
+        return [(s, u) for s, u in sorted(updates.items()) if op.lo <= s <= op.hi and _touches(u, op.tag)]
+    return drive(steps, scan)
+
+
+def _touches(u: Any, tag: int) -> bool:
+    from ziplog.logbook.core import objects as o
+    if type(u) is o.Write:
+        return o.object_tag(u.obj) == tag
+    return type(u) is o.TxnCommit and any(o.object_tag(ob) == tag for ob, _, _ in u.writes)
+
+
+def test_a_long_chain_of_undecided_commits_is_decided_without_deep_recursion() -> None:
+    """Commit i's window holds commit i-1 only: the first takes effect, each next one
+    conflicts with its predecessor iff that one took effect (so they alternate). Deciding
+    the last of thousands must not recurse through all of them."""
+    from ziplog.logbook.core import objects as o
+    n = 5000
+    updates: dict[int, Any] = {2 * i: o.TxnCommit(txn=i, start=2 * i - 3 if i > 1 else 0, writes=[("x", "v", i)])
+                               for i in range(1, n + 1)}
+    replay = o.Replay()
+    assert _replay_over(updates, replay.committed(2 * n, updates[2 * n])) == (n % 2 == 1)
+    assert [replay.outcomes[2 * i] for i in range(1, 7)] == [True, False, True, False, True, False]
+    # a view replays the same decisions: x holds the last commit that took effect
+    assert _replay_over(updates, replay.view("x", 2 * n)) == {"v": n if n % 2 == 1 else n - 1}
+    # a plain write in a window always conflicts
+    updates[2 * n + 1] = o.Write(obj="x", field="v", value=-1)
+    late = o.TxnCommit(txn=n + 1, start=2 * n, writes=[("x", "v", 0)])
+    assert _replay_over(updates, replay.committed(2 * n + 2, late)) is False

@@ -92,28 +92,47 @@ class Replay:
         self.views: dict[str, list[tuple[int, dict[str, Any]]]] = {}
 
     def committed(self, seqnum: int, commit: TxnCommit) -> Steps:
-        """Whether the commit at ``seqnum`` took effect."""
-        known = self.outcomes.get(seqnum)
-        if known is not None:
-            return known
-        ok = True
-        for obj in dict.fromkeys(o for o, _, _ in commit.writes):
-            if seqnum - 1 <= commit.start:
-                break
-            updates = yield Scan(object_tag(obj), commit.start + 1, seqnum - 1)
-            for s, u in updates:
-                if type(u) is Write and u.obj == obj:
-                    ok = False
-                elif type(u) is TxnCommit and any(o == obj for o, _, _ in u.writes):
-                    ok = not (yield from self.committed(s, u))
-                if not ok:
+        """Whether the commit at ``seqnum`` took effect. Commits in its window that are
+        not decided yet are decided first, with an explicit stack (a long chain of them
+        needs no deep recursion)."""
+        outcomes = self.outcomes
+        stack: list[tuple[int, TxnCommit]] = [(seqnum, commit)]
+        #: (commit seqnum, object) -> the updates of the object in that commit's window
+        scans: dict[tuple[int, str], list[tuple[int, Update]]] = {}
+        while stack:
+            s, c = stack[-1]
+            if s in outcomes:
+                stack.pop()
+                continue
+            ok, first_undecided = True, None
+            for obj in dict.fromkeys(o for o, _, _ in c.writes):
+                if s - 1 <= c.start:
                     break
-            if not ok:
-                break
-        self.outcomes[seqnum] = ok
-        if len(self.outcomes) > OUTCOMES_KEPT:
-            del self.outcomes[next(iter(self.outcomes))]
-        return ok
+                updates = scans.get((s, obj))
+                if updates is None:
+                    updates = scans[(s, obj)] = yield Scan(object_tag(obj), c.start + 1, s - 1)
+                for s2, u in updates:
+                    if type(u) is Write and u.obj == obj:
+                        ok = False
+                    elif type(u) is TxnCommit and any(o == obj for o, _, _ in u.writes):
+                        if s2 not in outcomes:
+                            first_undecided = (s2, u)
+                        elif outcomes[s2]:
+                            ok = False
+                    if not ok or first_undecided is not None:
+                        break
+                if not ok or first_undecided is not None:
+                    break
+            if first_undecided is not None and ok:
+                stack.append(first_undecided)  # decide it, then look at this one again
+                continue
+            outcomes[s] = ok
+            if len(outcomes) > OUTCOMES_KEPT:
+                del outcomes[next(iter(outcomes))]
+            stack.pop()
+            if s == seqnum:
+                return ok
+        return outcomes[seqnum]
 
     def view(self, obj: str, at: int) -> Steps:
         """The object's fields as of seqnum ``at`` (a copy)."""
