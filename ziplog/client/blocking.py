@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
@@ -228,37 +228,29 @@ class Subscription(SubscriptionBase):
     def next(self, timeout: float | None = None) -> Record | None:
         """The next record, or None if none arrives within ``timeout`` seconds (or the
         subscription reached its ``end``: see :attr:`ended`)."""
-        if self._closed:
-            raise ClientClosedError("subscription is closed")
-        sub = self._sub
-        sub.read()
-        core = sub.core
-        end = self.end
-        if end is None:
-            self._client._rt.run_until(lambda: core.has_record() or core.error is not None,
-                                       None if timeout is None else int(timeout * 1e9))
-        else:
-            def ready() -> bool:
-                return core.has_record() or core.error is not None or self.ended
-            self._client._rt.run_until(ready, None if timeout is None else int(timeout * 1e9))
-            if self.ended:
-                return None
-        rec = sub.pop()
-        if rec is None:
-            core.raise_error()
-        return rec
+        if self.end is None:
+            return self._next(timeout, lambda core: False)
+        return self._next(timeout, lambda core: self.ended, final=True)
 
     def next_until(self, position: int, timeout: float | None = None) -> Record | None:
         """The next record, or None as soon as none is buffered and :attr:`position` is
         at or past ``position`` (or after ``timeout`` seconds): a reader catches up to
         a position without waiting for a record that may never come."""
+        return self._next(timeout, lambda core: core.position >= position)
+
+    def _next(self, timeout: float | None, enough: Callable[[Any], bool], final: bool = False) -> Record | None:
+        """Turn the client's runtime until a record is here, the subscription failed, or
+        ``enough(core)``; the record, if one is (none once ``enough`` if ``final``: the
+        subscription is over)."""
         if self._closed:
             raise ClientClosedError("subscription is closed")
         sub = self._sub
         sub.read()
         core = sub.core
-        self._client._rt.run_until(lambda: core.has_record() or core.error is not None or core.position >= position,
+        self._client._rt.run_until(lambda: core.has_record() or core.error is not None or enough(core),
                                    None if timeout is None else int(timeout * 1e9))
+        if final and enough(core):
+            return None
         rec = sub.pop()
         if rec is None:
             core.raise_error()

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
+from ziplog.io.zmq_runtime import bind
 
 log = logging.getLogger("ziplog.io")
 
@@ -158,11 +159,7 @@ class AsyncioRuntime:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-        r = _Router(self, sock, f"tcp://{host}:{port}", on_frame, on_multipart)
+        r = _Router(self, sock, bind(sock, host, port), on_frame, on_multipart)
         self._connections.add(r)
         return r
 

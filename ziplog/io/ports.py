@@ -35,11 +35,6 @@ class Clock(Protocol):
         """Monotonic nanoseconds."""
 
 
-class MonotonicClock:
-    """The process's monotonic clock, for code that needs a clock and no runtime."""
-    now = staticmethod(time.monotonic_ns)
-
-
 class Runtime(Protocol):
     def now(self) -> int:
         """Monotonic nanoseconds."""

@@ -50,6 +50,16 @@ IDLE_WAIT_MS = 1000
 HWM = 100_000
 
 
+def bind(sock: Any, host: str, port: int) -> str:
+    """Bind ``sock`` (a pyzmq socket, plain or asyncio) on ``host``, at ``port`` or (0)
+    any free port; its address."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
 class _TimerHandle:
     __slots__ = ("when", "fn", "cancelled")
 
@@ -215,11 +225,7 @@ class ZmqRuntime:
         sock.setsockopt(zmq.SNDHWM, HWM)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-        r = _Router(self, sock, f"tcp://{host}:{port}")
+        r = _Router(self, sock, bind(sock, host, port))
 
         def drain() -> None:
             recv, getsockopt, clock = sock.recv, sock.getsockopt, time.monotonic_ns
