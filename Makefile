@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) -m ziplog.tools.demo
 	$(PY) -m ziplog.tools.logdb_demo
+	$(PY) -m ziplog.logbook.demo
 	$(PY) -m ziplog.tools.spark_demo
 
 test: setup

@@ -143,9 +143,9 @@ def test_nodes_answer_at_a_cut_exactly_as_a_replay_up_to_it(first_n: int, later:
                     nodes[i].on_watermark(gsn)
         else:
             _, how, book, tag, pick, pos = op
-            cut = choose_cut([n.watermark for n in nodes], position)
+            cut = choose_cut([n.watermark for n in nodes], [n.floor for n in nodes], position)
             if cut is None:
-                assert min(n.watermark for n in nodes) < position
+                assert min(n.watermark for n in nodes) < max(position, *(n.floor for n in nodes))
                 continue
             assert cut >= position
             seqnum = _near_the_end(seqnums, pick) + (pick % 3 - 1)
@@ -167,16 +167,21 @@ def test_a_trim_above_the_cut_changes_no_answer_at_it() -> None:
         node.on_entry(g, 0, 7, [1])
     node.on_watermark(3)
     node.on_trim(4, 7, 3)  # book 7 below seqnum 3 is gone from gsn 4 on
-    node.on_watermark(4)
     assert node.next(7, 1, 0, 3) == Hit(1, 0) and node.prev(7, ALL, 2, 3) == Hit(2, 0)  # at cut 3: not yet
-    assert node.next(7, 1, 0, 4) == Hit(3, 0) and node.prev(7, ALL, 2, 4) is None  # at cut 4: trimmed
     assert node.trim_point(7, 3) == 0 and node.trim_point(7, 4) == 3 and node.trim_point(8, 4) == 0
+    size = node.size
+    node.on_watermark(4)
+    assert node.next(7, 1, 0, 4) == Hit(3, 0) and node.prev(7, ALL, 2, 4) is None  # at cut 4: trimmed
+    # passing the trim dropped its rows (memory), and no cut below it is answered now
+    assert node.floor == 4 and node.size == size - 4
+    with pytest.raises(AssertionError, match="does not answer"):
+        node.next(7, 1, 0, 3)
 
 
 def test_a_node_refuses_a_cut_it_has_not_reached_and_a_feed_that_goes_back() -> None:
     node = IndexNode(0, Assignment([(0, 1)]))
     node.on_entry(5, 0, 1, [9])
-    with pytest.raises(AssertionError, match="not reached"):
+    with pytest.raises(AssertionError, match="does not answer"):
         node.next(1, 9, 0, 5)
     node.on_watermark(5)
     assert node.next(1, 9, 0, 5) == Hit(5, 0) and node.prev(1, ALL, MAX_SEQNUM, 5) == Hit(5, 0)
@@ -192,8 +197,9 @@ def test_the_assignment_spreads_epochs_and_grows_from_an_epoch_on() -> None:
 
 
 def test_a_cut_never_goes_below_the_sessions_position() -> None:
-    assert choose_cut([10, 7, 12], 7) == 7
-    assert choose_cut([10, 7, 12], 8) is None  # one node is behind the session: the read waits
+    assert choose_cut([10, 7, 12], [0, 0, 0], 7) == 7
+    assert choose_cut([10, 7, 12], [0, 0, 0], 8) is None  # one node is behind the session: the read waits
+    assert choose_cut([10, 7, 12], [0, 0, 9], 0) is None  # one node answers no cut below 9: wait for the others
     assert first([None, Hit(9, 1), Hit(4, 0)]) == Hit(4, 0) and last([Hit(9, 1), None, Hit(4, 0)]) == Hit(9, 1)
     assert first([None, None]) is None
 

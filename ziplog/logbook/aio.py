@@ -13,36 +13,59 @@ loop may share an engine (``child()``); lookups of concurrent tasks are serializ
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from ziplog.client.aio import AsyncClient
-from ziplog.logbook.client import AUX_ENTRIES, EngineState, LogRecord, SessionBase
+from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState, LogRecord, SessionBase, choose_mode
 from ziplog.logbook.core import session as s
+from ziplog.logbook.core.aggregator import Result
+from ziplog.logbook.tier import TierLink
 from ziplog.protocol.errors import ZiplogTimeoutError
-from ziplog.protocol.types import RID_GENESIS, RecordId
+from ziplog.protocol.types import RecordId
 
 __all__ = ["AsyncLogBook", "AsyncEngine", "LogRecord"]
 
 
 class AsyncEngine(EngineState):
-    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES) -> None:
+    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
+                 cache_entries: int = CACHE_ENTRIES) -> None:
         super().__init__(timeout, aux_entries)
         self.zk_hosts = zk_hosts
+        self.index_mode = index
+        self.cache_entries = cache_entries
         self.client: AsyncClient | None = None
         self.sub: Any = None
+        self.tier: TierLink | None = None
+        #: tier lookups in flight: key -> the future their result sets
+        self._waiting: dict[int, asyncio.Future[None]] = {}
         #: one catch-up at a time (the subscription has one reader)
         self._feeding = asyncio.Lock()
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        mode = await loop.run_in_executor(None, choose_mode, self.index_mode, self.zk_hosts, self.timeout)
         self.client = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout)
         try:
-            self.sub = self.client.subscribe(RID_GENESIS)
-            self.floor = await self.client.watermark()
+            start = self.start_at(await self.client.watermark(), mode, self.cache_entries)
+            self.sub = self.client.subscribe(RecordId(start, -1))
+            if mode != "local":
+                self.tier = await loop.run_in_executor(None, lambda: TierLink(
+                    self.client.runtime, self.zk_hosts, "nodes" if mode == "nodes" else "aggregator",  # type: ignore[union-attr]
+                    int(self.timeout * 1e9), self.on_result))
         except BaseException:
             await self.client.close()
             raise
 
+    def on_result(self, res: Result) -> None:
+        super().on_result(res)
+        fut = self._waiting.pop(cast(int, res.key), None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
     async def close(self) -> None:
+        if self.tier is not None:
+            tier, self.tier = self.tier, None
+            tier.close()
         if self.client is not None:
             client, self.client = self.client, None
             await client.close()
@@ -54,8 +77,8 @@ class AsyncEngine(EngineState):
             while True:
                 rec = await sub.next_until(position, self.timeout)
                 if rec is None:
-                    self.index.on_watermark(sub.position)
-                    if self.index.watermark >= position:
+                    self.on_watermark(sub.position)
+                    if self.watermark >= position:
                         return
                     raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
                 self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
@@ -70,17 +93,25 @@ class AsyncEngine(EngineState):
             return await client.read_record(RecordId(op.hit.gsn, op.hit.shard))
         assert type(op) is s.Lookup
         await self.catch_up(max(op.min_cut, self.floor))
-        return self.answer(op)
+        got = self.answer(op)
+        if got is not None:
+            return got
+        assert self.tier is not None
+        key = self.next_key()
+        fut = self._waiting[key] = asyncio.get_running_loop().create_future()
+        self.tier.lookup(key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
+        await fut
+        return self.take(key, op)
 
 
 class AsyncLogBook(SessionBase):
     """A session on book ``book_id``: ``async with AsyncLogBook(zk_hosts, book_id)`` (or
     ``await AsyncLogBook.connect(...)``)."""
 
-    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: AsyncEngine | None = None,
-                 _position: int = 0) -> None:
-        super().__init__(book_id, _engine if _engine is not None else AsyncEngine(zk_hosts, timeout), _engine is None,
-                         _position)
+    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, index: str = "auto",
+                 _engine: AsyncEngine | None = None, _position: int = 0) -> None:
+        super().__init__(book_id, _engine if _engine is not None else AsyncEngine(zk_hosts, timeout, index=index),
+                         _engine is None, _position)
         self._engine: AsyncEngine
 
     @classmethod

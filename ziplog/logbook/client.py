@@ -10,9 +10,10 @@
 A :class:`LogBook` is a session on one book: it carries its position (see
 :mod:`ziplog.logbook.core.session`) and shares an :class:`Engine` with its children.
 The engine is one ziplog client and a complete index of the log kept by its own
-subscription (Boki's engine with a local index); lookups wait until that index reached
-the session's position. The index tier of dedicated nodes (IndiLog) takes its place
-for logs whose index does not fit one process.
+subscription (Boki's engine with a local index), or, when the cluster runs an index
+tier (IndiLog: ``ziplog.logbook.local_logbook`` starts one), a bounded cache of the
+log's recent suffix that asks the tier what it cannot answer. Lookups wait until the
+engine's index reached the session's position.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from collections import OrderedDict
 from typing import Any
 
 from ziplog.client.blocking import Client
+from ziplog.io import zk, zk_logbook
+from ziplog.logbook.core import frames as tf
 from ziplog.logbook.core import records as r
 from ziplog.logbook.core import session as s
+from ziplog.logbook.core.aggregator import Result
+from ziplog.logbook.core.cache import CAPACITY as CACHE_ENTRIES
+from ziplog.logbook.core.cache import SuffixCache
 from ziplog.logbook.core.index import Assignment, Hit, IndexNode
-from ziplog.protocol.errors import ZiplogTimeoutError
-from ziplog.protocol.types import RID_GENESIS, RecordId
+from ziplog.logbook.tier import TierLink
+from ziplog.protocol.errors import ZiplogError, ZiplogTimeoutError
+from ziplog.protocol.types import RecordId
 
 __all__ = ["LogBook", "LogRecord", "Engine"]
 
@@ -35,33 +42,94 @@ LogRecord = s.LogRecord
 AUX_ENTRIES = 100_000
 
 
+#: how an engine finds its answers (see :class:`EngineState`)
+INDEX_MODES = ("auto", "local", "tier", "nodes")
+
+
 class EngineState:
     """What an engine holds apart from its I/O (shared by the blocking and asyncio
-    engines): the local index, the aux-data cache, and how a lookup is answered."""
+    engines): its index, the aux-data cache, and how a lookup is answered.
+
+    ``index="local"``: a complete index of the log in the engine, fed by its own
+    subscription from the start of the log (Boki's engine). ``"tier"``: the index tier
+    answers through an aggregator, and the engine keeps only a bounded cache (the log's
+    recent suffix from its start on, and the tails the tier told it) that answers when it
+    can; ``"nodes"``: the same, the engine asking the index nodes itself. ``"auto"``:
+    ``"tier"`` when the cluster has an index tier, else ``"local"``."""
 
     def __init__(self, timeout: float, aux_entries: int) -> None:
         self.timeout = timeout
+        self.mode = "local"
         self.index = IndexNode(0, Assignment([(0, 1)]))
+        self.cache: SuffixCache | None = None
         self.aux: OrderedDict[int, bytes] = OrderedDict()
         self.aux_entries = aux_entries
         #: the log's stable-prefix watermark when the engine started: no lookup is
         #: answered below it, so a fresh session sees at least what was there then
         #: (Boki's engines follow the metalog all along; this one catches up on demand)
         self.floor = 0
+        #: tier results by lookup key, until the waiting call takes them
+        self.results: dict[int, Result] = {}
+        self._key = 0
+
+    def start_at(self, floor: int, mode: str, cache_entries: int) -> int:
+        """Set the engine up at the log's watermark ``floor``; the gsn its subscription
+        starts at."""
+        self.floor = floor
+        self.mode = mode
+        if mode == "local":
+            return 0
+        self.cache = SuffixCache(floor, cache_entries)
+        return floor + 1
+
+    @property
+    def watermark(self) -> int:
+        return self.index.watermark if self.cache is None else self.cache.watermark
 
     def feed(self, gsn: int, shard: int, data: bytes) -> None:
+        if self.cache is not None:
+            self.cache.on_record(gsn, shard, data)
+            return
         rec = r.decode(data)
         if type(rec) is r.Entry:
             self.index.on_entry(gsn, shard, rec.book, rec.tags)
         elif type(rec) is r.Trim:
             self.index.on_trim(gsn, rec.book, rec.seqnum)
 
-    def answer(self, op: s.Lookup) -> tuple[int, Hit | None]:
-        """The lookup at the index's watermark (the caller caught it up to ``op.min_cut``)."""
+    def on_watermark(self, gsn: int) -> None:
+        if self.cache is not None:
+            self.cache.on_watermark(gsn)
+        else:
+            self.index.on_watermark(gsn)
+
+    def answer(self, op: s.Lookup) -> tuple[int, Hit | None] | None:
+        """The lookup at the engine's watermark (the caller caught it up to
+        ``op.min_cut``), or None: the tier must answer it."""
+        assert self.watermark >= op.min_cut
+        if self.cache is not None:
+            return self.cache.answer(op.how, op.book, op.tag, op.seqnum)
         cut = self.index.watermark
-        assert cut >= op.min_cut
         find = self.index.next if op.how == "next" else self.index.prev
         return cut, find(op.book, op.tag, op.seqnum, cut)
+
+    def next_key(self) -> int:
+        self._key += 1
+        return self._key
+
+    def on_result(self, res: Result) -> None:
+        self.results[res.key] = res  # type: ignore[index]
+
+    def take(self, key: int, op: s.Lookup) -> tuple[int, Hit | None]:
+        """The tier's result for lookup ``key`` (learned by the cache), or its error."""
+        res = self.results.pop(key)
+        if res.error is not None:
+            if res.error == tf.BEHIND:
+                raise ZiplogTimeoutError(f"the LogBook index tier: {res.message}")
+            raise ZiplogError(f"the LogBook index tier refused a lookup: {res.error} {res.message}")
+        assert res.cut >= op.min_cut, ("the tier answered below the asked cut", res.cut, op.min_cut)
+        assert self.cache is not None
+        self.cache.learn(op.book, op.tag, op.how, op.seqnum, res.cut, res.hit, res.trim_point)
+        return res.cut, res.hit
 
     def set_aux(self, seqnum: int, aux: bytes) -> None:
         self.aux[seqnum] = aux
@@ -82,16 +150,35 @@ class EngineState:
         return rec if aux is None else LogRecord(rec.seqnum, rec.data, rec.tags, rec.names, aux)
 
 
-class Engine(EngineState):
-    """One ziplog client, a complete local index fed by its subscription from the start
-    of the log, and the aux-data cache; shared by the sessions of one thread."""
+def choose_mode(index: str, zk_hosts: str, timeout: float) -> str:
+    """The engine's index mode (``"auto"`` looks in ZooKeeper for a tier)."""
+    if index not in INDEX_MODES:
+        raise ValueError(f"index is one of {INDEX_MODES}, not {index!r}")
+    if index != "auto":
+        return index
+    session = zk.connect(zk_hosts, timeout=timeout)
+    try:
+        return "tier" if zk_logbook.exists(session) else "local"
+    finally:
+        zk.stop(session)
 
-    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES) -> None:
+
+class Engine(EngineState):
+    """One ziplog client, the engine's index (see :class:`EngineState`) fed by its
+    subscription, and the aux-data cache; shared by the sessions of one thread."""
+
+    def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
+                 cache_entries: int = CACHE_ENTRIES) -> None:
         super().__init__(timeout, aux_entries)
+        mode = choose_mode(index, zk_hosts, timeout)
         self.client = Client(zk_hosts, timeout=timeout)
+        self.tier: TierLink | None = None
         try:
-            self.sub = self.client.subscribe(RID_GENESIS)
-            self.floor = self.client.watermark()
+            start = self.start_at(self.client.watermark(), mode, cache_entries)
+            self.sub = self.client.subscribe(RecordId(start, -1))
+            if mode != "local":
+                self.tier = TierLink(self.client.runtime, zk_hosts, "nodes" if mode == "nodes" else "aggregator",
+                                     int(timeout * 1e9), self.on_result)
         except BaseException:
             self.client.close()
             raise
@@ -100,6 +187,8 @@ class Engine(EngineState):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.tier is not None:
+                self.tier.close()
             self.sub.close()
             self.client.close()
 
@@ -110,8 +199,8 @@ class Engine(EngineState):
         while True:
             rec = sub.next_until(position, self.timeout)
             if rec is None:
-                self.index.on_watermark(sub.position)
-                if self.index.watermark >= position:
+                self.on_watermark(sub.position)
+                if self.watermark >= position:
                     return
                 raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
             self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
@@ -124,7 +213,15 @@ class Engine(EngineState):
             return self.client.read_record(RecordId(op.hit.gsn, op.hit.shard))
         assert type(op) is s.Lookup
         self.catch_up(max(op.min_cut, self.floor))
-        return self.answer(op)
+        got = self.answer(op)
+        if got is not None:
+            return got
+        assert self.tier is not None
+        key = self.next_key()
+        self.tier.lookup(key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
+        self.client.runtime.run_until(lambda: key in self.results)
+        return self.take(key, op)
+
 
 class SessionBase:
     """What both twins' sessions hold: the book, the engine (their own, or their
@@ -152,10 +249,10 @@ class SessionBase:
 class LogBook(SessionBase):
     """A session on book ``book_id``. Not thread-safe: one engine per thread."""
 
-    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, _engine: Engine | None = None,
-                 _position: int = 0) -> None:
-        super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout), _engine is None,
-                         _position)
+    def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, index: str = "auto",
+                 _engine: Engine | None = None, _position: int = 0) -> None:
+        super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout, index=index),
+                         _engine is None, _position)
         self._engine: Engine
 
     def child(self) -> "LogBook":

@@ -108,7 +108,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.io.zk_logdb import db_path, ensure_db, publish_gc
-    from ziplog.logdb.process import replay, run_until_stopped, serve_requests, stop_event
+    from ziplog.logdb.process import replay, run_until_stopped, serve_requests
+    from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
     from ziplog.shell.process import load_cluster_key
 

@@ -1,13 +1,11 @@
-"""What the coordinator and KV shard processes share around their drivers: the stop
-signals, the ROUTER clients talk to (on the process's runtime), the loop that feeds the
-log's records and positions to a driver, and running the process's tasks until a signal
-or a failure."""
+"""What the coordinator and KV shard processes share around their drivers: the ROUTER
+clients talk to (on the process's runtime), the loop that feeds the log's records and
+positions to a driver, and running the process's tasks until a signal or a failure."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Any, Callable, Coroutine, Protocol
 
 from ziplog.io.ports import Router
@@ -23,15 +21,6 @@ class Replayer(Protocol):
     def on_record(self, gsn: int, shard: int, data: bytes) -> None: ...
 
     def on_position(self, gsn: int) -> None: ...
-
-
-def stop_event() -> asyncio.Event:
-    """Set on SIGTERM or SIGINT."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: InboundGuard,

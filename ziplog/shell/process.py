@@ -4,6 +4,7 @@ with, and the end: run the runtime until SIGTERM/SIGINT, then close what it runs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 import signal
@@ -42,6 +43,15 @@ def serve_forever(rt: _Loop, *parts: _Closable) -> int:
             part.close()
         rt.close()
     return 0
+
+
+def stop_event() -> asyncio.Event:
+    """An asyncio process's end: set on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 #: where a cluster process finds its secret when no ``--cluster-key-file`` is given

@@ -5,6 +5,10 @@ records, one node's (book, tag) -> seqnums, and answers at one cut of the log.
   ``e % n``, ``n`` the node count in force at ``e`` (a versioned history of
   ``(first_epoch, n)``: nodes are added from an epoch on, never in the middle of one).
   Every record is indexed on exactly one node; a hot tag spreads over all of them.
+* **Memory**: once a node's watermark passes a trim record, the book's entries below
+  the trim point are dropped and the node answers no cut below that record (its
+  ``floor``: a reader is answered at a later cut instead, which Boki allows: any cut at
+  or above the session's position will do). Without trims a node grows with the log.
 * **A node** (:class:`IndexNode`) is fed, in gsn order, the entries of its epochs and
   every book's trim records, and the watermark ``W``: every record with a gsn at or
   below ``W`` that it must know has been fed. It answers a lookup at a cut ``C <= W``
@@ -78,11 +82,18 @@ class IndexNode:
         self.assignment = assignment
         #: every record this node must know with a gsn at or below it has been fed
         self.watermark = 0
+        #: no cut below this is answered (entries under a trim it passed are dropped)
+        self.floor = 0
         #: the highest gsn fed (entries and trims), to check the feed is in order
         self._fed = 0
         self._rows: dict[tuple[int, int | None], _Row] = {}
+        #: book -> the tags (and ALL) it has rows for, to drop a book's rows on a trim
+        self._book_tags: dict[int, set[int | None]] = {}
         #: book -> (gsns of its trim records, the trim point in force from each on)
         self._trims: dict[int, tuple[list[int], list[int]]] = {}
+        #: (gsn, book) of trims fed and not yet passed by the watermark, gsn order
+        self._unapplied: list[tuple[int, int]] = []
+        self._applied = 0
 
     # -- the feed ---------------------------------------------------------------------------------
     def on_entry(self, gsn: int, shard: int, book: int, tags: Iterable[int]) -> None:
@@ -93,6 +104,7 @@ class IndexNode:
             row = self._rows.get((book, tag))
             if row is None:
                 row = self._rows[(book, tag)] = _Row()
+                self._book_tags.setdefault(book, set()).add(tag)
             row.gsns.append(gsn)
             row.shards.append(shard)
 
@@ -103,12 +115,44 @@ class IndexNode:
         gsns, points = self._trims.setdefault(book, ([], []))
         gsns.append(gsn)
         points.append(max(seqnum, points[-1] if points else 0))
+        self._unapplied.append((gsn, book))
 
     def on_watermark(self, gsn: int) -> None:
         """Everything this node must know up to ``gsn`` has been fed."""
         if gsn > self.watermark:
             self.watermark = gsn
             self._fed = max(self._fed, gsn)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop what the trims the watermark passed hide from every cut at or above them,
+        and answer no cut below them any more."""
+        todo = self._unapplied
+        while self._applied < len(todo) and todo[self._applied][0] <= self.watermark:
+            gsn, book = todo[self._applied]
+            self._applied += 1
+            point = self.trim_point(book, gsn)
+            for tag in list(self._book_tags.get(book, ())):
+                row = self._rows[(book, tag)]
+                i = bisect.bisect_left(row.gsns, point)
+                if i:
+                    del row.gsns[:i]
+                    del row.shards[:i]
+                if not row.gsns:
+                    del self._rows[(book, tag)]
+                    self._book_tags[book].discard(tag)
+            if not self._book_tags.get(book, True):
+                del self._book_tags[book]
+            self.floor = max(self.floor, gsn)
+            # the book's trims below the floor collapse into the one in force there
+            gsns, points = self._trims[book]
+            j = bisect.bisect_right(gsns, self.floor) - 1
+            if j > 0:
+                del gsns[:j]
+                del points[:j]
+        if self._applied > 1024 and self._applied * 2 > len(todo):
+            del todo[:self._applied]
+            self._applied = 0
 
     def _advance(self, gsn: int) -> None:
         assert gsn > self._fed, ("the feed went back", gsn, self._fed)
@@ -126,7 +170,8 @@ class IndexNode:
     def next(self, book: int, tag: int | None, min_seqnum: int, cut: int) -> Hit | None:
         """The first entry of ``book`` with ``tag`` (None: any) and a seqnum at or above
         ``min_seqnum``, among this node's entries at or below ``cut``."""
-        assert cut <= self.watermark, ("asked at a cut this node has not reached", cut, self.watermark)
+        assert self.floor <= cut <= self.watermark, ("asked at a cut this node does not answer at", cut, self.floor,
+                                                     self.watermark)
         row = self._rows.get((book, tag))
         if row is None:
             return None
@@ -139,7 +184,8 @@ class IndexNode:
     def prev(self, book: int, tag: int | None, max_seqnum: int, cut: int) -> Hit | None:
         """The last entry of ``book`` with ``tag`` (None: any) and a seqnum at or below
         ``max_seqnum``, among this node's entries at or below ``cut``."""
-        assert cut <= self.watermark, ("asked at a cut this node has not reached", cut, self.watermark)
+        assert self.floor <= cut <= self.watermark, ("asked at a cut this node does not answer at", cut, self.floor,
+                                                     self.watermark)
         row = self._rows.get((book, tag))
         if row is None:
             return None
@@ -150,16 +196,18 @@ class IndexNode:
 
     @property
     def size(self) -> int:
-        """Seqnums held (every row counted): what this node's memory grows with."""
-        return sum(len(r.gsns) for r in self._rows.values())
+        """Seqnums held (every row counted) and trim records kept: what this node's
+        memory grows with."""
+        return sum(len(r.gsns) for r in self._rows.values()) + sum(len(g) for g, _ in self._trims.values())
 
 
-def choose_cut(watermarks: Iterable[int], position: int) -> int | None:
-    """The cut an answer assembled from nodes with these watermarks is computed at:
-    their smallest, if it is at or above the session's ``position`` (None: some node is
-    behind the session; the read waits for it rather than go back)."""
+def choose_cut(watermarks: Iterable[int], floors: Iterable[int], position: int) -> int | None:
+    """The cut an answer assembled from nodes with these watermarks and floors is
+    computed at: the smallest watermark, if it is at or above the session's ``position``
+    and every node's floor (None: some node is behind; the read waits for it rather than
+    go back)."""
     cut = min(watermarks)
-    return cut if cut >= position else None
+    return cut if cut >= max(position, *floors) else None
 
 
 def first(hits: Iterable[Hit | None]) -> Hit | None:

@@ -1,0 +1,120 @@
+"""The LogBook index tier's aggregator: ``python -m ziplog.logbook.aggregator --zk HOSTS``.
+
+Engines send it a ``Lookup`` at their session's position; it asks every index node of
+the assignment at one common cut and answers with the smallest (read_next) or largest
+(read_prev) hit (:class:`~ziplog.logbook.core.aggregator.AggregatorCore`, driven by
+:class:`~ziplog.logbook.tier.AskDriver`). It keeps nothing: any number may run, each
+registered at ``/ziplog/logbook/tier/aggregators/<pid>@<host>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any, cast
+
+from ziplog.logbook.core import frames as f
+from ziplog.logbook.core.aggregator import AggregatorCore, Result
+from ziplog.logbook.tier import AskDriver, node_sources
+
+log = logging.getLogger("ziplog.logbook.aggregator")
+
+#: a lookup the nodes do not answer within this long fails BEHIND (the engine asks again)
+TIMEOUT_NS = 10_000_000_000
+
+
+class AggregatorFrontend:
+    """Engines' frames in, the tier's results out to them."""
+
+    def __init__(self, ask: AskDriver, send: Any) -> None:
+        self.ask = ask
+        self.send = send
+
+    def on_frame(self, route: bytes, frame: bytes) -> None:
+        try:
+            req = f.decode_request(frame)
+        except f.BadFrame as exc:
+            self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}")))
+            return
+        if type(req) is f.Lookup:
+            self.ask.lookup((route, req.req), req.how, req.book, req.tag, req.seqnum, req.cut, req.exact)
+        elif type(req) is f.Status:
+            core = self.ask.core
+            self.send(route, f.encode(f.NodeState(req=req.req, node=0, watermark=min(core.watermarks, default=0),
+                                                  floor=0, size=0, nodes=len(core.sources))))
+        else:
+            self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message="an aggregator serves Lookup and Status")))
+
+    def on_multipart(self, route: bytes, parts: int) -> None:
+        self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"a request is one frame, got {parts}")))
+
+    def on_result(self, res: Result) -> None:
+        route, req = cast(tuple[bytes, int], res.key)
+        if res.error is not None:
+            self.send(route, f.encode(f.Failed(req=req, code=res.error, message=res.message)))
+            return
+        hit = res.hit
+        self.send(route, f.encode(f.Found(req=req, cut=res.cut, found=hit is not None, gsn=hit.gsn if hit else 0,
+                                          shard=hit.shard if hit else 0, trim_point=res.trim_point,
+                                          watermark=res.cut)))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from ziplog.io import zk
+    from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory, ensure_tier
+    from ziplog.shell.inbound import InboundGuard
+    from ziplog.shell.process import load_cluster_key, stop_event
+
+    key = load_cluster_key(args.cluster_key_file)
+    session = zk.Session(args.zk, key)
+    stop = stop_event()
+    loop = asyncio.get_running_loop()
+    rt = AsyncioRuntime(loop)
+    try:
+        ensure_tier(session.zk)
+        front: AggregatorFrontend
+        ask = AskDriver(rt, rt, AggregatorCore(TIMEOUT_NS), lambda res: front.on_result(res))
+        routers: list[Any] = []
+        front = AggregatorFrontend(ask, lambda route, frame: routers[0].send_to(route, frame))
+        directories: list[TierDirectory] = []
+
+        def refresh() -> None:
+            ask.set_sources(node_sources(directories[0]))
+
+        directories.append(TierDirectory(session.zk, lambda: rt.call_soon_threadsafe(refresh)))
+        refresh()
+        guard = InboundGuard(log, rt)
+        router = rt.router(guard.routed("the aggregator's ROUTER", front.on_frame), front.on_multipart, args.host,
+                           args.port, max_bytes=f.ANSWER_LIMIT)
+        routers.append(router)
+        session.keep_registered(f"{AGGREGATORS}/{os.getpid()}@{socket.gethostname()}",
+                                {"addr": router.addr, "pid": os.getpid()})
+        log.info("aggregator serving at %s", router.addr)
+        await stop.wait()
+        return 0
+    finally:
+        await rt.aclose()
+        session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ziplog.shell.process import add_cluster_key_argument
+    ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.aggregator", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
+    ap.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    ap.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    add_cluster_key_argument(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s aggregator %(levelname)s %(name)s %(message)s")
+    from ziplog.client.aio import run
+    return run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The feeder's core (sans-I/O): the log, read by one subscription, routed to the index
+nodes (IndiLog's index tier): each entry to the node its epoch is assigned to, every
+trim to every node, each batch closed by the subscription's position (everything at or
+below it was delivered) as the nodes' watermark.
+
+* **Restartable**: the feeder keeps nothing. It starts reading at the lowest watermark
+  of the nodes (it asks each its status first); a node that restarted empty refuses the
+  next Feed (``Fed(accepted=False)`` with its watermark) and the feeder **rewinds**: it
+  reads again from there (``rewind_to``), and the nodes that are ahead skip what they
+  have. ``gen`` counts rewinds, so the refusals of Feeds sent before one are not taken
+  for new gaps.
+* **Flow**: at most ``window`` Feeds unanswered per node; while a registered node's
+  window is full, or an assignment change is being written, the feeder reads no more
+  (``paused``). A Feed unanswered for ``ack_ns`` (a node that restarted at the same
+  address lost it) resets the node's window and asks again from the position, which
+  finds a gap if there is one.
+* **Nodes added**: a larger desired count becomes a new step of the assignment history
+  from the epoch after the position's (nothing of it was routed yet), written to
+  ZooKeeper (:class:`WriteAssignment`) before another record is routed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from ziplog.cores.effects import Messages
+from ziplog.logbook.core import frames as f
+from ziplog.logbook.core import records as r
+from ziplog.logbook.core.index import Assignment
+from ziplog.protocol.gsna import epoch_of
+
+#: Feeds in flight per node at most
+WINDOW = 8
+#: a Feed unanswered this long is taken as lost
+ACK_NS = 2_000_000_000
+
+
+@dataclass
+class WriteAssignment:
+    """Coordination write: the assignment ``history``, if ZooKeeper's version of it is
+    still ``version``; answered with :meth:`FeederCore.on_assignment_written`."""
+    history: list[tuple[int, int]]
+    version: int
+
+
+class _Link:
+    __slots__ = ("addr", "inflight", "watermark")
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        #: when each unanswered Feed was sent, oldest first
+        self.inflight: deque[int] = deque()
+        #: the node's watermark as it last said (-1: not heard from)
+        self.watermark = -1
+
+
+class FeederCore:
+    def __init__(self, history: list[tuple[int, int]], version: int, window: int = WINDOW, ack_ns: int = ACK_NS) -> None:
+        self.history = history
+        self.version = version
+        self.assignment = Assignment(history)
+        self.window = window
+        self.ack_ns = ack_ns
+        self.links: dict[int, _Link] = {}
+        #: everything at or below it was read and routed (None: not started)
+        self.position: int | None = None
+        self.gen = 0
+        #: where the driver must read from again (exclusive), once
+        self.rewind_to: int | None = None
+        self._writing: WriteAssignment | None = None
+        self._desired = self.assignment.nodes
+        self.rewinds = 0
+
+    # -- nodes and the assignment -------------------------------------------------------------
+    def on_nodes(self, addrs: dict[int, str], now: int) -> Messages:
+        """The nodes registered now (node -> address). A new address is asked for its
+        state (its answer tells where it is)."""
+        out: Messages = []
+        for node in list(self.links):
+            if node not in addrs:
+                del self.links[node]
+        for node, addr in addrs.items():
+            link = self.links.get(node)
+            if link is None or link.addr != addr:
+                self.links[node] = _Link(addr)
+                out.append(((addr,), f.Status(req=node)))
+        return out
+
+    def on_state(self, state: f.NodeState, now: int) -> Messages:
+        link = self.links.get(state.node)
+        if link is None:
+            return []
+        link.watermark = state.watermark
+        if self.position is None:
+            return []
+        if state.watermark < self.position:
+            self._rewind(state.watermark)
+            return []
+        return [self._probe(link, now)]
+
+    def start(self) -> int | None:
+        """The position to read from (exclusive) once every node of the assignment said
+        where it is: the lowest of their watermarks (None: not yet)."""
+        if self.position is not None:
+            return self.position
+        marks = [self.links[n].watermark if n in self.links else -1 for n in range(self.assignment.nodes)]
+        if min(marks) < 0:
+            return None
+        self.position = min(marks)
+        return self.position
+
+    def on_desired(self, nodes: int) -> WriteAssignment | None:
+        """The operator wants ``nodes`` index nodes (nodes are only ever added)."""
+        self._desired = max(self._desired, nodes)
+        return self._grow()
+
+    def _grow(self) -> WriteAssignment | None:
+        if self._writing is not None or self.position is None or self._desired <= self.assignment.nodes:
+            return None
+        first = epoch_of(self.position) + 1
+        history = [h for h in self.history if h[0] < first] + [(first, self._desired)]
+        self._writing = WriteAssignment(history, self.version)
+        return self._writing
+
+    def on_assignment_written(self, history: list[tuple[int, int]], version: int) -> None:
+        """ZooKeeper holds ``history`` at ``version`` (written by this feeder, or read
+        after another one's write won)."""
+        self._writing = None
+        if len(history) >= len(self.history):
+            self.history, self.version = history, version
+            self.assignment = Assignment(history)
+
+    # -- the log ----------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        if self._writing is not None or self.position is None:
+            return True
+        return any(len(link.inflight) >= self.window for link in self.links.values())
+
+    def on_batch(self, records: Iterable[tuple[int, int, bytes]], position: int, now: int) -> Messages:
+        """Records ``(gsn, shard, data)`` read, in gsn order, and the subscription's
+        position after them: a Feed per node. After a rewind they are dropped (the driver
+        reads them again from the rewind's point)."""
+        assert self.position is not None, "not started"
+        if self.rewind_to is not None:
+            return []
+        n = self.assignment.nodes
+        entries: list[list[f.FedEntry]] = [[] for _ in range(n)]
+        trims: list[f.FedTrim] = []
+        for gsn, shard, data in records:
+            rec = r.decode(data)
+            if type(rec) is r.Entry:
+                entries[self.assignment.node_of(gsn)].append((gsn, shard, rec.book, rec.tags))
+            elif type(rec) is r.Trim:
+                trims.append((gsn, rec.book, rec.seqnum))
+        out: Messages = []
+        start = self.position
+        position = max(position, start)
+        for node, link in self.links.items():
+            if node < n:
+                out.extend(self._feeds(link, start, position, entries[node], trims, now))
+        self.position = position
+        return out
+
+    def _feeds(self, link: _Link, start: int, end: int, entries: list[f.FedEntry], trims: list[f.FedTrim],
+               now: int) -> Messages:
+        """Feeds covering ``(start, end]`` with at most MAX_FEED_ITEMS items each."""
+        items = sorted([(e[0], 0, e) for e in entries] + [(t[0], 1, t) for t in trims])
+        out: Messages = []
+        step = f.MAX_FEED_ITEMS
+        for i in range(0, max(len(items), 1), step):
+            chunk = items[i:i + step]
+            last = end if i + step >= len(items) else chunk[-1][0]
+            feed = f.Feed(gen=self.gen, from_gsn=start, watermark=last, history=list(self.history),
+                          entries=[it for _, k, it in chunk if k == 0],  # type: ignore[misc]
+                          trims=[it for _, k, it in chunk if k == 1])  # type: ignore[misc]
+            out.append(((link.addr,), feed))
+            link.inflight.append(now)
+            start = last
+        return out
+
+    def _probe(self, link: _Link, now: int) -> tuple[tuple[str], f.Feed]:
+        """An empty Feed from the position: taken if the node has it all, else refused
+        with its watermark (a gap to rewind to)."""
+        assert self.position is not None
+        link.inflight.append(now)
+        return ((link.addr,), f.Feed(gen=self.gen, from_gsn=self.position, watermark=self.position,
+                                     history=list(self.history), entries=[], trims=[]))
+
+    def on_fed(self, fed: f.Fed, now: int) -> None:
+        link = self.links.get(fed.node)
+        if link is None:
+            return
+        if link.inflight:
+            link.inflight.popleft()
+        link.watermark = fed.watermark
+        if not fed.accepted and fed.gen == self.gen:
+            self._rewind(fed.watermark)
+
+    def _rewind(self, to: int) -> None:
+        assert self.position is not None
+        if to >= self.position:
+            return
+        self.gen += 1
+        self.rewinds += 1
+        self.position = to
+        self.rewind_to = to if self.rewind_to is None else min(self.rewind_to, to)
+
+    def rewound(self) -> int:
+        """The driver reads again from the returned gsn (exclusive)."""
+        assert self.rewind_to is not None
+        to, self.rewind_to = self.rewind_to, None
+        return to
+
+    def tick(self, now: int) -> Messages:
+        """Feeds unanswered for ``ack_ns`` are taken as lost: the node is asked again."""
+        out: Messages = []
+        if self.position is None:
+            return out
+        for link in self.links.values():
+            if link.inflight and now - link.inflight[0] >= self.ack_ns:
+                link.inflight.clear()
+                out.append(self._probe(link, now))
+        return out

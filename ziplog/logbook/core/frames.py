@@ -1,0 +1,205 @@
+"""The LogBook index tier's wire frames (IndiLog's index nodes, their feeder, the
+aggregator, and the engines that ask them).
+
+One msgpack array per ZeroMQ frame, its first element the kind (a tag); requests carry
+a ``req`` id the answer repeats. Index nodes and aggregators answer on a ROUTER; the
+feeder and the engines talk from DEALERs.
+
+* ``Feed`` (feeder -> index node) carries authority (it decides what a node's answers
+  are): a node takes it only inside a ``Signed`` envelope whose MAC the cluster key
+  checks (:mod:`ziplog.protocol.auth`); a bare one is answered UNAUTHENTICATED.
+* ``Lookup`` and ``Status`` (anyone -> index node or aggregator) read only.
+
+Every decoder is total: a frame that does not decode gets ``Failed(code=BAD_REQUEST)``
+and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from ziplog.logbook.core.records import MAX_TAGS
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+
+#: entries and trims one Feed carries at most (the feeder splits bigger batches)
+MAX_FEED_ITEMS = 4096
+#: a node's assignment history is at most this long (one step per node added)
+MAX_HISTORY = 1024
+#: the largest frame an index node or aggregator reads (a full Feed with every entry at
+#: MAX_TAGS tags fits)
+REQUEST_LIMIT = MAX_FEED_ITEMS * (MAX_TAGS + 4) * 9 + (64 << 10)
+#: the largest answer an engine, the aggregator or the feeder reads
+ANSWER_LIMIT = 64 << 10
+
+#: ``Lookup.how``
+NEXT = 0
+PREV = 1
+
+
+class _Frame(msgspec.Struct, array_like=True, tag_field="kind", forbid_unknown_fields=True, gc=False):
+    pass
+
+
+#: (gsn, shard, book, tags) of an entry record
+FedEntry = tuple[U64, U64, U64, Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_TAGS)]]
+#: (gsn, book, seqnum) of a trim record
+FedTrim = tuple[U64, U64, U64]
+
+
+# -- feeder -> index node ----------------------------------------------------------------------
+class Feed(_Frame, tag=1):
+    """The log's LogBook records in ``(from_gsn, watermark]`` that the node must know:
+    the entries of its epochs and every trim, gsns increasing. The node takes it only if
+    it already knows everything up to ``from_gsn`` (else it answers ``Fed(accepted=False)``
+    with its watermark, and the feeder goes back there); records it already has are
+    skipped, so a feed sent twice, or by two feeders, changes nothing. ``history`` is the
+    assignment the feeder routed by (``[(first_epoch, nodes), ...]``); ``gen`` counts the
+    feeder's rewinds (its answer repeats it)."""
+    gen: U64
+    from_gsn: U64
+    watermark: U64
+    history: Annotated[list[tuple[U64, U64]], msgspec.Meta(min_length=1, max_length=MAX_HISTORY)]
+    entries: Annotated[list[FedEntry], msgspec.Meta(max_length=MAX_FEED_ITEMS)]
+    trims: Annotated[list[FedTrim], msgspec.Meta(max_length=MAX_FEED_ITEMS)]
+
+
+class Signed(_Frame, tag=2):
+    """An authority frame from a cluster member: ``frame`` is the whole inner frame,
+    ``mac`` its keyed BLAKE2b-256 under the cluster's frame key."""
+    frame: bytes
+    mac: bytes
+
+
+# -- anyone -> index node or aggregator ---------------------------------------------------------
+class Lookup(_Frame, tag=3):
+    """The first (``how=NEXT``: seqnum >= ``seqnum``) or last (``PREV``: <= ``seqnum``)
+    entry of ``book`` with ``tag`` (None: any). ``exact``: at exactly ``cut`` (an
+    aggregator asking every node at one cut; the node waits until it reached it);
+    otherwise at a cut at or above ``cut`` of the server's choosing (an engine's
+    session position)."""
+    req: U64
+    how: Annotated[int, msgspec.Meta(ge=0, le=1)]
+    book: U64
+    tag: U64 | None
+    seqnum: U64
+    cut: U64
+    exact: bool = False
+
+
+class Status(_Frame, tag=4):
+    req: U64
+
+
+Request = Union[Feed, Signed, Lookup, Status]
+
+
+# -- answers ------------------------------------------------------------------------------------
+class Fed(_Frame, tag=16):
+    """A node's answer to a Feed: its watermark after it, and whether it took it."""
+    gen: U64
+    node: U64
+    watermark: U64
+    accepted: bool
+
+
+class Found(_Frame, tag=17):
+    """A lookup's answer at ``cut``: the entry ``(gsn, shard)`` if ``found``, and the
+    book's trim point at that cut; ``watermark``: the answerer's (a lower bound of what
+    it can answer at next)."""
+    req: U64
+    cut: U64
+    found: bool
+    gsn: U64
+    shard: U64
+    trim_point: U64
+    watermark: U64
+
+
+class NodeState(_Frame, tag=18):
+    """``node``: the index node's number (an aggregator says ``nodes``, its count, and
+    ``node`` 0); ``size``: seqnums it holds."""
+    req: U64
+    node: U64
+    watermark: U64
+    floor: U64
+    size: U64
+    nodes: U64 = 1
+
+
+class Failed(_Frame, tag=19):
+    """``floor``: with TOO_OLD, the lowest cut the server answers at."""
+    req: U64
+    code: str
+    message: str
+    floor: U64 = 0
+
+
+Answer = Union[Fed, Found, NodeState, Failed]
+
+#: error codes of :class:`Failed`
+BAD_REQUEST = "BAD_REQUEST"  # the frame does not decode, or is not one this server serves
+UNAUTHENTICATED = "UNAUTHENTICATED"  # a Feed not sealed by a cluster member
+BAD_FEED = "BAD_FEED"  # a sealed Feed that contradicts itself (order, ranges, another node's epochs)
+TOO_OLD = "TOO_OLD"  # the cut is below what this server keeps: ask again at ``floor`` or above
+BEHIND = "BEHIND"  # the server did not reach the cut in time
+BUSY = "BUSY"  # too many lookups wait here: ask again later
+INTERNAL = "INTERNAL"  # handling the request failed: the server goes on serving
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_answer_decoder = msgspec.msgpack.Decoder(Answer)
+_feed_decoder = msgspec.msgpack.Decoder(Feed)
+
+
+class BadFrame(ValueError):
+    pass
+
+
+def encode(frame: Request | Answer) -> bytes:
+    return _encoder.encode(frame)
+
+
+def _decode(decoder: "msgspec.msgpack.Decoder[Any]", data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.MsgspecError, RecursionError) as exc:  # the depth limit surfaces as RecursionError
+        raise BadFrame(str(exc)[:200]) from None
+
+
+def decode_request(data: bytes) -> Request:
+    """Total: a request, or :class:`BadFrame`."""
+    return _decode(_request_decoder, data)  # type: ignore[return-value]
+
+
+def decode_answer(data: bytes) -> Answer:
+    """Total: an answer, or :class:`BadFrame`."""
+    return _decode(_answer_decoder, data)  # type: ignore[return-value]
+
+
+def decode_feed(data: bytes) -> Feed:
+    """Total: the Feed inside a checked Signed envelope, or :class:`BadFrame`."""
+    return _decode(_feed_decoder, data)  # type: ignore[return-value]
+
+
+def check_feed(feed: Feed) -> str | None:
+    """What is wrong with a Feed's shape (None: nothing): gsns increasing within
+    ``(from_gsn, watermark]``, the history starting at epoch 0 with increasing first
+    epochs and at least one node."""
+    if feed.watermark < feed.from_gsn:
+        return "the watermark is below from_gsn"
+    firsts = [f for f, _ in feed.history]
+    if firsts[0] != 0 or any(a >= b for a, b in zip(firsts, firsts[1:])) or any(n < 1 for _, n in feed.history):
+        return "the history must start at epoch 0, first epochs increasing, at least one node each"
+    for items in (feed.entries, feed.trims):
+        last = feed.from_gsn
+        for item in items:
+            gsn = item[0]
+            if not last < gsn <= feed.watermark:
+                return f"gsn {gsn} out of order or outside ({feed.from_gsn}, {feed.watermark}]"
+            last = gsn
+    if {e[0] for e in feed.entries} & {t[0] for t in feed.trims}:
+        return "an entry and a trim at one gsn"
+    return None

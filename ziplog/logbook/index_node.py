@@ -1,0 +1,132 @@
+"""A LogBook index node: ``python -m ziplog.logbook.index_node --zk HOSTS --node I``.
+
+:class:`IndexNodeDriver` is the thin driver over :class:`~ziplog.logbook.core.node.NodeCore`:
+frames in on one ROUTER (the feeder's sealed Feeds; anyone's Lookups and Status), frames
+out to their senders. The process registers its address at
+``/ziplog/logbook/tier/nodes/<I>`` and keeps its index in memory only: a restarted node
+is fed again from the start of the log by the feeder and answers as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Callable
+
+from ziplog.cores.effects import Messages
+from ziplog.logbook.core import frames as f
+from ziplog.logbook.core.node import NodeCore
+from ziplog.protocol.auth import ClusterKey
+
+log = logging.getLogger("ziplog.logbook.index_node")
+
+#: parked lookups are looked at this often
+TICK_S = 0.1
+
+
+class IndexNodeDriver:
+    def __init__(self, core: NodeCore, key: ClusterKey, send: Callable[[bytes, bytes], object],
+                 now: Callable[[], int]) -> None:
+        self.core = core
+        self.key = key
+        self.send = send
+        self.now = now
+        #: frames refused, by error code
+        self.refused: dict[str, int] = {}
+
+    def on_frame(self, route: bytes, frame: bytes) -> None:
+        try:
+            req = f.decode_request(frame)
+        except f.BadFrame as exc:
+            self._refuse(route, 0, f.BAD_REQUEST, f"malformed request: {exc}")
+            return
+        now = self.now()
+        if type(req) is f.Signed:
+            if not self.key.verify(req.frame, req.mac):
+                self._refuse(route, 0, f.UNAUTHENTICATED, "the seal does not check with the cluster key")
+                return
+            try:
+                feed = f.decode_feed(req.frame)
+            except f.BadFrame as exc:
+                self._refuse(route, 0, f.BAD_REQUEST, f"a sealed frame that is not a Feed: {exc}")
+                return
+            self._perform(self.core.on_feed(route, feed, now))
+        elif type(req) is f.Feed:
+            self._refuse(route, 0, f.UNAUTHENTICATED, "a Feed is taken only sealed by a cluster member")
+        elif type(req) is f.Lookup:
+            self._perform(self.core.on_lookup(route, req, now))
+        else:
+            assert type(req) is f.Status
+            self.send(route, f.encode(self.core.status(req.req)))
+
+    def on_multipart(self, route: bytes, parts: int) -> None:
+        self._refuse(route, 0, f.BAD_REQUEST, f"a request is one frame, got {parts}")
+
+    def tick(self) -> None:
+        self._perform(self.core.tick(self.now()))
+
+    def _refuse(self, route: bytes, req: int, code: str, message: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        self.send(route, f.encode(f.Failed(req=req, code=code, message=message)))
+
+    def _perform(self, messages: Messages) -> None:
+        for route, frame in messages:
+            assert type(route) is bytes
+            self.send(route, f.encode(frame))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ziplog.io import zk
+    from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zk_logbook import NODES, ensure_tier
+    from ziplog.shell.inbound import InboundGuard
+    from ziplog.shell.process import load_cluster_key, stop_event
+
+    key = load_cluster_key(args.cluster_key_file)
+    session = zk.Session(args.zk, key)
+    stop = stop_event()
+    rt = AsyncioRuntime(asyncio.get_running_loop())
+    try:
+        ensure_tier(session.zk)
+        core = NodeCore(args.node)
+        driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns)
+        guard = InboundGuard(log, rt)
+        router = rt.router(guard.routed("the index node's ROUTER", driver.on_frame), driver.on_multipart, args.host,
+                           args.port, max_bytes=f.REQUEST_LIMIT)
+        session.keep_registered(f"{NODES}/{args.node}", {"addr": router.addr, "pid": os.getpid()})
+        log.info("index node %d serving at %s", args.node, router.addr)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                rt.turn(driver.tick)
+        return 0
+    finally:
+        await rt.aclose()
+        session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ziplog.shell.process import add_cluster_key_argument
+    ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.index_node", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
+    ap.add_argument("--node", type=int, required=True, help="this index node's number, 0..N-1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    ap.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    add_cluster_key_argument(ap)
+    args = ap.parse_args(argv)
+    if args.node < 0:
+        ap.error("--node must be 0 or more")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s index-node{args.node} %(levelname)s %(name)s %(message)s")
+    from ziplog.client.aio import run
+    return run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
