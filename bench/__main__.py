@@ -24,6 +24,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "failure": ("bench.experiments.failure", "throughput across a replica failure (Fig. 4.7)"),
     "spark": ("bench.experiments.spark", "Spark replay: batch records/s vs subscribe, streaming insert-to-sink latency"),
     "logdb": ("bench.experiments.logdb", "LogDB transactions and aborts, ziplog vs Scalog-style (Fig. 4.8, 4.9)"),
+    "logbook": ("bench.experiments.logbook", "LogBook: appends, reads via the index tier vs read_record, "
+                                              "read-after-append, 1 vs 2 index nodes, memory"),
     "idle": ("bench.experiments.idle", "CPU an idle cluster uses, shipped settings vs the clock-driven ones of before"),
 }
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.junk import Map, frames, pack, values
+from ziplog.logbook.core import frames as tier
 from ziplog.logdb.core import frames as ldb
 from ziplog.protocol import frames as wire
 from ziplog.protocol.auth import ClusterKey
@@ -96,3 +97,66 @@ def test_logdb_decoders_are_total(frame: bytes) -> None:
         except ldb.BadFrame:
             continue
         assert isinstance(msg, msgspec.Struct)
+
+
+# -- the LogBook index tier's frames ------------------------------------------------------------------
+_tier_frames = st.one_of(frames, st.builds(lambda tag, fs: pack([tag, *fs]),
+                                           st.one_of(st.sampled_from([1, 2, 3, 4, 16, 17, 18, 19]), values),
+                                           st.lists(values, max_size=8)))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(frame=_tier_frames)
+def test_logbook_tier_decoders_are_total(frame: bytes) -> None:
+    for decode in (tier.decode_request, tier.decode_answer, tier.decode_feed):
+        try:
+            msg = decode(frame)
+        except tier.BadFrame:
+            continue
+        assert isinstance(msg, msgspec.Struct)
+        if type(msg) is tier.Feed:
+            tier.check_feed(msg)  # total too: a shape it does not like is a reason, not an exception
+
+
+@settings(max_examples=500, deadline=None)
+@given(frame=_tier_frames, sealed=st.booleans())
+def test_an_index_node_answers_any_frame_and_serves_on(frame: bytes, sealed: bool) -> None:
+    """Bare, or sealed with the cluster key (what a member seals is checked by the same
+    rules): every frame gets one answer or none (a parked lookup), never an exception,
+    and the node still answers its state."""
+    from ziplog.logbook.core.node import NodeCore
+    from ziplog.logbook.index_node import IndexNodeDriver
+
+    sent: list[bytes] = []
+    driver = IndexNodeDriver(NodeCore(0), KEY, lambda route, data: sent.append(data), lambda: 0)
+    if sealed:
+        frame = tier.encode(tier.Signed(frame=frame, mac=KEY.mac(frame)))
+    driver.on_frame(b"route", frame)
+    assert len(sent) <= 1
+    for answer in sent:
+        assert isinstance(tier.decode_answer(answer), (tier.Fed, tier.Found, tier.NodeState, tier.Failed))
+    driver.on_frame(b"route", tier.encode(tier.Status(req=7)))
+    state = tier.decode_answer(sent[-1])
+    assert type(state) is tier.NodeState and state.req == 7
+
+
+def test_an_index_node_takes_a_feed_only_sealed_by_a_member() -> None:
+    from ziplog.logbook.core.node import NodeCore
+    from ziplog.logbook.index_node import IndexNodeDriver
+
+    sent: list[bytes] = []
+    driver = IndexNodeDriver(NodeCore(0), KEY, lambda route, data: sent.append(data), lambda: 0)
+    feed = tier.encode(tier.Feed(gen=0, from_gsn=0, watermark=10, history=[(0, 1)], entries=[(5, 0, 1, (9,))],
+                                 trims=[]))
+    for frame in (feed, tier.encode(tier.Signed(frame=feed, mac=b"\0" * 32)),
+                  tier.encode(tier.Signed(frame=feed, mac=ClusterKey(b"another cluster's secret").mac(feed)))):
+        driver.on_frame(b"r", frame)
+        ans = tier.decode_answer(sent[-1])
+        assert type(ans) is tier.Failed and ans.code == tier.UNAUTHENTICATED
+    assert driver.core.watermark == 0
+    driver.on_frame(b"r", tier.encode(tier.Signed(frame=feed, mac=KEY.mac(feed))))
+    fed = tier.decode_answer(sent[-1])
+    assert type(fed) is tier.Fed and fed.accepted and fed.watermark == 10
+    driver.on_frame(b"r", tier.encode(tier.Lookup(req=3, how=tier.NEXT, book=1, tag=9, seqnum=0, cut=10)))
+    found = tier.decode_answer(sent[-1])
+    assert type(found) is tier.Found and found.found and found.gsn == 5

@@ -241,6 +241,12 @@ class SessionBase:
         every later one will be at or above it (Boki's metalog position)."""
         return self._pos.gsn
 
+    def observe(self, gsn: int) -> None:
+        """Make this session's later answers reflect everything up to ``gsn`` (another
+        session's ``position`` handed over, as Boki hands a child on another engine its
+        parent's position, or a seqnum learned elsewhere)."""
+        self._pos.reached(gsn)
+
     def _child_args(self) -> dict[str, Any]:
         """A child: the same book and engine, starting at this session's position."""
         return {"_engine": self._engine, "_position": self._pos.gsn}
@@ -251,6 +257,7 @@ class LogBook(SessionBase):
 
     def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, index: str = "auto",
                  _engine: Engine | None = None, _position: int = 0) -> None:
+        """``index``: how the engine finds answers (see :class:`EngineState`)."""
         super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout, index=index),
                          _engine is None, _position)
         self._engine: Engine

@@ -33,7 +33,10 @@ IDLE_S = 0.05
 
 
 class FeederDriver:
-    """Sends the core's Feeds (sealed) and Status requests; hands it the nodes' answers."""
+    """Sends the core's Feeds (sealed) and Status requests; hands it the nodes' answers,
+    the directory's changes and what the log reader read; tells the reader what to do
+    next (:meth:`next_action`). The process runs it on asyncio with a subscription as
+    the reader; the simulation on a scripted log."""
 
     def __init__(self, core: FeederCore, key: ClusterKey, net: Any, now: Any) -> None:
         self.core = core
@@ -43,6 +46,35 @@ class FeederDriver:
         self.conns: dict[str, Any] = {}
         #: set when a node answers (the feeder may go on when it was paused)
         self.answered = asyncio.Event()
+        #: the reader has a position to read from
+        self.reading = False
+
+    def on_directory(self, nodes: dict[int, str], wanted: int) -> None:
+        """The nodes registered now and the node count wanted."""
+        self.perform(self.core.on_nodes(nodes, self.now()))
+        self.core.on_desired(wanted)
+
+    def next_action(self) -> tuple[str, Any]:
+        """``("assign", w)``: write the assignment ``w`` to ZooKeeper first (then
+        :meth:`FeederCore.on_assignment_written`); ``("wait", 0)``: nothing to read now
+        (not started, or paused: wait for an answer); ``("open", g)``: read the log again
+        from after gsn ``g``; ``("read", 0)``: read on, then :meth:`on_read`."""
+        self.perform(self.core.tick(self.now()))
+        start = self.core.start()
+        write = self.core.growth()
+        if write is not None:
+            return "assign", write
+        if start is None or self.core.paused:
+            return "wait", 0
+        if not self.reading or self.core.rewind_to is not None:
+            self.reading = True
+            return "open", self.core.rewound() if self.core.rewind_to is not None else start
+        return "read", 0
+
+    def on_read(self, batch: list[tuple[int, int, bytes]], position: int) -> None:
+        """Records read (gsn order) and the reader's position after them."""
+        if batch or position > (self.core.position or 0):
+            self.perform(self.core.on_batch(batch, position, self.now()))
 
     def perform(self, messages: Messages) -> None:
         live = {link.addr for link in self.core.links.values()}
@@ -101,20 +133,20 @@ async def serve(args: argparse.Namespace) -> int:
         while not stop.is_set():
             if changed.is_set():
                 changed.clear()
-                rt.turn(lambda: driver.perform(core.on_nodes(directory.nodes(), now())))
-                write = core.on_desired(directory.wanted)
-                if write is not None:
-                    got = await loop.run_in_executor(None, write_assignment, session.zk, write.history, write.version)
-                    core.on_assignment_written(*got)
-                    log.info("index nodes added: assignment %s", got[0])
-            rt.turn(lambda: driver.perform(core.tick(now())))
-            start = core.start()
-            if start is None or core.paused:
+                rt.turn(lambda: driver.on_directory(directory.nodes(), directory.wanted))
+            actions: list[tuple[str, Any]] = []
+            rt.turn(lambda: actions.append(driver.next_action()))
+            what, frm = actions[0]
+            if what == "assign":
+                got = await loop.run_in_executor(None, write_assignment, session.zk, frm.history, frm.version)
+                core.on_assignment_written(*got)
+                log.info("index nodes added: assignment %s", got[0])
+                continue
+            if what == "wait":
                 driver.answered.clear()
                 await _first(stop, changed, driver.answered, IDLE_S)
                 continue
-            if sub is None or core.rewind_to is not None:
-                frm = core.rewound() if core.rewind_to is not None else start
+            if what == "open":
                 if sub is not None:
                     await sub.aclose()
                     log.info("reading the log again from gsn %d (rewind %d)", frm + 1, core.rewinds)
@@ -127,8 +159,7 @@ async def serve(args: argparse.Namespace) -> int:
                     break
                 rec = await sub.next(timeout=0)
             position = max(sub.position, batch[-1][0]) if batch else sub.position
-            if batch or position > (core.position or 0):
-                rt.turn(lambda: driver.perform(core.on_batch(batch, position, now())))
+            rt.turn(lambda: driver.on_read(batch, position))
         return 0
     finally:
         if client is not None:

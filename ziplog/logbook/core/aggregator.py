@@ -39,7 +39,7 @@ class Result:
 
 
 class _Pending:
-    __slots__ = ("key", "q", "deadline", "cut", "round", "answers", "asked_at")
+    __slots__ = ("key", "q", "deadline", "cut", "round", "answers", "asked_at", "needed")
 
     def __init__(self, key: Hashable, q: f.Lookup, deadline: int) -> None:
         self.key = key
@@ -52,6 +52,8 @@ class _Pending:
         self.answers: dict[int, f.Found] = {}
         #: source -> when it was last asked in this round
         self.asked_at: dict[int, int] = {}
+        #: how many nodes the assignment has at the cut, as the nodes say
+        self.needed = 0
 
 
 class AggregatorCore:
@@ -99,6 +101,7 @@ class AggregatorCore:
         p.round = self._req
         p.answers.clear()
         p.asked_at.clear()
+        p.needed = 0
         self._pending[p.round] = p
         out: Messages = []
         for i in range(len(self.sources)):
@@ -131,18 +134,33 @@ class AggregatorCore:
             return [], [self._end(p, Result(p.key, error=ans.code, message=ans.message))]
         assert type(ans) is f.Found
         self.watermarks[source] = ans.watermark
+        p.needed = max(p.needed, ans.nodes)
+        if p.needed > len(self.sources):
+            # nodes were added from an epoch at or below the cut, and these sources do not
+            # know them yet: the answer waits until they do (set_sources asks the new ones)
+            if len(self.sources) > 1:
+                p.answers[source] = ans
+            return [], []
         if len(self.sources) == 1:
             hit = Hit(ans.gsn, ans.shard) if ans.found else None
             return [], [self._end(p, Result(p.key, ans.cut, hit, ans.trim_point))]
         if ans.cut != p.cut:
             return [], []  # not this round's cut (cannot happen with exact lookups): ignore
         p.answers[source] = ans
-        if len(p.answers) < len(self.sources):
-            return [], []
+        return [], self._complete(p)
+
+    def _complete(self, p: _Pending) -> list[Result]:
+        """The round's result once every node at the cut answered, all fed by the same
+        assignment (a node that has not learned a step its peers have at the cut yet is
+        asked again)."""
+        for source in [s for s, a in p.answers.items() if a.nodes < p.needed]:
+            del p.answers[source]
+        if len(p.answers) < len(self.sources) or p.needed > len(self.sources):
+            return []
         hits = [Hit(a.gsn, a.shard) if a.found else None for a in p.answers.values()]
         hit = first(hits) if p.q.how == f.NEXT else last(hits)
         point = max(a.trim_point for a in p.answers.values())
-        return [], [self._end(p, Result(p.key, p.cut, hit, point))]
+        return [self._end(p, Result(p.key, p.cut, hit, point))]
 
     def _end(self, p: _Pending, result: Result) -> Result:
         self._pending.pop(p.round, None)

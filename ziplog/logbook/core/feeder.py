@@ -14,9 +14,13 @@ below it was delivered) as the nodes' watermark.
   (``paused``). A Feed unanswered for ``ack_ns`` (a node that restarted at the same
   address lost it) resets the node's window and asks again from the position, which
   finds a gap if there is one.
-* **Nodes added**: a larger desired count becomes a new step of the assignment history
-  from the epoch after the position's (nothing of it was routed yet), written to
-  ZooKeeper (:class:`WriteAssignment`) before another record is routed.
+* **Nodes added**: a larger desired count becomes a new step of the assignment history,
+  written to ZooKeeper (:class:`WriteAssignment`) before another record is routed. It
+  starts at the epoch after the highest gsn anything was routed up to: the feeder's
+  highest position and every watermark a node reported (a rewound feeder's position is
+  not enough: records past it were routed already, and a node ahead skips them when they
+  come again, so they must stay where the old assignment put them). It waits until every
+  node of the assignment has said where it is.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ class WriteAssignment:
 
 
 class _Link:
-    __slots__ = ("addr", "inflight", "watermark")
+    __slots__ = ("addr", "inflight", "watermark", "asked_at")
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, now: int) -> None:
         self.addr = addr
+        #: when the node was last asked its state (asked again until it answers)
+        self.asked_at = now
         #: when each unanswered Feed was sent, oldest first
         self.inflight: deque[int] = deque()
         #: the node's watermark as it last said (-1: not heard from)
@@ -72,6 +78,8 @@ class FeederCore:
         self._writing: WriteAssignment | None = None
         self._desired = self.assignment.nodes
         self.rewinds = 0
+        #: the highest gsn anything was routed up to, as far as this feeder knows
+        self.high = 0
 
     # -- nodes and the assignment -------------------------------------------------------------
     def on_nodes(self, addrs: dict[int, str], now: int) -> Messages:
@@ -84,15 +92,16 @@ class FeederCore:
         for node, addr in addrs.items():
             link = self.links.get(node)
             if link is None or link.addr != addr:
-                self.links[node] = _Link(addr)
+                self.links[node] = _Link(addr, now)
                 out.append(((addr,), f.Status(req=node)))
         return out
 
     def on_state(self, state: f.NodeState, now: int) -> Messages:
         link = self.links.get(state.node)
-        if link is None:
+        if link is None or state.node >= self.assignment.nodes:
             return []
         link.watermark = state.watermark
+        self.high = max(self.high, state.watermark)
         if self.position is None:
             return []
         if state.watermark < self.position:
@@ -111,16 +120,20 @@ class FeederCore:
         self.position = min(marks)
         return self.position
 
-    def on_desired(self, nodes: int) -> WriteAssignment | None:
+    def on_desired(self, nodes: int) -> None:
         """The operator wants ``nodes`` index nodes (nodes are only ever added)."""
         self._desired = max(self._desired, nodes)
-        return self._grow()
 
-    def _grow(self) -> WriteAssignment | None:
+    def growth(self) -> WriteAssignment | None:
+        """The assignment to write now for the nodes wanted, once (None: nothing to
+        write, or not yet: a write is under way, or some node has not said where it is)."""
         if self._writing is not None or self.position is None or self._desired <= self.assignment.nodes:
             return None
-        first = epoch_of(self.position) + 1
-        history = [h for h in self.history if h[0] < first] + [(first, self._desired)]
+        if any(n not in self.links or self.links[n].watermark < 0 for n in range(self.assignment.nodes)):
+            return None
+        # past everything routed, and past the last step (the history only grows)
+        first = max(epoch_of(max(self.high, self.position)) + 1, self.history[-1][0] + 1)
+        history = [*self.history, (first, self._desired)]
         self._writing = WriteAssignment(history, self.version)
         return self._writing
 
@@ -162,6 +175,7 @@ class FeederCore:
             if node < n:
                 out.extend(self._feeds(link, start, position, entries[node], trims, now))
         self.position = position
+        self.high = max(self.high, position)
         return out
 
     def _feeds(self, link: _Link, start: int, end: int, entries: list[f.FedEntry], trims: list[f.FedTrim],
@@ -196,6 +210,7 @@ class FeederCore:
         if link.inflight:
             link.inflight.popleft()
         link.watermark = fed.watermark
+        self.high = max(self.high, fed.watermark)
         if not fed.accepted and fed.gen == self.gen:
             self._rewind(fed.watermark)
 
@@ -215,12 +230,17 @@ class FeederCore:
         return to
 
     def tick(self, now: int) -> Messages:
-        """Feeds unanswered for ``ack_ns`` are taken as lost: the node is asked again."""
+        """Feeds unanswered for ``ack_ns`` are taken as lost: the node is asked again; so
+        is a node that did not say its state."""
         out: Messages = []
+        for node, link in self.links.items():
+            if link.watermark < 0 and now - link.asked_at >= self.ack_ns:
+                link.asked_at = now
+                out.append(((link.addr,), f.Status(req=node)))
         if self.position is None:
             return out
-        for link in self.links.values():
-            if link.inflight and now - link.inflight[0] >= self.ack_ns:
+        for node, link in self.links.items():
+            if node < self.assignment.nodes and link.inflight and now - link.inflight[0] >= self.ack_ns:
                 link.inflight.clear()
                 out.append(self._probe(link, now))
         return out

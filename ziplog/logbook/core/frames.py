@@ -108,7 +108,9 @@ class Fed(_Frame, tag=16):
 class Found(_Frame, tag=17):
     """A lookup's answer at ``cut``: the entry ``(gsn, shard)`` if ``found``, and the
     book's trim point at that cut; ``watermark``: the answerer's (a lower bound of what
-    it can answer at next)."""
+    it can answer at next); ``nodes``: an index node's count of nodes in the assignment
+    at the cut (an aggregate at that cut needs that many nodes' answers; 0 from an
+    aggregator)."""
     req: U64
     cut: U64
     found: bool
@@ -116,6 +118,7 @@ class Found(_Frame, tag=17):
     shard: U64
     trim_point: U64
     watermark: U64
+    nodes: U64 = 0
 
 
 class NodeState(_Frame, tag=18):

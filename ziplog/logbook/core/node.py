@@ -19,6 +19,7 @@ from typing import Iterator, cast
 from ziplog.cores.effects import Messages
 from ziplog.logbook.core import frames as f
 from ziplog.logbook.core.index import Assignment, IndexNode
+from ziplog.protocol.gsna import epoch_of
 
 #: a parked lookup is answered BEHIND after this long (its asker asks again)
 PARK_NS = 5_000_000_000
@@ -37,6 +38,8 @@ class NodeCore:
         #: (cut, seq, deadline, route, lookup), smallest cut first
         self._parked: list[tuple[int, int, int, bytes, f.Lookup]] = []
         self._seq = 0
+        #: times this node forgot its index for an assignment step below its watermark
+        self.resets = 0
 
     @property
     def watermark(self) -> int:
@@ -48,6 +51,19 @@ class NodeCore:
         problem = f.check_feed(feed) or self._check_history(feed) or self._check_owner(feed)
         if problem is not None:
             return [(route, f.Failed(req=0, code=f.BAD_FEED, message=problem))]
+        if len(feed.history) < len(self.history):
+            # from a feeder that did not know a step this node was fed under: routed by an
+            # assignment no longer in force (a dead feeder's late frame)
+            return [(route, f.Failed(req=0, code=f.BAD_FEED, message=(
+                f"fed by an older assignment {feed.history}, this node has {self.history}")))]
+        if self._routed_otherwise(feed):
+            # nodes were added from an epoch this node indexed under the old assignment:
+            # what it holds from there on is routed the old way. It forgets it all and is
+            # fed again (the feeder goes back when it refuses the feed below); answers
+            # wait meanwhile, as after a restart.
+            self.index = IndexNode(self.node, Assignment(feed.history))
+            self.history = []
+            self.resets += 1
         index = self.index
         if feed.from_gsn > index.watermark:
             # a gap: something between our watermark and the feed's start never came
@@ -66,6 +82,14 @@ class NodeCore:
         out: Messages = [(route, f.Fed(gen=feed.gen, node=self.node, watermark=index.watermark, accepted=True))]
         out.extend(self._release(now))
         return out
+
+    def _routed_otherwise(self, feed: f.Feed) -> bool:
+        """Whether the feed's assignment adds a step from an epoch at or below what this
+        node has indexed (the feeder never does, but a feeder's view can lag a dead
+        one's late frames)."""
+        if not self.history or len(feed.history) <= len(self.history):
+            return False
+        return feed.history[len(self.history)][0] <= epoch_of(self.index.watermark)
 
     def _check_history(self, feed: f.Feed) -> str | None:
         """The history only grows: a feed's must extend the one this node has."""
@@ -105,7 +129,8 @@ class NodeCore:
         hit = find(q.book, q.tag, q.seqnum, cut)
         return f.Found(req=q.req, cut=cut, found=hit is not None, gsn=hit.gsn if hit else 0,
                        shard=hit.shard if hit else 0, trim_point=index.trim_point(q.book, cut),
-                       watermark=index.watermark)
+                       watermark=index.watermark,
+                       nodes=index.assignment.nodes_at(epoch_of(cut)) if self.history else 0)
 
     def _release(self, now: int) -> Messages:
         out: Messages = []
