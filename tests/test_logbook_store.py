@@ -97,3 +97,13 @@ def test_counters_end_at_the_committed_increments(cluster: ziplog.LocalCluster) 
           f"({sum(map(sum, committed))} increments)")
     # not vacuous: many committed, and conflicts made some fail
     assert sum(successes) > 100 and sum(successes) < sum(attempts), (attempts, successes)
+
+
+def test_an_update_no_replay_would_read_is_refused_before_it_is_appended() -> None:
+    from ziplog.logbook.core import objects as o
+
+    for bad in (o.Write(obj="", field="f", value=1), o.Write(obj="x" * (o.MAX_NAME + 1), field="f", value=1),
+                o.TxnCommit(txn=1, start=1, writes=[("ok", "", 1)])):
+        with pytest.raises(ValueError):
+            o.encode(bad)
+    assert o.decode(o.encode(o.Write(obj="x", field="f", value=[1, {"a": None}]))) is not None

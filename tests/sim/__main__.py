@@ -16,6 +16,11 @@ bank clients on top, with their own kills; serializability and exactly-once chec
     python -m tests.sim --logdb --seeds 2000 [--jobs J]
     python -m tests.sim --logdb --seed S --trace
 
+The LogBook index tier (``tests/sim/logbook.py``: feeder, index nodes, aggregator on a
+scripted log, with kills and a node added; every answer checked against a replay)::
+
+    python -m tests.sim --logbook --seeds 1000 [--first 0]
+
 Seeds that fail only because of a known protocol bug (``tests.sim.system.KNOWN_BUGS``) are
 reported apart (and do not fail the run) only with ``--lenient``.
 """
@@ -149,10 +154,25 @@ def _system_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logbook_main(args: argparse.Namespace) -> int:
+    from tests.sim import logbook
+
+    seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
+    t0, bad = time.monotonic(), 0
+    for seed in seeds:
+        stats = logbook.run_seed(seed)
+        if stats.failures:
+            bad += 1
+            print(f"seed {seed}: {stats.failures[:3]}")
+    print(f"{len(seeds)} seeds, {bad} failed, {time.monotonic() - t0:.0f} s")
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.sim")
     ap.add_argument("--system", action="store_true", help="simulate the whole system (default: one shard)")
     ap.add_argument("--logdb", action="store_true", help="simulate LogDB on the whole system")
+    ap.add_argument("--logbook", action="store_true", help="simulate the LogBook index tier")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--first", type=int, default=0, help="first seed")
     ap.add_argument("--seed", type=int, default=None, help="run this one seed")
@@ -163,6 +183,8 @@ def main() -> int:
                     help="--system: report seeds hitting a formerly known bug apart instead of failing them")
     ap.add_argument("--verbose", action="store_true", help="--system: print every known-bug seed too")
     args = ap.parse_args()
+    if args.logbook:
+        return _logbook_main(args)
     if args.logdb:
         global _SIM
         _SIM = "logdb_system"

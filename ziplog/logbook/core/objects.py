@@ -59,8 +59,17 @@ class TxnCommit(msgspec.Struct, array_like=True, tag=3, tag_field="kind", forbid
 
 Update = Union[Write, TxnStart, TxnCommit]
 _codec: RecordCodec[Update] = RecordCodec(HEADER, Update)
-encode = _codec.encode
 decode = _codec.decode
+
+
+def encode(update: Update) -> bytes:
+    """The update's bytes, refused (ValueError) when every replay would decode it as not
+    BokiStore's (an empty or too long name: msgspec checks constraints only when
+    decoding), which would make a write that is acknowledged and never takes effect."""
+    data = _codec.encode(update)
+    if decode(data) is None:
+        raise ValueError(f"not a BokiStore update (names are 1..{MAX_NAME} characters): {update!r:.200}")
+    return data
 
 
 def object_tag(obj: str) -> int:

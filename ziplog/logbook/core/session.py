@@ -21,6 +21,7 @@ from typing import Any, Callable, Generator
 
 from ziplog.logbook.core import records as r
 from ziplog.logbook.core.index import Hit
+from ziplog.protocol.errors import ZiplogError
 
 #: the largest seqnum (check_tail reads back from it)
 MAX_SEQNUM = (1 << 64) - 1
@@ -120,6 +121,8 @@ def read(pos: Position, how: str, book: int, tag: int | str | None, seqnum: int)
         return None
     data = yield ReadRecord(hit)
     rec = r.decode(data)
-    assert type(rec) is r.Entry and rec.book == book, ("the index named a record that is not an entry of the book",
-                                                        hit, rec)
+    if type(rec) is not r.Entry or rec.book != book:
+        # what came over the network contradicts the index: fail the call, loudly (an
+        # assert would vanish under python -O)
+        raise ZiplogError(f"the index named gsn {hit.gsn} for book {book}, and the log holds no entry of it there")
     return LogRecord(hit.gsn, rec.data, rec.tags, rec.names)
