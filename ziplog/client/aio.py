@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, AsyncIterator, Coroutine, TypeVar
+from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
-from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
+from ziplog.client.common import INSERT_WINDOW, ClientBase, SubscriptionBase, new_client_id, payloads_of
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
@@ -165,6 +165,27 @@ class AsyncClient(ClientBase):
         rid: RecordId = await self._wait(lambda done: driver.insert(payload, after_gsn, key, done))
         assert rid.gsn > after.gsn, ("InsertAfter returned a gsn not above the rid", rid, after)
         return rid
+
+    async def insert_many(self, records: Sequence[bytes], after: RecordId = RID_GENESIS, *,
+                          key: bytes | None = None, window: int = INSERT_WINDOW) -> list[RecordId]:
+        """Insert every record somewhere after ``after``, at most ``window`` in flight
+        (see :meth:`ziplog.Client.insert_many`); their record ids, in the order given.
+        Concurrent ``insert_after`` calls from many tasks pipeline too."""
+        driver = self._live_driver()
+        payloads = payloads_of(records)
+        after_gsn = max(after.gsn, 0)
+        rids: list[RecordId] = []
+        for lo in range(0, len(payloads), window):
+            chunk = payloads[lo:lo + window]
+            got = await asyncio.gather(*(self._wait(lambda done, p=p: driver.insert(p, after_gsn, key, done))
+                                         for p in chunk), return_exceptions=True)
+            errors = [g for g in got if isinstance(g, BaseException)]
+            if errors:
+                raise errors[0]
+            for rid in got:
+                assert rid.gsn > after.gsn, ("InsertAfter returned a gsn not above the rid", rid, after)  # type: ignore[union-attr]
+                rids.append(rid)  # type: ignore[arg-type]
+        return rids
 
     async def read_record(self, rid: RecordId) -> bytes:
         """The record with id ``rid``. Raises TrimmedError below the trim point and

@@ -17,7 +17,7 @@ import random
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from ziplog.client.common import ClientBase, SubscriptionBase, new_client_id
+from ziplog.client.common import INSERT_WINDOW, ClientBase, SubscriptionBase, new_client_id, payloads_of
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
@@ -121,6 +121,39 @@ class Client(ClientBase):
         rid: RecordId = self._wait(self._driver.insert(bytes(data), max(after.gsn, 0), key))
         assert rid.gsn > after.gsn, ("InsertAfter returned a gsn not above the rid", rid, after)
         return rid
+
+    def insert_many(self, records: Sequence[bytes], after: RecordId = RID_GENESIS, *, key: bytes | None = None,
+                    window: int = INSERT_WINDOW) -> list[RecordId]:
+        """Insert every record of ``records`` somewhere after ``after``, pipelined (at most
+        ``window`` in flight); their record ids, in the order given. Each record is an
+        insert of its own: exactly once, a gsn above ``after.gsn``, no order among the
+        records of one call. If one fails, the rest already in flight finish and the first
+        error is raised (the others that were acknowledged stay in the log)."""
+        self._check_open()
+        payloads = payloads_of(records)
+        after_gsn = max(after.gsn, 0)
+        driver = self._driver
+        calls: dict[int, Call] = {}
+        rids: list[RecordId | None] = [None] * len(payloads)
+        error: BaseException | None = None
+        todo = 0
+        while todo < len(payloads) or calls:
+            while error is None and todo < len(payloads) and len(calls) < window:
+                calls[todo] = driver.insert(payloads[todo], after_gsn, key)
+                todo += 1
+            if error is not None:
+                todo = len(payloads)
+            self._rt.run_until(lambda: any(c.done for c in calls.values()))
+            for i in [i for i, c in calls.items() if c.done]:
+                call = calls.pop(i)
+                if call.error is not None:
+                    error = error or call.error
+                else:
+                    rids[i] = call.value
+                    assert call.value.gsn > after.gsn, ("InsertAfter returned a gsn not above the rid", call.value, after)
+        if error is not None:
+            raise error
+        return rids  # type: ignore[return-value]
 
     def read_record(self, rid: RecordId) -> bytes:
         """The record with id ``rid``. Raises TrimmedError below the trim point and

@@ -4,11 +4,25 @@ counters, and what a client learned of the shards' stable watermarks."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ziplog.client.driver import ClientDriver, SubscriptionDriver
 from ziplog.cores.client.state import ClientState
 from ziplog.protocol.types import Policy
+
+
+#: inserts in flight at most in one ``insert_many`` (bounds the driver's calls)
+INSERT_WINDOW = 256
+
+
+def payloads_of(records: Sequence[bytes]) -> list[bytes]:
+    """``insert_many``'s records as bytes (TypeError: one is not bytes)."""
+    out = []
+    for data in records:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError("every record must be bytes")
+        out.append(bytes(data))
+    return out
 
 
 def new_client_id() -> int:
