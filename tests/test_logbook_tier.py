@@ -174,3 +174,28 @@ def test_every_answer_through_the_tier_equals_a_replay_across_kills(cluster: zip
     assert found > 50, "too few reads found a record: the check is vacuous"
     assert asked_tier > 50 and from_cache > 20, (asked_tier, from_cache)  # both paths were taken
     assert tier.node_state(2) is not None  # the added node serves
+
+
+def test_the_asyncio_twin_asks_the_tier_too(tier: Any) -> None:
+    import asyncio
+
+    import ziplog.aio
+    from ziplog.logbook.aio import AsyncLogBook
+
+    with LogBook(tier.zk_hosts, 30, index="local") as writer:
+        old = [writer.append(b"%d" % i, tags=[i % 2]) for i in range(10)]
+        position = writer.position
+
+    async def main() -> None:
+        for mode in ("tier", "nodes"):
+            async with AsyncLogBook(tier.zk_hosts, 30, index=mode) as lb:
+                lb.observe(position)
+                # records below the engine's start: only the tier knows them
+                got = await asyncio.gather(lb.read_next(0, tag=0), lb.child().read_next(0, tag=1))
+                assert [g.seqnum for g in got if g is not None] == [old[0], old[1]]
+                assert lb._engine.cache is not None and lb._engine.cache.misses >= 2
+                s = await lb.append(b"new", tags=[0])
+                tail = await lb.check_tail(tag=0)
+                assert tail is not None and tail.seqnum == s
+
+    ziplog.aio.run(main())
