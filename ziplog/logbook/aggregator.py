@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from ziplog.logbook.core import frames as f
 from ziplog.logbook.core.aggregator import AggregatorCore, Result
+from ziplog.logbook.index_node import internal
 from ziplog.logbook.tier import AskDriver, node_sources
 
 log = logging.getLogger("ziplog.logbook.aggregator")
@@ -90,7 +91,8 @@ async def serve(args: argparse.Namespace) -> int:
         directories.append(TierDirectory(session.zk, lambda: rt.call_soon_threadsafe(refresh)))
         refresh()
         guard = InboundGuard(log, rt)
-        router = rt.router(guard.routed("the aggregator's ROUTER", front.on_frame), front.on_multipart, args.host,
+        router = rt.router(guard.routed("the aggregator's ROUTER", front.on_frame,
+                                        internal(lambda r, d: routers[0].send_to(r, d))), front.on_multipart, args.host,
                            args.port, max_bytes=f.ANSWER_LIMIT)
         routers.append(router)
         session.keep_registered(f"{AGGREGATORS}/{os.getpid()}@{socket.gethostname()}",

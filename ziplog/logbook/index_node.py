@@ -78,6 +78,13 @@ class IndexNodeDriver:
             self.send(route, f.encode(frame))
 
 
+def internal(send: Callable[[bytes, bytes], object]) -> Callable[[bytes, bytes, Exception], None]:
+    """The answer to a frame whose handling failed (the process goes on serving)."""
+    def reply(route: bytes, frame: bytes, exc: Exception) -> None:
+        send(route, f.encode(f.Failed(req=0, code=f.INTERNAL, message=f"{type(exc).__name__} while handling the frame")))
+    return reply
+
+
 async def serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -96,7 +103,8 @@ async def serve(args: argparse.Namespace) -> int:
         core = NodeCore(args.node)
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns)
         guard = InboundGuard(log, rt)
-        router = rt.router(guard.routed("the index node's ROUTER", driver.on_frame), driver.on_multipart, args.host,
+        router = rt.router(guard.routed("the index node's ROUTER", driver.on_frame, internal(lambda r, d: router.send_to(r, d))),
+                           driver.on_multipart, args.host,
                            args.port, max_bytes=f.REQUEST_LIMIT)
         session.keep_registered(f"{NODES}/{args.node}", {"addr": router.addr, "pid": os.getpid()})
         log.info("index node %d serving at %s", args.node, router.addr)

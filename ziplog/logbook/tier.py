@@ -7,6 +7,7 @@ the address they came from; a timer asks again what went unanswered.
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable, Hashable, cast
 
 from ziplog.cores.effects import Messages
@@ -107,6 +108,8 @@ class TierLink:
             raise ValueError(f"the tier is asked via 'aggregator' or 'nodes', not {via!r}")
         self.via = via
         self.rt = rt
+        #: which aggregator this engine asks (engines spread over them)
+        self._pick = random.randrange(1 << 30)
         self.zk = zk.connect(zk_hosts, timeout=timeout_ns / 1e9)
         try:
             self.ask = AskDriver(rt, rt, AggregatorCore(timeout_ns), on_result)
@@ -120,7 +123,7 @@ class TierLink:
         if self.via == "nodes":
             return node_sources(self.directory)
         aggregators = self.directory.aggregators()
-        return [aggregators[0] if aggregators else None]
+        return [aggregators[self._pick % len(aggregators)] if aggregators else None]
 
     def _refresh(self) -> None:
         if not self.ask.closed:

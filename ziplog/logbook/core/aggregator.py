@@ -66,6 +66,8 @@ class AggregatorCore:
         #: each source's watermark as it last said
         self.watermarks: list[int] = []
         self._pending: dict[int, _Pending] = {}  # round req -> lookup
+        #: the keys of the lookups in flight (an asker's resend is not a new lookup)
+        self._keys: set[Hashable] = set()
         self._req = 0
 
     def set_sources(self, addrs: list[str | None], now: int) -> Messages:
@@ -87,10 +89,13 @@ class AggregatorCore:
     def lookup(self, key: Hashable, how: int, book: int, tag: int | None, seqnum: int, min_cut: int, now: int,
                exact: bool = False) -> tuple[Messages, list[Result]]:
         """Start a lookup at a cut at or above ``min_cut`` (exactly there if ``exact``)."""
+        if key in self._keys:
+            return [], []  # a resend of a lookup in flight: its answer comes once
         if len(self._pending) >= self.max_pending:
             return [], [Result(key, error=f.BUSY, message=f"{self.max_pending} lookups in flight")]
         q = f.Lookup(req=0, how=how, book=book, tag=tag, seqnum=seqnum, cut=min_cut, exact=exact)
         p = _Pending(key, q, now + self.timeout_ns)
+        self._keys.add(key)
         if not exact and len(self.sources) > 1:
             p.cut = max(min_cut, min(self.watermarks))
         return self._round(p, now), []
@@ -164,6 +169,7 @@ class AggregatorCore:
 
     def _end(self, p: _Pending, result: Result) -> Result:
         self._pending.pop(p.round, None)
+        self._keys.discard(p.key)
         return result
 
     def tick(self, now: int) -> tuple[Messages, list[Result]]:

@@ -81,13 +81,14 @@ class SuffixCache:
         assert gsn > self.watermark, ("the cache's feed went back", gsn, self.watermark)
         rec = r.decode(data)
         if type(rec) is r.Entry:
-            for tag in (ALL, *rec.tags):
+            tags = tuple(dict.fromkeys(rec.tags))  # a tag twice (not written by entry()) counts once
+            for tag in (ALL, *tags):
                 row = self._rows.get((rec.book, tag))
                 if row is None:
                     row = self._rows[(rec.book, tag)] = _Row()
                 row.gsns.append(gsn)
                 row.shards.append(shard)
-            self._order.append((gsn, rec.book, rec.tags))
+            self._order.append((gsn, rec.book, tags))
         elif type(rec) is r.Trim:
             self._trims.setdefault(rec.book, deque()).append((gsn, rec.seqnum))
             self._order.append((gsn, rec.book, None))

@@ -28,10 +28,11 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]
 MAX_FEED_ITEMS = 4096
 #: a node's assignment history is at most this long (one step per node added)
 MAX_HISTORY = 1024
-#: the largest frame an index node or aggregator reads (a full Feed with every entry at
-#: MAX_TAGS tags fits)
-REQUEST_LIMIT = MAX_FEED_ITEMS * (MAX_TAGS + 4) * 9 + (64 << 10)
-#: the largest answer an engine, the aggregator or the feeder reads
+#: the largest frame an index node reads (a full Feed, every item an entry at MAX_TAGS
+#: tags, fits; a Feed of more items is refused BAD_FEED)
+REQUEST_LIMIT = 2 * MAX_FEED_ITEMS * (MAX_TAGS + 4) * 9 + (64 << 10)
+#: the largest frame an aggregator reads (Lookup and Status), and the largest answer an
+#: engine, the aggregator or the feeder reads
 ANSWER_LIMIT = 64 << 10
 
 #: ``Lookup.how``
@@ -191,6 +192,8 @@ def check_feed(feed: Feed) -> str | None:
     """What is wrong with a Feed's shape (None: nothing): gsns increasing within
     ``(from_gsn, watermark]``, the history starting at epoch 0 with increasing first
     epochs and at least one node."""
+    if len(feed.entries) + len(feed.trims) > MAX_FEED_ITEMS:
+        return f"more than {MAX_FEED_ITEMS} entries and trims"
     if feed.watermark < feed.from_gsn:
         return "the watermark is below from_gsn"
     firsts = [f for f, _ in feed.history]

@@ -100,7 +100,7 @@ class IndexNode:
         """An entry record of one of this node's epochs."""
         assert self.assignment.node_of(gsn) == self.node, ("fed an entry of another node's epoch", gsn)
         self._advance(gsn)
-        for tag in (ALL, *tags):
+        for tag in (ALL, *dict.fromkeys(tags)):  # a tag twice (not written by entry()) counts once
             row = self._rows.get((book, tag))
             if row is None:
                 row = self._rows[(book, tag)] = _Row()

@@ -116,6 +116,8 @@ class NodeCore:
                                      message=f"node {self.node} answers no cut below {index.floor}"))]
         if q.cut <= index.watermark:
             return [(route, self._answer(q))]
+        if any(r == route and p.req == q.req for _, _, _, r, p in self._parked):
+            return []  # a resend of a lookup parked here: it is answered once
         if len(self._parked) >= self.max_parked:
             return [(route, f.Failed(req=q.req, code=f.BUSY, message=f"{self.max_parked} lookups wait here"))]
         self._seq += 1

@@ -59,7 +59,8 @@ _codec: RecordCodec[Record] = RecordCodec(HEADER, Record)
 
 def tag_of(tag: int | str) -> int:
     """A tag as the index keeps it: an integer as it is (0 <= tag < 2**64), a string as
-    the first 8 bytes of its BLAKE2b hash (the same in every process and language)."""
+    its BLAKE2b hash with an 8-byte digest (``digest_size=8``, read big-endian; the same in
+    every process and language)."""
     if isinstance(tag, str):
         return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "big")
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 1 << 64:
