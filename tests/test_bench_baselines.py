@@ -1,5 +1,6 @@
 """The benchmark's NOPaxos-style and Scalog-style baselines: Scalog's cut arithmetic
-(pure), and both systems end to end with a blocking and a pipelining client at once."""
+(pure), and both systems end to end with a blocking and a pipelining client at once;
+the plain-TCP floor: its echo's framing, and its clients against real echo processes."""
 
 from __future__ import annotations
 
@@ -276,3 +277,98 @@ def _headers(data: bytes) -> list[list[int]]:
     items = list(unpacker)
     assert len(items) % 2 == 0
     return items[0::2]
+
+
+# -- the plain-TCP floor ---------------------------------------------------------------------
+
+
+def _frames(*payloads: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+
+
+def test_complete_frames_stops_before_a_partial_frame() -> None:
+    from bench.echo_server import complete_frames
+
+    two = _frames(b"abc", b"")
+    assert complete_frames(two) == len(two)
+    assert complete_frames(two + b"\x00\x00") == len(two)  # a partial length
+    assert complete_frames(two + _frames(b"xyz")[:-1]) == len(two)  # a partial body
+    assert complete_frames(b"") == 0
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+
+def test_frame_echo_sends_back_whole_frames_however_the_stream_is_cut() -> None:
+    from bench.echo_server import FrameEcho
+
+    stream = _frames(b"a" * 4096, b"b", b"c" * 100, b"")
+    rng = random.Random(7)
+    for _ in range(50):
+        echo, transport = FrameEcho(), _Transport()
+        echo.connection_made(transport)
+        cuts = sorted(rng.sample(range(1, len(stream)), 5))
+        ends = {0}
+        for a, b in zip([0, *cuts], [*cuts, len(stream)]):
+            echo.data_received(stream[a:b])
+            assert stream.startswith(bytes(transport.out))
+            ends.add(len(transport.out))
+        assert bytes(transport.out) == stream
+        assert ends <= {0, 4100, 4105, 4209, 4213}  # only ever whole frames went back
+
+
+def test_floor_tcp_blocking_and_asyncio_clients_get_every_reply() -> None:
+    with make("floor-tcp") as floor:
+        assert floor.describe()["delays"] == 2 and len(floor.server_pids()) == 2  # type: ignore[attr-defined]
+        appender = floor.client_spec().open_sync()
+        try:
+            assert [appender.append(os.urandom(4096)) for _ in range(50)] == list(range(1, 51))
+            assert appender.append(b"") == 51  # an empty record is a frame too
+            assert appender.append(os.urandom(200_000)) == 52  # more than one read, and than the buffer
+        finally:
+            appender.close()
+
+        async def pipelined() -> list[int]:
+            a = await floor.client_spec().open_async()
+            try:
+                return list(await asyncio.gather(*(a.append(os.urandom(4096)) for _ in range(200))))
+            finally:
+                await a.close()
+
+        assert sorted(asyncio.run(pipelined())) == list(range(1, 201))
+
+
+def test_floor_tcp_fails_instead_of_hanging_when_an_echo_process_dies() -> None:
+    with make("floor-tcp") as floor:
+        appender = floor.client_spec().open_sync()
+        try:
+            appender.append(b"x" * 4096)
+            floor.procs[1].kill()  # type: ignore[attr-defined]
+            floor.procs[1].wait()  # type: ignore[attr-defined]
+            with pytest.raises(OSError):
+                for _ in range(3):  # the first send may still be taken by the kernel
+                    appender.append(b"x" * 4096)
+        finally:
+            appender.close()
+
+
+def test_floor_tcp_without_uvloop_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from bench.systems import Unavailable
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    system = make("floor-tcp")
+    with pytest.raises(Unavailable, match="uvloop"):
+        with system:
+            pass
+    assert system.procs == []  # type: ignore[attr-defined]

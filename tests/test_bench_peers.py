@@ -1,6 +1,7 @@
-"""The benchmark's real peers (ZooKeeper, NATS JetStream, Redis Streams) start on
-loopback, take appends from blocking and asyncio clients opened from their picklable
-client specs, and hold exactly the records that were acknowledged."""
+"""The benchmark's real peers (ZooKeeper, NATS JetStream R1 and R3, Redis Streams alone
+and with a replica) start on loopback, take appends from blocking and asyncio clients
+opened from their picklable client specs, and hold exactly the records that were
+acknowledged (with a Redis replica and WAIT, the replica too)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any
 import pytest
 
 from bench.systems import System, Unavailable, make
-from bench.systems.nats_jetstream import NatsJetStreamSystem, run_in_fresh_loop
-from bench.systems.redis_streams import RedisStreamsSystem
+from bench.systems.nats_jetstream import NatsJetStreamR3System, NatsJetStreamSystem, run_in_fresh_loop
+from bench.systems.redis_streams import RedisReplicaStreamsSystem, RedisStreamsSystem
 
 RECORD = b"\xab" * 4096
 SYNC_APPENDS = 100
@@ -62,8 +63,9 @@ def _redis_xlen(system: Any) -> int:
 PEERS: dict[str, tuple[str, dict[str, Any], Callable[[Any], int]]] = {
     "zookeeper": ("zookeeper", {}, _zookeeper_children),
     "nats": ("nats", {}, _nats_messages),
-    "nats-r3": ("nats", {"cluster": True}, _nats_messages),
+    "nats-r3": ("nats-r3", {}, _nats_messages),
     "redis": ("redis", {}, _redis_xlen),
+    "redis-replica": ("redis-replica", {}, _redis_xlen),
 }
 
 
@@ -107,6 +109,9 @@ def test_appends_are_ordered_and_all_stored(peer: tuple[System, Callable[[Any], 
 
     assert stored(system) == SYNC_APPENDS + ASYNC_APPENDS
     assert system.stored_count() == SYNC_APPENDS + ASYNC_APPENDS  # type: ignore[attr-defined]
+    if isinstance(system, RedisReplicaStreamsSystem):
+        # every append waited for WAIT 1 0, so the replica already has every record
+        assert system.replica_count() == SYNC_APPENDS + ASYNC_APPENDS
 
     facts = system.describe()
     assert {"replication", "durability", "version"} <= facts.keys()
@@ -117,7 +122,9 @@ def test_appends_are_ordered_and_all_stored(peer: tuple[System, Callable[[Any], 
     "system, binary_name",
     [
         (NatsJetStreamSystem(binary="/nonexistent/nats-server"), "nats-server"),
+        (NatsJetStreamR3System(binary="/nonexistent/nats-server"), "nats-server"),
         (RedisStreamsSystem(binary="/nonexistent/redis-server"), "redis-server"),
+        (RedisReplicaStreamsSystem(binary="/nonexistent/redis-server"), "redis-server"),
     ],
 )
 def test_missing_binary_is_unavailable(system: System, binary_name: str) -> None:
@@ -135,3 +142,42 @@ def test_server_that_exits_is_unavailable_with_its_log() -> None:
             pass
     assert system.server is None
     assert system._dir is None or not os.path.exists(system._dir)
+
+
+def test_redis_replica_is_in_sync_and_appends_wait_for_it() -> None:
+    import redis
+
+    with make("redis-replica") as system:
+        assert isinstance(system, RedisReplicaStreamsSystem) and system.replica_port is not None
+        assert system.client_spec().params["wait_replicas"] == 1
+        replica = redis.Redis(host="127.0.0.1", port=system.replica_port)
+        try:
+            info = replica.info("replication")
+            assert info["role"] == "slave" and info["master_port"] == system.port
+            assert info["master_link_status"] == "up"
+        finally:
+            replica.close()
+    assert system.replica is None and system.server is None
+
+
+def test_nats_r3_is_one_cluster_with_a_meta_leader_and_clients_start_at_the_stream_leader() -> None:
+    import nats
+
+    with make("nats-r3") as system:
+        assert isinstance(system, NatsJetStreamR3System) and len(system.servers) == 3
+        leaders = {system._meta_leader(port) for port in system.monitor_ports}
+        assert len(leaders) == 1 and leaders.pop().startswith("bench-nats-")
+
+        async def stream_leader() -> str:
+            conn = await nats.connect(servers=system.urls)
+            try:
+                info = await conn.jetstream().stream_info("LOG")
+                assert info.config.num_replicas == 3
+                assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+                return info.cluster.leader or ""
+            finally:
+                await conn.close()
+
+        leader = run_in_fresh_loop(stream_leader)
+        assert leader == f"bench-nats-{system.leader_index}"
+        assert system.urls[0] == f"nats://127.0.0.1:{system.client_ports[system.leader_index]}"

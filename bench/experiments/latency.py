@@ -10,6 +10,12 @@
    client at the same loads, as the paper ran NOPaxos and Scalog.
 
     python -m bench latency [--quick] [--out DIR] [--systems ziplog,floor,...]
+
+``--systems`` takes keys of :data:`bench.systems.SYSTEMS`; the default is
+:data:`ALL_SYSTEMS`: ziplog, the two floors (pyzmq ``floor``, plain TCP ``floor-tcp``),
+the NOPaxos- and Scalog-style baselines, ZooKeeper, NATS JetStream with one replica
+(``nats``) and three (``nats-r3``), Redis Streams alone (``redis``) and with a replica
+and ``WAIT 1 0`` (``redis-replica``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from ..loadgen import ClientPool, ClosedLoopClient
 from ..report import Results, histogram, progress
 from ..systems.base import System, Unavailable
 
-ALL_SYSTEMS = ["ziplog", "floor", "nopaxos", "scalog", "zookeeper", "nats", "redis"]
+ALL_SYSTEMS = ["ziplog", "floor", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
+               "redis-replica"]
+#: the floors: echo processes, not logs (what ziplog's p50 is compared with, not a rival)
+FLOORS = {"floor", "floor-tcp"}
 COLUMNS = ["system", "clients", "offered_load", "p50_us", "p99_us", "p999_us", "mean_us", "ratio_to_floor",
            "fast_path_ratio", "replication", "durability"]
 SWEEP_COLUMNS = ["system", "clients", "offered_load", "achieved_rate", "p50_us", "p99_us", "p999_us", "mean_us",
@@ -208,6 +217,9 @@ def _plot(res: Results, one: list[dict[str, Any]], sweep: list[dict[str, Any]]) 
 def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list[dict[str, Any]]:
     p = params_for(quick)
     keys = systems or ALL_SYSTEMS
+    unknown = [k for k in keys if k not in sysreg.SYSTEMS]
+    if unknown:
+        raise RuntimeError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(sysreg.SYSTEMS)}")
     p["systems"] = keys
     res = Results("latency", out, p)
     with contextlib.ExitStack() as stack:
@@ -223,11 +235,14 @@ def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list
                          "p50_us": None, "p99_us": None, "status": f"not started: {why}"})
     _plot(res, one, sweep)
     z = next((r for r in one if r["system"] == "ziplog"), None)
+    floor_names = {started[k].name for k in FLOORS if k in started}
     if z is not None and z.get("ratio_to_floor"):
-        others = [r for r in one if r["system"] not in ("ziplog", "floor")]
+        others = [r for r in one if r["system"] != "ziplog" and r["system"] not in floor_names]
         below_all = all(z["p50_us"] < r["p50_us"] for r in others)
-        res.note(f"one client: ziplog p50 {z['p50_us']:.0f} us = {z['ratio_to_floor']:.2f} x the floor; "
-                 f"{'below' if below_all else 'NOT below'} every other system's p50.")
+        tcp = next((r for r in one if "floor-tcp" in started and r["system"] == started["floor-tcp"].name), None)
+        res.note(f"one client: ziplog p50 {z['p50_us']:.0f} us = {z['ratio_to_floor']:.2f} x the floor"
+                 + (f", {z['p50_us'] / tcp['p50_us']:.2f} x the plain-TCP floor" if tcp and tcp["p50_us"] else "")
+                 + f"; {'below' if below_all else 'NOT below'} every other system's p50.")
     fp16 = [r for r in sweep if r["system"] == "ziplog" and r["clients"] == 16 and r["fast_path_ratio"] is not None]
     if fp16:
         worst = min(fp16, key=lambda r: r["fast_path_ratio"])

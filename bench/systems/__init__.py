@@ -1,6 +1,7 @@
-"""The systems the benchmarks compare: ziplog, the raw ZeroMQ floor, NOPaxos-style and
-Scalog-style baselines on ziplog's own stack, and real peers (ZooKeeper, NATS JetStream,
-Redis Streams). ``make(name)`` builds one by its key in :data:`SYSTEMS`."""
+"""The systems the benchmarks compare: ziplog, the floors (raw ZeroMQ, and plain TCP on
+uvloop), NOPaxos-style and Scalog-style baselines on ziplog's own stack, and real peers
+(ZooKeeper, NATS JetStream with 1 and 3 replicas, Redis Streams alone and with a replica
+and ``WAIT``). ``make(name)`` builds one by its key in :data:`SYSTEMS`."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from .base import Appender, AsyncAppender, ClientSpec, System, Unavailable
 SYSTEMS: dict[str, str] = {
     "ziplog": "bench.systems.ziplog_system:ZiplogSystem",
     "floor": "bench.systems.floor:FloorSystem",
+    "floor-tcp": "bench.systems.floor_tcp:FloorTcpSystem",
     "nopaxos": "bench.systems.nopaxos:NOPaxosSystem",
     "scalog": "bench.systems.scalog:ScalogSystem",
     "zookeeper": "bench.systems.zookeeper:ZooKeeperSystem",
     "nats": "bench.systems.nats_jetstream:NatsJetStreamSystem",
+    "nats-r3": "bench.systems.nats_jetstream:NatsJetStreamR3System",
     "redis": "bench.systems.redis_streams:RedisStreamsSystem",
+    "redis-replica": "bench.systems.redis_streams:RedisReplicaStreamsSystem",
 }
 
 

@@ -25,10 +25,12 @@ from .base import ClientSpec, System, Unavailable
 _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the ``bench`` package
 
 
-def start_echo_server(timeout: float = 15.0) -> tuple[subprocess.Popen[str], int]:
+def start_echo_server(timeout: float = 15.0, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], int]:
+    """Start ``python -m bench.echo_server --port 0 *extra_args``; the process and its port."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", "0"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", "0", *extra_args],
+                            stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, cwd=str(_ROOT), env=env, text=True)
     try:
         assert proc.stdout is not None

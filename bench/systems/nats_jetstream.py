@@ -1,11 +1,17 @@
 """NATS JetStream as a shared log: ``js.publish("log", data)`` into a file-backed stream.
 
-By default one nats-server with JetStream on (stream replicas 1): the PubAck comes once
-that server stored the message. ``cluster=True`` runs three servers with routes between
-them and a stream with 3 replicas: the PubAck then comes once the stream's Raft group
-(leader plus one follower) has it. Either way the file store is not fsynced per
-message: nats-server syncs its files every 2 minutes by default (2.9 has no setting for
-it), so JetStream's durability is the OS page cache plus, with R3, other servers.
+By default (``nats``) one nats-server with JetStream on (stream replicas 1): the PubAck
+comes once that server stored the message. ``cluster=True`` (``nats-r3``) runs three
+servers as one JetStream cluster on loopback (each its own store directory, client
+port, route port and server name, routes to the other two) and a stream with 3
+replicas: the PubAck then comes once the stream's Raft group (leader plus one
+follower) has it. The start waits until the cluster has elected its meta leader (every
+server's monitoring ``/jsz`` names the same one) and the stream has a leader; the
+client lists the stream leader's server first, so a publish goes straight to the
+leader rather than through a route (the best case for NATS). Either way the file store
+is not fsynced per message: nats-server syncs its files every 2 minutes by default (2.9
+has no setting for it), so JetStream's durability is the OS page cache plus, with R3,
+other servers.
 
 nats-py is asyncio only. The blocking appender runs its own event loop in the calling
 thread and drives it once per append, which is what a blocking Python caller pays.
@@ -14,8 +20,10 @@ thread and drives it once per append, which is what a blocking Python caller pay
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +38,7 @@ from .servers import (
     make_temp_dir,
     remove_temp_dir,
     stop_all,
+    wait_until,
 )
 
 #: the stream holding the log and the one subject it takes
@@ -60,10 +69,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 async def connect(servers: list[str], timeout: float) -> Any:
-    """A nats-py connection; fails (NoServersError) instead of retrying forever when
-    no server answers, so a dead system shows up as an error, not a hang."""
+    """A nats-py connection to the first of ``servers`` that answers; fails
+    (NoServersError) instead of retrying forever when none does, so a dead system shows
+    up as an error, not a hang."""
     return await _nats().connect(
         servers=servers,
+        dont_randomize=True,  # the order is deliberate (R3: the stream leader first)
         connect_timeout=max(1, int(timeout)),
         max_reconnect_attempts=3,
         reconnect_time_wait=0.5,
@@ -164,13 +175,16 @@ class NatsJetStreamSystem(System):
         self.publish_timeout = publish_timeout
         self.servers: list[ServerProcess] = []
         self.client_ports: list[int] = []
+        self.monitor_ports: list[int] = []
+        self.leader_index = 0  # the server holding the stream leader (R3), listed first to clients
         self._dir: Path | None = None
         self._version = "unknown"
         self._max_payload: int | None = None
 
     # -- configuration -----------------------------------------------------------
 
-    def server_config(self, index: int, client_port: int, route_ports: list[int], store_dir: Path) -> str:
+    def server_config(self, index: int, client_port: int, route_ports: list[int], store_dir: Path,
+                      monitor_port: int | None = None) -> str:
         """nats-server.conf for server ``index``; route_ports is empty for one server."""
         lines = [
             f'server_name: "bench-nats-{index}"',
@@ -179,8 +193,10 @@ class NatsJetStreamSystem(System):
             f'  store_dir: "{store_dir}"',
             "}",
         ]
+        if monitor_port is not None:
+            lines.append(f'http: "127.0.0.1:{monitor_port}"')
         if route_ports:
-            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in route_ports)
+            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for i, p in enumerate(route_ports) if i != index)
             lines += [
                 "cluster {",
                 '  name: "bench"',
@@ -198,26 +214,52 @@ class NatsJetStreamSystem(System):
         self._version = binary_version([binary, "--version"], r"v(\d+\.\d+\.\d+\S*)")
         self._dir = make_temp_dir("bench-nats-", self.data_parent)
         count = self.replicas
-        ports = free_ports(2 * count if self.cluster else 1)
+        ports = free_ports(3 * count if self.cluster else 1)
         self.client_ports = ports[:count]
-        route_ports = ports[count:]
+        route_ports = ports[count:2 * count]
+        self.monitor_ports = ports[2 * count:]
         for i, port in enumerate(self.client_ports):
             node_dir = self._dir / f"n{i}"
             node_dir.mkdir()
             conf = node_dir / "nats-server.conf"
-            conf.write_text(self.server_config(i, port, route_ports, node_dir / "jetstream"))
+            monitor = self.monitor_ports[i] if self.monitor_ports else None
+            conf.write_text(self.server_config(i, port, route_ports, node_dir / "jetstream", monitor))
             server = ServerProcess(f"nats-server {i}", [binary, "-c", str(conf)], node_dir / "nats-server.log",
                                    cwd=node_dir)  # fmt: skip
             self.servers.append(server)
             server.start()
         for server, port in zip(self.servers, self.client_ports):
             server.wait_for_port(port, timeout=self.start_timeout)
+        if self.cluster:
+            self._await_meta_leader()
         try:
             run_in_fresh_loop(self._create_stream)
         except Unavailable:
             raise
         except Exception as e:  # e.g. NoServersError: the servers run but take no client
             raise self.servers[0].failure(f"runs but the stream could not be created ({e!r})") from e
+
+    def _meta_leader(self, monitor_port: int) -> str:
+        """The JetStream meta leader a server names in its ``/jsz`` ("" if none yet)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/jsz", timeout=2.0) as reply:
+                info = json.load(reply)
+        except (OSError, ValueError):
+            return ""
+        meta = info.get("meta_cluster") or {}
+        return str(meta.get("leader") or "")
+
+    def _await_meta_leader(self) -> None:
+        """Return once every server names the same JetStream meta leader."""
+
+        def elected() -> bool:
+            for server in self.servers:
+                server.check_running()
+            leaders = {self._meta_leader(port) for port in self.monitor_ports}
+            return len(leaders) == 1 and "" not in leaders
+
+        if not wait_until(elected, self.start_timeout, interval=0.1):
+            raise self.servers[0].failure(f"cluster elected no JetStream meta leader within {self.start_timeout:.0f} s")
 
     async def _create_stream(self) -> None:
         """Create the stream, retrying while JetStream is not ready yet (a cluster
@@ -256,17 +298,26 @@ class NatsJetStreamSystem(System):
         if self.replicas == 1:
             return True
         info = await js.stream_info(STREAM)
-        return bool(info.cluster is not None and info.cluster.leader)
+        if info.cluster is None or not info.cluster.leader:
+            return False
+        names = [f"bench-nats-{i}" for i in range(len(self.servers))]
+        if info.cluster.leader not in names:
+            raise Unavailable(f"the stream leader is {info.cluster.leader!r}, not one of {names}")
+        self.leader_index = names.index(info.cluster.leader)
+        return True
 
     def stop(self) -> None:
         stop_all(self.servers)
         self.servers = []
+        self.leader_index = 0
         remove_temp_dir(self._dir)
         self._dir = None
 
     @property
     def urls(self) -> list[str]:
-        return [f"nats://127.0.0.1:{p}" for p in self.client_ports]
+        """Every server's client URL, the stream leader's first."""
+        ports = self.client_ports[self.leader_index:] + self.client_ports[:self.leader_index]
+        return [f"nats://127.0.0.1:{p}" for p in ports]
 
     def client_spec(self, shard: int = 0) -> ClientSpec:
         if not self.servers:
@@ -291,7 +342,8 @@ class NatsJetStreamSystem(System):
 
     def describe(self) -> dict[str, Any]:
         if self.cluster:
-            replication = "3 servers, stream replicas 3 (ack after a Raft majority stored it)"
+            replication = ("3 servers, stream replicas 3 (ack after a Raft majority stored it); "
+                           "client connected to the stream leader's server")
         else:
             replication = "none (1 server, stream replicas 1)"
         facts: dict[str, Any] = {
@@ -302,3 +354,17 @@ class NatsJetStreamSystem(System):
         if self._max_payload is not None:
             facts["max_payload"] = self._max_payload
         return facts
+
+
+class NatsJetStreamR3System(NatsJetStreamSystem):
+    """The three-server cluster with an R3 stream (``NatsJetStreamSystem(cluster=True)``)."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        data_parent: str | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        publish_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(binary, cluster=True, data_parent=data_parent, start_timeout=start_timeout,
+                         publish_timeout=publish_timeout)
