@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"output directory (default results/{name}-<timestamp>/)")
         if name == "latency":
             p.add_argument("--systems", default=None,
-                           help="comma-separated subset of ziplog,floor,floor-tcp,nopaxos,scalog,zookeeper,nats,nats-r3,redis,redis-replica")
+                           help="comma-separated subset of ziplog,floor,floor-zmtp,floor-tcp,nopaxos,scalog,zookeeper,nats,nats-r3,redis,redis-replica")
     args = ap.parse_args(argv)
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     base = args.out

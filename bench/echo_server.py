@@ -87,18 +87,43 @@ def serve_tcp(port: int) -> None:
     uvloop.run(run())
 
 
+def serve_zmtp(port: int) -> None:
+    """A ROUTER speaking ZMTP natively (ziplog's codec) on uvloop: every message goes
+    back to the peer it came from, unchanged."""
+    import uvloop
+
+    from ziplog.io.zmtp_asyncio import ZmtpRouter
+
+    async def run() -> None:
+        routers: list[ZmtpRouter] = []
+
+        def echo(route: bytes, parts: list[bytes]) -> None:
+            routers[0].send_to(route, parts)
+
+        router = ZmtpRouter(echo, port=port)
+        routers.append(router)
+        await router.start()
+        sys.stdout.write(f"READY {router.port}\n")
+        sys.stdout.flush()
+        await asyncio.Event().wait()
+
+    uvloop.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.echo_server")
     ap.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0 = any free port)")
     ap.add_argument("--tcp", action="store_true",
                     help="plain TCP, length-prefixed frames, asyncio Protocol on uvloop (instead of a ZeroMQ ROUTER)")
+    ap.add_argument("--zmtp", action="store_true",
+                    help="a ROUTER speaking ZMTP 3.1 natively on uvloop (ziplog's codec), not libzmq's")
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    if args.tcp:
+    if args.tcp or args.zmtp:
         try:
-            serve_tcp(args.port)
+            (serve_tcp if args.tcp else serve_zmtp)(args.port)
         except KeyboardInterrupt:
             pass
         return 0

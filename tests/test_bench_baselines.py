@@ -372,3 +372,24 @@ def test_floor_tcp_without_uvloop_is_unavailable(monkeypatch: pytest.MonkeyPatch
         with system:
             pass
     assert system.procs == []  # type: ignore[attr-defined]
+
+
+def test_floor_zmtp_blocking_and_asyncio_clients_get_every_reply() -> None:
+    """The natively served ZeroMQ floor: ziplog's ZMTP on both ends, every reply back."""
+    with make("floor-zmtp") as floor:
+        assert floor.describe()["delays"] == 2 and len(floor.server_pids()) == 2  # type: ignore[attr-defined]
+        appender = floor.client_spec().open_sync()
+        try:
+            assert [appender.append(os.urandom(4096)) for _ in range(50)] == list(range(1, 51))
+            assert appender.append(os.urandom(200_000)) == 51
+        finally:
+            appender.close()
+
+        async def pipelined() -> list[int]:
+            a = await floor.client_spec().open_async()
+            try:
+                return list(await asyncio.gather(*(a.append(os.urandom(4096)) for _ in range(200))))
+            finally:
+                await a.close()
+
+        assert sorted(asyncio.run(pipelined())) == list(range(1, 201))

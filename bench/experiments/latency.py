@@ -12,7 +12,8 @@
     python -m bench latency [--quick] [--out DIR] [--systems ziplog,floor,...]
 
 ``--systems`` takes keys of :data:`bench.systems.SYSTEMS`; the default is
-:data:`ALL_SYSTEMS`: ziplog, the two floors (pyzmq ``floor``, plain TCP ``floor-tcp``),
+:data:`ALL_SYSTEMS`: ziplog, the three floors (pyzmq ``floor``, ZeroMQ's wire protocol
+spoken natively ``floor-zmtp``, plain TCP ``floor-tcp``),
 the NOPaxos- and Scalog-style baselines, ZooKeeper, NATS JetStream with one replica
 (``nats``) and three (``nats-r3``), Redis Streams alone (``redis``) and with a replica
 and ``WAIT 1 0`` (``redis-replica``).
@@ -32,10 +33,10 @@ from ..loadgen import ClientPool, ClosedLoopClient
 from ..report import Results, histogram, progress
 from ..systems.base import System, Unavailable
 
-ALL_SYSTEMS = ["ziplog", "floor", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
+ALL_SYSTEMS = ["ziplog", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
                "redis-replica"]
 #: the floors: echo processes, not logs (what ziplog's p50 is compared with, not a rival)
-FLOORS = {"floor", "floor-tcp"}
+FLOORS = {"floor", "floor-zmtp", "floor-tcp"}
 COLUMNS = ["system", "clients", "offered_load", "p50_us", "p99_us", "p999_us", "mean_us", "ratio_to_floor",
            "fast_path_ratio", "replication", "durability"]
 SWEEP_COLUMNS = ["system", "clients", "offered_load", "achieved_rate", "p50_us", "p99_us", "p999_us", "mean_us",

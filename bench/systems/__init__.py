@@ -1,5 +1,5 @@
-"""The systems the benchmarks compare: ziplog, the floors (raw ZeroMQ, and plain TCP on
-uvloop), NOPaxos-style and Scalog-style baselines on ziplog's own stack, and real peers
+"""The systems the benchmarks compare: ziplog, the floors (raw ZeroMQ through pyzmq,
+ZeroMQ's wire protocol spoken natively on uvloop, and plain TCP on uvloop), NOPaxos-style and Scalog-style baselines on ziplog's own stack, and real peers
 (ZooKeeper, NATS JetStream with 1 and 3 replicas, Redis Streams alone and with a replica
 and ``WAIT``). ``make(name)`` builds one by its key in :data:`SYSTEMS`."""
 
@@ -15,6 +15,7 @@ SYSTEMS: dict[str, str] = {
     "ziplog": "bench.systems.ziplog_system:ZiplogSystem",
     "floor": "bench.systems.floor:FloorSystem",
     "floor-tcp": "bench.systems.floor_tcp:FloorTcpSystem",
+    "floor-zmtp": "bench.systems.floor_zmtp:FloorZmtpSystem",
     "nopaxos": "bench.systems.nopaxos:NOPaxosSystem",
     "scalog": "bench.systems.scalog:ScalogSystem",
     "zookeeper": "bench.systems.zookeeper:ZooKeeperSystem",
