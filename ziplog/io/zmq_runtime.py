@@ -32,6 +32,7 @@ log = logging.getLogger("ziplog.io")
 
 # Plain ints: pyzmq's flag enums cost a Python-level enum operation per call.
 POLLIN = int(zmq.POLLIN)
+POLLOUT = int(zmq.POLLOUT)
 NOBLOCK = int(zmq.NOBLOCK)
 SNDMORE = int(zmq.SNDMORE)
 EVENTS = int(zmq.EVENTS)
@@ -143,7 +144,13 @@ class _Router(_Socket):
 
 class ZmqRuntime:
     def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False, wake: bool = True,
-                 drain_limit: int = DRAIN_LIMIT) -> None:
+                 drain_limit: int = DRAIN_LIMIT, native: bool = False) -> None:
+        #: ROUTERs and DEALERs served natively (:mod:`ziplog.io.zmtp_poll`: plain sockets in
+        #: this loop, ZMTP spoken by ziplog's codec) instead of by libzmq
+        self.native = native
+        #: file descriptor -> (on readable, on writable) of the native endpoints' sockets
+        self._fds: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
+        self._native: set[Any] = set()
         #: poll's timeout is in milliseconds: by default a timer may fire up to 1 ms late;
         #: precise timers sleep out the last millisecond instead (the membership service's
         #: epochs), at the price of input waiting that long
@@ -218,8 +225,31 @@ class ZmqRuntime:
         if self._sockets.pop(s.sock, None) is not None:
             self._poll_items = [item for item in self._poll_items if item[0] is not s.sock]
 
+    # -- native endpoints' file descriptors ---------------------------------------------------------
+    def watch_fd(self, fd: int, on_read: Callable[[], None] | None, on_write: Callable[[], None] | None) -> None:
+        self._fds[fd] = (on_read, on_write)
+        self._set_fd_events(fd, POLLIN if on_read is not None else 0)
+
+    def want_write(self, fd: int, on: bool) -> None:
+        if fd in self._fds:
+            read = POLLIN if self._fds[fd][0] is not None else 0
+            self._set_fd_events(fd, read | (POLLOUT if on else 0))
+
+    def unwatch_fd(self, fd: int) -> None:
+        self._fds.pop(fd, None)
+        self._set_fd_events(fd, 0)
+
+    def _set_fd_events(self, fd: int, events: int) -> None:
+        items = [item for item in self._poll_items if item[0] != fd]
+        if events:
+            items.append((fd, events))
+        self._poll_items = items
+
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
-               port: int = 0, max_bytes: int = -1) -> _Router:
+               port: int = 0, max_bytes: int = -1) -> Any:
+        if self.native:
+            from ziplog.io.zmtp_poll import NativeRouter
+            return NativeRouter(self, on_frame, on_multipart, host, port, max_bytes)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.SNDHWM, HWM)
@@ -276,7 +306,10 @@ class ZmqRuntime:
                 on_frame(recv())
         return drain
 
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> _Socket:
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> Any:
+        if self.native:
+            from ziplog.io.zmtp_poll import NativeDealer
+            return NativeDealer(self, addr, on_frame, max_bytes)
         s = self._connected(zmq.DEALER, addr, on_frame, HWM, max_bytes)
         s.sock.setsockopt(zmq.RCVHWM, HWM)
         return s
@@ -349,9 +382,18 @@ class ZmqRuntime:
             time.sleep(sleep_ns / 1e9)
         sockets = self._sockets
         wake = self._wake_rx
-        for sock, _ in ready:
-            if type(sock) is int:  # the signal pipe (the only file descriptor polled)
-                self._drain_signal_pipe()
+        for sock, revents in ready:
+            if type(sock) is int:  # the signal pipe, or a native endpoint's socket
+                handlers = self._fds.get(sock)
+                if handlers is None:
+                    if self._signal_rx is not None and sock == self._signal_rx.fileno():
+                        self._drain_signal_pipe()
+                    continue  # else a native socket closed earlier in this turn
+                on_read, on_write = handlers
+                if revents & POLLOUT and on_write is not None:
+                    on_write()
+                if revents & ~POLLOUT and on_read is not None and sock in self._fds:
+                    on_read()
                 continue
             if sock is wake and wake is not None:
                 while True:
@@ -425,6 +467,8 @@ class ZmqRuntime:
 
     def close(self) -> None:
         """Close every socket (and the context, if this runtime made it)."""
+        for ep in list(self._native):
+            ep.close()
         for s in list(self._all):
             s.sock.close(0)
         self._sockets.clear()

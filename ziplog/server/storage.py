@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -405,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="an idle replica tells its peers it is alive this often")
     ap.add_argument("--suspect-timeout-ms", type=float, default=ReplicaSettings.suspect_timeout_ns / 1e6,
                     help="a peer silent this long is suspected and failure recovery asked for (0: never)")
+    ap.add_argument("--transport", choices=["zmq", "native"], default=os.environ.get("ZIPLOG_TRANSPORT", "zmq"),
+                    help="serve ZeroMQ's ROUTER and DEALER with libzmq (zmq) or natively in this process's loop "
+                         "(native: ziplog's ZMTP 3.1; the wire is the same); default $ZIPLOG_TRANSPORT or zmq")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
     key = load_cluster_key(args.cluster_key_file)
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
-    rt = ZmqRuntime()
+    rt = ZmqRuntime(native=args.transport == "native")
     coord = zk.StorageCoordination(args.zk, key)
     disk = None
     if args.data_dir is not None:

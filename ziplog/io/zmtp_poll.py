@@ -1,0 +1,352 @@
+"""ZeroMQ's ROUTER and DEALER served natively inside a :class:`ZmqRuntime`'s poll loop:
+plain non-blocking TCP sockets whose file descriptors the loop polls beside its libzmq
+sockets, speaking ZMTP 3.1/NULL through the sans-I/O codec
+(:mod:`ziplog.protocol.zmtp`). A frame read or written here never crosses a libzmq I/O
+thread: the process's own thread reads it, hands it to the driver in the same turn, and
+writes the answer with one ``send`` system call. Peers cannot tell: a pyzmq DEALER or
+ROUTER talks to these as to libzmq's.
+
+Semantics kept from libzmq's sockets:
+
+* **ROUTER**: each connection's route is the Identity its peer sent, or a generated
+  5-byte id (0x00 and 4 bytes); a message for a route that is gone is dropped
+  (``send_to`` returns False), as is one for a peer more than ``HWM_BYTES`` behind on
+  reading. A message of more than one frame goes to ``on_multipart``.
+* **DEALER**: connects in the background and again after a failure (backoff 10 ms to
+  1 s); messages sent before the handshake wait in a bounded queue (``QUEUE_LIMIT``
+  messages; beyond it ``send`` returns False); messages written to a connection that
+  then breaks are lost, as with libzmq.
+* Frames above ``max_bytes`` are refused from their header: the connection is closed
+  (libzmq's ZMQ_MAXMSGSIZE).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import socket
+from collections import deque
+from typing import Any, Callable
+
+from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
+from ziplog.protocol.zmtp import (
+    DEFAULT_MAX_MESSAGE,
+    Handshaken,
+    Message,
+    PeerError,
+    Ping,
+    ProtocolViolation,
+    ZmtpConnection,
+    parse_endpoint,
+)
+
+log = logging.getLogger("ziplog.io")
+
+#: bytes read per recv call, and per connection per turn at most (then the next turn)
+RECV_BYTES = 256 << 10
+READ_BUDGET = 4 << 20
+#: a peer further behind than this on reading loses what is sent to it
+HWM_BYTES = 64 << 20
+#: messages a DEALER queues while it is not connected
+QUEUE_LIMIT = 100_000
+RECONNECT_MIN_NS = 10_000_000
+RECONNECT_MAX_NS = 1_000_000_000
+
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+class _Conn:
+    """One TCP connection and its codec; the owner hands it events."""
+
+    __slots__ = ("rt", "sock", "fd", "codec", "out", "owner", "route", "closed", "writing")
+
+    def __init__(self, rt: Any, sock: socket.socket, codec: ZmtpConnection, owner: Any) -> None:
+        self.rt = rt
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.codec = codec
+        self.out = bytearray()
+        self.owner = owner
+        self.route: bytes | None = None
+        self.closed = False
+        self.writing = False
+        rt.watch_fd(self.fd, self._readable, self._writable)
+
+    def start(self) -> None:
+        self.write(self.codec.start())
+
+    def write(self, data: bytes) -> bool:
+        if self.closed:
+            return False
+        if self.out:
+            if len(self.out) > HWM_BYTES:
+                return False
+            self.out += data
+            return True
+        try:
+            n = self.sock.send(data)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self.close()
+            return False
+        if n < len(data):
+            self.out += memoryview(data)[n:]
+            if not self.writing:
+                self.writing = True
+                self.rt.want_write(self.fd, True)
+        return True
+
+    def _writable(self) -> None:
+        if self.closed or not self.out:
+            return
+        try:
+            n = self.sock.send(self.out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        del self.out[:n]
+        if not self.out and self.writing:
+            self.writing = False
+            self.rt.want_write(self.fd, False)
+
+    def _readable(self) -> None:
+        got = 0
+        while not self.closed and got < READ_BUDGET:
+            try:
+                data = self.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.close()
+                return
+            if not data:
+                self.close()
+                return
+            got += len(data)
+            codec = self.codec
+            codec.receive_data(data)
+            while not self.closed:
+                ev = codec.next_event()
+                if ev is None:
+                    break
+                if type(ev) is Message:
+                    self.owner.on_message(self, ev.parts)
+                elif type(ev) is Ping:
+                    self.write(codec.send_pong(ev.context))
+                elif type(ev) is Handshaken:
+                    self.owner.on_handshaken(self, ev)
+                elif type(ev) is ProtocolViolation or type(ev) is PeerError:
+                    log.warning("a ZeroMQ peer broke the protocol (%s): connection closed", ev.reason)
+                    self.close()
+                    return
+            if len(data) < RECV_BYTES:
+                return  # the kernel had no more
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.rt.unwatch_fd(self.fd)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.owner.on_closed(self)
+
+
+class NativeRouter:
+    """A bound ROUTER (see the module's docstring); ``addr`` is ``tcp://host:port``."""
+
+    def __init__(self, rt: Any, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str, port: int,
+                 max_bytes: int = -1) -> None:
+        self.rt = rt
+        self.on_frame = on_frame
+        self.on_multipart = on_multipart
+        self.max_bytes = DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((host, port))
+        self.listener.listen(512)
+        self.listener.setblocking(False)
+        bound = self.listener.getsockname()[1]
+        self.addr = f"tcp://[{host}]:{bound}" if family == socket.AF_INET6 else f"tcp://{host}:{bound}"
+        self.routes: dict[bytes, _Conn] = {}
+        self.conns: set[_Conn] = set()
+        self._next_id = random.getrandbits(32)
+        self.closed = False
+        rt.watch_fd(self.listener.fileno(), self._accept, None)
+        rt._native.add(self)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("accepting a connection failed: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(self.rt, sock, ZmtpConnection("ROUTER", max_frame=self.max_bytes,
+                                                       max_message=self.max_bytes), self)
+            self.conns.add(conn)
+            conn.start()
+
+    def on_handshaken(self, conn: _Conn, ev: Handshaken) -> None:
+        route = ev.peer_identity or b""
+        if not route or route[0] == 0 or route in self.routes:
+            self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+            route = b"\x00" + self._next_id.to_bytes(4, "big")
+        conn.route = route
+        self.routes[route] = conn
+
+    def on_message(self, conn: _Conn, parts: list[bytes]) -> None:
+        route = conn.route
+        assert route is not None, "a message before the handshake"
+        if len(parts) == 1:
+            self.on_frame(route, parts[0])
+        else:
+            self.on_multipart(route, len(parts))
+
+    def on_closed(self, conn: _Conn) -> None:
+        self.conns.discard(conn)
+        if conn.route is not None and self.routes.get(conn.route) is conn:
+            del self.routes[conn.route]
+
+    def send_to(self, route: bytes, frame: bytes) -> bool:
+        conn = self.routes.get(route)
+        if conn is None:
+            return False
+        return conn.write(conn.codec.send_message((frame,)))
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.rt.unwatch_fd(self.listener.fileno())
+        self.listener.close()
+        for conn in list(self.conns):
+            conn.close()
+        self.rt._native.discard(self)
+
+
+class NativeDealer:
+    """A DEALER connected to ``addr`` in the background (see the module's docstring)."""
+
+    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> None:
+        self.rt = rt
+        self.addr = addr
+        self.host, self.port = parse_endpoint(addr)
+        self.on_frame = on_frame
+        self.max_bytes = DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes
+        self.conn: _Conn | None = None
+        self.ready = False
+        self.queue: deque[bytes] = deque()
+        self.closed = False
+        self._backoff = RECONNECT_MIN_NS
+        self._timer: Any = None
+        self._connecting: socket.socket | None = None
+        rt._native.add(self)
+        self._connect()
+
+    # -- connecting -------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        self._timer = None
+        if self.closed:
+            return
+        try:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            err = sock.connect_ex(sockaddr)
+        except OSError:
+            self._retry()
+            return
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._retry()
+            return
+        self._connecting = sock
+        self.rt.watch_fd(sock.fileno(), None, self._connected)
+        self.rt.want_write(sock.fileno(), True)
+
+    def _connected(self) -> None:
+        sock = self._connecting
+        if sock is None:
+            return
+        self._connecting = None
+        self.rt.unwatch_fd(sock.fileno())
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            sock.close()
+            self._retry()
+            return
+        self.conn = _Conn(self.rt, sock, ZmtpConnection("DEALER", max_frame=self.max_bytes,
+                                                        max_message=self.max_bytes), self)
+        self.conn.start()
+
+    def _retry(self) -> None:
+        if self.closed:
+            return
+        self._timer = self.rt.call_at(self.rt.now() + self._backoff, self._connect)
+        self._backoff = min(self._backoff * 2, RECONNECT_MAX_NS)
+
+    def on_handshaken(self, conn: _Conn, ev: Handshaken) -> None:
+        self.ready = True
+        self._backoff = RECONNECT_MIN_NS
+        while self.queue and not conn.closed:
+            conn.write(self.queue.popleft())
+
+    def on_message(self, conn: _Conn, parts: list[bytes]) -> None:
+        self.on_frame(parts[-1] if len(parts) == 1 else b"".join(parts))
+
+    def on_closed(self, conn: _Conn) -> None:
+        if conn is self.conn:
+            self.conn = None
+            self.ready = False
+            self._retry()
+
+    # -- the Endpoint -----------------------------------------------------------------------------
+    def send(self, frame: bytes) -> bool:
+        if self.closed:
+            return False
+        conn = self.conn
+        if conn is not None and self.ready:
+            return conn.write(conn.codec.send_message((frame,)))
+        if len(self.queue) >= QUEUE_LIMIT:
+            return False
+        from ziplog.protocol.zmtp import encode_message
+        self.queue.append(encode_message((frame,)))
+        return True
+
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a native DEALER connects to one address")
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._connecting is not None:
+            self.rt.unwatch_fd(self._connecting.fileno())
+            self._connecting.close()
+            self._connecting = None
+        if self.conn is not None:
+            self.conn.close()
+        self.rt._native.discard(self)
+
+
+def native_transport_wanted() -> bool:
+    """``ZIPLOG_TRANSPORT=native`` in the environment: serve ROUTER and DEALER traffic with
+    these endpoints instead of libzmq's."""
+    return os.environ.get("ZIPLOG_TRANSPORT", "") == "native"
