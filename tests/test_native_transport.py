@@ -113,3 +113,21 @@ def test_a_native_router_in_the_poll_loop_serves_pyzmq_and_refuses_bad_peers() -
     finally:
         rt.close()
         ctx.term()
+
+
+def test_a_native_blocking_client_against_native_servers(cluster: ziplog.LocalCluster,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ends native (``ZIPLOG_TRANSPORT=native`` for the client too): no libzmq socket
+    on the insert path at all."""
+    monkeypatch.setenv("ZIPLOG_TRANSPORT", "native")
+    with ziplog.Client(cluster.zk_hosts) as c:
+        assert c._rt.native
+        prev = ziplog.RID_GENESIS
+        for i in range(200):
+            prev = c.insert_after(b"b-%04d" % i, prev)
+        assert c.read_record(prev) == b"b-0199"
+        rids = c.insert_many([b"bm-%04d" % i for i in range(300)])
+        with c.subscribe(ziplog.RID_GENESIS, end=max(prev.gsn, *(r.gsn for r in rids))) as sub:
+            got = [rec.data for rec in sub if rec.data[:2] == b"b-" or rec.data[:3] == b"bm-"]
+    assert [g for g in got if g[:2] == b"b-"] == [b"b-%04d" % i for i in range(200)]
+    assert sorted(g for g in got if g[:3] == b"bm-") == [b"bm-%04d" % i for i in range(300)]

@@ -24,6 +24,7 @@ from ziplog.cores.client.state import NS_PER_S, ClientState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.zmq_runtime import ZmqRuntime
+from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import (
     ClientClosedError,
@@ -73,7 +74,7 @@ class Client(ClientBase):
         self.topology = topology
         # It runs only while a call waits (no wake-up socket), reading one reply per
         # replica per turn (no batches to drain).
-        self._rt = ZmqRuntime(wake=False, drain_limit=1)
+        self._rt = ZmqRuntime(wake=False, drain_limit=1, native=native_transport_wanted())
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9))
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)

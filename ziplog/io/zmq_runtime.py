@@ -370,7 +370,7 @@ class ZmqRuntime:
                     wait_ms, sleep_ns = 0, left
                 else:
                     wait_ms = min(wait_ms, left // 1_000_000)
-        if focus is None:
+        if focus is None or self.native:  # a native endpoint's socket comes and goes: poll all
             items = self._poll_items
         elif focus is self._focus:
             items = self._focus_items  # the caller's list is unchanged: so is the poll set
