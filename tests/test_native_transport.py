@@ -1,8 +1,10 @@
-"""Storage servers serving ZeroMQ natively (``--transport native``: ROUTER and DEALER as
-plain sockets in the server's own loop, ZMTP spoken by ziplog's codec) behind pyzmq
-clients, on real processes: inserts, reads, subscribers that agree, ``insert_many``, the
-asyncio client, and a primary SIGKILLed and started again (its backup's native DEALER
-reconnects; nothing acknowledged lost or duplicated)."""
+"""Storage servers serving ZeroMQ natively (``--transport native``, the default: ROUTER
+and DEALER as plain sockets in the server's own loop, ZMTP spoken by ziplog's codec),
+on real processes, behind pyzmq clients (the asyncio client) and native ones (the
+blocking client): inserts, reads, subscribers that agree, ``insert_many``, a primary
+SIGKILLed and started again (its backup's native DEALER reconnects; nothing acknowledged
+lost or duplicated); a native ROUTER refusing junk; and libzmq on both ends still
+available (``--transport zmq``, ``ZIPLOG_TRANSPORT=zmq``)."""
 
 from __future__ import annotations
 
@@ -131,3 +133,16 @@ def test_a_native_blocking_client_against_native_servers(cluster: ziplog.LocalCl
             got = [rec.data for rec in sub if rec.data[:2] == b"b-" or rec.data[:3] == b"bm-"]
     assert [g for g in got if g[:2] == b"b-"] == [b"b-%04d" % i for i in range(200)]
     assert sorted(g for g in got if g[:3] == b"bm-") == [b"bm-%04d" % i for i in range(300)]
+
+
+def test_libzmq_stays_available_on_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--transport zmq`` and ``ZIPLOG_TRANSPORT=zmq``: the libzmq path, end to end."""
+    monkeypatch.setenv("ZIPLOG_TRANSPORT", "zmq")
+    with ziplog.local_cluster(shards=1, replicas=2, server_args=["--transport", "zmq"]) as c, \
+            ziplog.Client(c.zk_hosts) as client:
+        assert not client._rt.native
+        a = client.insert_after(b"one")
+        b = client.insert_after(b"two", a)
+        assert b.gsn > a.gsn and client.read_record(b) == b"two"
+        with client.subscribe(ziplog.RID_GENESIS, end=b.gsn) as sub:
+            assert [rec.data for rec in sub] == [b"one", b"two"]

@@ -347,6 +347,6 @@ class NativeDealer:
 
 
 def native_transport_wanted() -> bool:
-    """``ZIPLOG_TRANSPORT=native`` in the environment: serve ROUTER and DEALER traffic with
-    these endpoints instead of libzmq's."""
-    return os.environ.get("ZIPLOG_TRANSPORT", "") == "native"
+    """Serve ROUTER and DEALER traffic with these endpoints (the default) unless
+    ``ZIPLOG_TRANSPORT=zmq`` asks for libzmq's."""
+    return os.environ.get("ZIPLOG_TRANSPORT", "native") != "zmq"

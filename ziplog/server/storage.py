@@ -406,9 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="an idle replica tells its peers it is alive this often")
     ap.add_argument("--suspect-timeout-ms", type=float, default=ReplicaSettings.suspect_timeout_ns / 1e6,
                     help="a peer silent this long is suspected and failure recovery asked for (0: never)")
-    ap.add_argument("--transport", choices=["zmq", "native"], default=os.environ.get("ZIPLOG_TRANSPORT", "zmq"),
-                    help="serve ZeroMQ's ROUTER and DEALER with libzmq (zmq) or natively in this process's loop "
-                         "(native: ziplog's ZMTP 3.1; the wire is the same); default $ZIPLOG_TRANSPORT or zmq")
+    ap.add_argument("--transport", choices=["zmq", "native"],
+                    default="zmq" if os.environ.get("ZIPLOG_TRANSPORT") == "zmq" else "native",
+                    help="serve ZeroMQ's ROUTER and DEALER natively in this process's loop (native: ziplog's ZMTP "
+                         "3.1, the default) or with libzmq (zmq); the wire is the same. $ZIPLOG_TRANSPORT=zmq "
+                         "switches the default")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
     key = load_cluster_key(args.cluster_key_file)
