@@ -74,6 +74,11 @@ class Call:
         return ()
 
 
+#: refusals that end an insert once no other shard is left to try: what stopped it is the
+#: answer (a pinned insert refused otherwise tries its shard again under a new id)
+FINAL_REFUSALS = frozenset((wire.E_TIMEOUT, wire.E_OVERLOADED, wire.E_DISK_FULL))
+
+
 class InsertState(enum.Enum):
     #: a pinned shard is not live right now: wait (within the deadline) for it to return
     WAITING_FOR_SHARD = "waiting_for_shard"
@@ -88,7 +93,8 @@ class InsertCall(Call):
     (``InsertWait``). Unanswered, the identical frame is resent (replicas answer a
     duplicate with the gsn they gave it); a shard that provably holds no copy
     (``Redirect``) is left for another under the same (client id, seq), so the record
-    still appears once. The deadline covers the whole call."""
+    still appears once, or, when the policy pins the shard and the refusal is not final,
+    tried again on it under a new seq. The deadline covers the whole call."""
 
     def __init__(self, client: ClientState, data: bytes, after_gsn: int, key: bytes | None, deadline_ns: int) -> None:
         super().__init__(deadline_ns)
@@ -120,7 +126,7 @@ class InsertCall(Call):
                 self.state = InsertState.WAITING_FOR_SHARD
                 self.wake_at = self.deadline_ns
                 return []
-            if self.refusal is not None and self.refusal.code in (wire.E_TIMEOUT, wire.E_OVERLOADED, wire.E_DISK_FULL):
+            if self.refusal is not None and self.refusal.code in FINAL_REFUSALS:
                 # Every shard tried refused it for good and holds no copy: the record is
                 # nowhere, and what stopped it is the answer.
                 return self.fail(from_reply(self.refusal.code, self.refusal.message))
@@ -156,9 +162,19 @@ class InsertCall(Call):
             # The shard provably holds no copy: the same id on another shard is safe.
             if r.refusal is not None:
                 self.refusal = r.refusal
+            self.client.stats["redirects"] += 1
+            if self.client.policy.kind == "fixed" and (self.refusal is None or self.refusal.code not in FINAL_REFUSALS):
+                # Pinned, and refused for a while (a restarting or recovering primary): the
+                # shard holds no copy of this id and refuses it for good, so the record goes
+                # to the same shard again under a new id, once it takes inserts again
+                # (still exactly once: the old id is nowhere and never will be).
+                self.seq = self.client.next_seq()
+                self.refusal = None
+                self.state = InsertState.WAITING_FOR_SHARD
+                self.wake_at = min(now + self.client.retry_after_ns, self.deadline_ns)
+                return []
             self.excluded.add(self.shard)
             self.client.avoid(self.shard, now)
-            self.client.stats["redirects"] += 1
             return self._choose(now, topo)
         except ZiplogError as exc:
             self.state = InsertState.DONE
