@@ -29,7 +29,7 @@ from ..systems.base import Unavailable
 
 COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "total_rate", "p50_us", "p99_us",
            "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
-RIVALS = ["floor", "nopaxos", "scalog", "zookeeper", "nats", "redis"]
+RIVALS = ["floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis", "redis-replica"]
 
 
 def params_for(quick: bool) -> dict[str, Any]:
