@@ -30,6 +30,7 @@ from ziplog.cores.client.subscription import SubState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
+from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import (
     ClientClosedError,
@@ -103,7 +104,7 @@ class AsyncClient(ClientBase):
             return conn, topo
 
         self._zk, topology = await asyncio.to_thread(start)
-        self._rt = rt = AsyncioRuntime()
+        self._rt = rt = AsyncioRuntime(native=native_transport_wanted())
         self.topology = topology
         self._driver = driver = ClientDriver(rt, rt, topology, self._state)
         topology.on_change(lambda: rt.call_soon_threadsafe(driver.on_topology))

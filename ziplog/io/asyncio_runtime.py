@@ -57,6 +57,36 @@ class _Connection:
         self.sock.close(linger_ms)
 
 
+class _NativeConnection:
+    """A DEALER speaking ZMTP natively (:class:`~ziplog.io.zmtp_asyncio.ZmtpDealer`) with
+    the interface of :class:`_Connection`: each message is a turn of ``on_frame``."""
+
+    __slots__ = ("rt", "addr", "on_frame", "dealer", "reader")
+
+    def __init__(self, rt: "AsyncioRuntime", addr: str, on_frame: FrameHandler, max_bytes: int) -> None:
+        from ziplog.io.zmtp_asyncio import ZmtpDealer
+
+        self.rt = rt
+        self.addr = addr
+        self.on_frame = on_frame
+        self.dealer = ZmtpDealer(addr, self._on_message, max_message=max_bytes if max_bytes > 0 else 1 << 30)
+        self.dealer.start()
+        self.reader: Any = self.dealer._task
+
+    def _on_message(self, parts: list[bytes]) -> None:
+        self.rt.turn(self.on_frame, parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def send(self, frame: bytes) -> bool:
+        return self.dealer.send([frame])
+
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a native DEALER connects to one address")
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.rt._connections.discard(self)
+        self.dealer.close()
+
+
 class _Router:
     """A bound ROUTER; each message of two parts (route, frame) is a turn of ``on_frame``,
     one of more parts a turn of ``on_multipart``."""
@@ -109,11 +139,13 @@ class _Handle:
 
 
 class AsyncioRuntime:
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, native: bool = False) -> None:
         self.loop = loop or asyncio.get_running_loop()
+        #: DEALERs speak ZMTP natively (no libzmq I/O thread) instead of through zmq.asyncio
+        self.native = native
         self.ctx = zmq.asyncio.Context()
         self._turn_end: list[Callable[[], None]] = []
-        self._connections: set[_Connection | _Router] = set()
+        self._connections: set[_Connection | _NativeConnection | _Router] = set()
         self.closed = False
 
     # -- Runtime ----------------------------------------------------------------------------------
@@ -143,7 +175,11 @@ class AsyncioRuntime:
         self._turn_end.append(fn)
 
     # -- Network (connecting side) ----------------------------------------------------------------
-    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> _Connection:
+    def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> Any:
+        if self.native:
+            n = _NativeConnection(self, addr, on_frame, max_bytes)
+            self._connections.add(n)
+            return n
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)

@@ -449,6 +449,16 @@ class ZmtpDealer:
         self._queue.append(data)
         return True
 
+    def close(self) -> None:
+        """Drop the connection and stop reconnecting, now (from synchronous code; the
+        connecting task ends at its next step)."""
+        self._closing = True
+        if self._current is not None:
+            self._current.abort()
+        if self._task is not None:
+            self._task.cancel()
+        self._queue.clear()
+
     async def aclose(self) -> None:
         """Drop the connection and stop reconnecting; queued messages are discarded."""
         self._closing = True
