@@ -39,6 +39,7 @@ from ziplog.protocol.zmtp import (
     Ping,
     ProtocolViolation,
     ZmtpConnection,
+    encode_message,
     parse_endpoint,
 )
 
@@ -324,7 +325,6 @@ class NativeDealer:
             return conn.write(conn.codec.send_message((frame,)))
         if len(self.queue) >= QUEUE_LIMIT:
             return False
-        from ziplog.protocol.zmtp import encode_message
         self.queue.append(encode_message((frame,)))
         return True
 

@@ -20,7 +20,6 @@ from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState, LogRe
 from ziplog.logbook.core import session as s
 from ziplog.logbook.core.aggregator import Result
 from ziplog.logbook.tier import TierLink
-from ziplog.protocol.errors import ZiplogTimeoutError
 from ziplog.protocol.types import RecordId
 
 __all__ = ["AsyncLogBook", "AsyncEngine", "LogRecord"]
@@ -76,12 +75,8 @@ class AsyncEngine(EngineState):
             sub = self.sub
             while True:
                 rec = await sub.next_until(position, self.timeout)
-                if rec is None:
-                    self.on_watermark(sub.position)
-                    if self.watermark >= position:
-                        return
-                    raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
-                self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
+                if self.caught_up(rec, sub.position, position):
+                    return
 
     async def perform(self, op: s.Op) -> Any:
         client = self.client
@@ -97,9 +92,9 @@ class AsyncEngine(EngineState):
         if got is not None:
             return got
         assert self.tier is not None
-        key = self.next_key()
-        fut = self._waiting[key] = asyncio.get_running_loop().create_future()
-        self.tier.lookup(key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
+        fut = asyncio.get_running_loop().create_future()
+        key = self.ask_tier(self.tier, op)
+        self._waiting[key] = fut
         await fut
         return self.take(key, op)
 

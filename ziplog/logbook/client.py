@@ -112,8 +112,22 @@ class EngineState:
         find = self.index.next if op.how == "next" else self.index.prev
         return cut, find(op.book, op.tag, op.seqnum, cut)
 
-    def next_key(self) -> int:
+    def caught_up(self, rec: Any, sub_position: int, position: int) -> bool:
+        """One step of catching the index up to ``position`` from the engine's
+        subscription: ``rec`` (a record to feed: not yet) or None (the subscription is at
+        ``sub_position``: done, or the index did not get there in time)."""
+        if rec is not None:
+            self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
+            return False
+        self.on_watermark(sub_position)
+        if self.watermark >= position:
+            return True
+        raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
+
+    def ask_tier(self, tier: TierLink, op: s.Lookup) -> int:
+        """Send the lookup the engine could not answer to the tier; its result's key."""
         self._key += 1
+        tier.lookup(self._key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
         return self._key
 
     def on_result(self, res: Result) -> None:
@@ -196,14 +210,8 @@ class Engine(EngineState):
         """Feed the index everything delivered so far, and at least up to ``position``
         (Boki's rule: an index behind the reader's position does not answer it)."""
         sub = self.sub
-        while True:
-            rec = sub.next_until(position, self.timeout)
-            if rec is None:
-                self.on_watermark(sub.position)
-                if self.watermark >= position:
-                    return
-                raise ZiplogTimeoutError(f"the index did not reach gsn {position} within {self.timeout}s")
-            self.feed(rec.rid.gsn, rec.rid.shard, rec.data)
+        while not self.caught_up(sub.next_until(position, self.timeout), sub.position, position):
+            pass
 
     def perform(self, op: s.Op) -> Any:
         if type(op) is s.Insert:
@@ -217,8 +225,7 @@ class Engine(EngineState):
         if got is not None:
             return got
         assert self.tier is not None
-        key = self.next_key()
-        self.tier.lookup(key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
+        key = self.ask_tier(self.tier, op)
         self.client.runtime.run_until(lambda: key in self.results)
         return self.take(key, op)
 

@@ -130,7 +130,6 @@ class TierLink:
             self.ask.set_sources(self._sources())
 
     def lookup(self, key: Hashable, how: str, book: int, tag: int | None, seqnum: int, min_cut: int) -> None:
-        self._refresh()
         self.ask.lookup(key, f.NEXT if how == "next" else f.PREV, book, tag, seqnum, min_cut)
 
     def close(self) -> None:
