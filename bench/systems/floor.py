@@ -9,6 +9,7 @@ logic, no disk: any log on this stack costs at least this much."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import os
 import select
@@ -57,7 +58,15 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 
 
 class FloorSystem(System):
+    """Echo processes and a client of them. A variant names its echo processes'
+    arguments, what they are, the module its clients live in, and whether uvloop is
+    needed."""
+
     name = "floor"
+    echo_args: tuple[str, ...] = ()
+    servers_are = "echo processes"
+    client_module = __name__
+    needs_uvloop = False
 
     def __init__(self, servers: int = 2) -> None:
         self.n_servers = servers
@@ -65,8 +74,10 @@ class FloorSystem(System):
         self.ports: list[int] = []
 
     def start(self) -> None:
+        if self.needs_uvloop and importlib.util.find_spec("uvloop") is None:
+            raise Unavailable("uvloop is not importable: pip install uvloop (make setup installs the fast extra)")
         for _ in range(self.n_servers):
-            proc, port = start_echo_server()
+            proc, port = start_echo_server(extra_args=self.echo_args)
             self.procs.append(proc)
             self.ports.append(port)
 
@@ -76,13 +87,13 @@ class FloorSystem(System):
         self.procs, self.ports = [], []
 
     def client_spec(self, shard: int = 0) -> ClientSpec:
-        return ClientSpec(__name__, {"ports": list(self.ports)})
+        return ClientSpec(self.client_module, {"ports": list(self.ports)})
 
     def server_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def describe(self) -> dict[str, Any]:
-        return {"replication": f"{self.n_servers} echo processes", "durability": "none", "delays": 2}
+        return {"replication": f"{self.n_servers} {self.servers_are}", "durability": "none", "delays": 2}
 
 
 class FloorAppender:

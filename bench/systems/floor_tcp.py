@@ -13,19 +13,16 @@ replication logic, no disk: the least a two-replica exchange costs in Python her
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import socket
 import struct
 from typing import Any
 
-from .base import ClientSpec, Unavailable
-from .floor import FloorSystem, start_echo_server
+from .floor import FloorSystem
 
 #: length (of what follows it), request number; the record follows
 HEADER = struct.Struct("!IQ")
 LENGTH_BYTES = 4
-_UVLOOP_HINT = "uvloop is not importable: pip install uvloop (make setup installs the fast extra)"
 #: a blocking read gives up after this long (SO_RCVTIMEO: no poll before each recv)
 RECV_TIMEOUT_S = 10
 
@@ -36,21 +33,10 @@ def frame(req: int, data: bytes) -> bytes:
 
 class FloorTcpSystem(FloorSystem):
     name = "floor (plain TCP)"
-
-    def start(self) -> None:
-        if importlib.util.find_spec("uvloop") is None:
-            raise Unavailable(_UVLOOP_HINT)
-        for _ in range(self.n_servers):
-            proc, port = start_echo_server(extra_args=("--tcp",))
-            self.procs.append(proc)
-            self.ports.append(port)
-
-    def client_spec(self, shard: int = 0) -> ClientSpec:
-        return ClientSpec(__name__, {"ports": list(self.ports)})
-
-    def describe(self) -> dict[str, Any]:
-        return {"replication": f"{self.n_servers} echo processes (plain TCP, uvloop)", "durability": "none",
-                "delays": 2}
+    echo_args = ("--tcp",)
+    servers_are = "echo processes (plain TCP, uvloop)"
+    client_module = __name__
+    needs_uvloop = True
 
 
 class TcpFloorAppender:

@@ -11,37 +11,23 @@ what serving ZeroMQ natively can reach, beside the pyzmq floor and the plain-TCP
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 from typing import Any
 
 import msgpack
 
-from .base import ClientSpec, Unavailable
-from .floor import FloorSystem, start_echo_server
+from .floor import FloorSystem
 
-_UVLOOP_HINT = "uvloop is not importable: pip install uvloop (make setup installs the fast extra)"
 #: a reply that does not come within this long is an error, not a hang
 RECV_TIMEOUT_S = 10.0
 
 
 class FloorZmtpSystem(FloorSystem):
     name = "floor (ZMTP native)"
-
-    def start(self) -> None:
-        if importlib.util.find_spec("uvloop") is None:
-            raise Unavailable(_UVLOOP_HINT)
-        for _ in range(self.n_servers):
-            proc, port = start_echo_server(extra_args=("--zmtp",))
-            self.procs.append(proc)
-            self.ports.append(port)
-
-    def client_spec(self, shard: int = 0) -> ClientSpec:
-        return ClientSpec(__name__, {"ports": list(self.ports)})
-
-    def describe(self) -> dict[str, Any]:
-        return {"replication": f"{self.n_servers} echo processes (ZMTP 3.1 natively, uvloop)", "durability": "none",
-                "delays": 2}
+    echo_args = ("--zmtp",)
+    servers_are = "echo processes (ZMTP 3.1 natively, uvloop)"
+    client_module = __name__
+    needs_uvloop = True
 
 
 class ZmtpFloorAppender:
