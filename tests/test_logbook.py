@@ -14,10 +14,9 @@ import pytest
 
 import ziplog
 import ziplog.aio
-from tests.logbook_oracle import Served, check_served
+from tests.logbook_oracle import check_served, random_ops
 from ziplog.logbook import LogBook
 from ziplog.logbook.core import records as r
-from ziplog.logbook.core.session import MAX_SEQNUM
 
 
 @pytest.fixture(scope="module")
@@ -69,31 +68,10 @@ def test_every_answer_equals_a_full_replay_at_its_cut(cluster: ziplog.LocalClust
     was served at says."""
     rng = random.Random(20)
     books, tags = [10, 11], [1, 2, 3]
-    served: list[Served] = []
     engines = [LogBook(cluster.zk_hosts, books[0]), LogBook(cluster.zk_hosts, books[0])]
     try:
         sessions = [LogBook("", b, _engine=e._engine) for e in engines for b in books]
-        given: list[int] = []
-        for _ in range(300):
-            lb = rng.choice(sessions)
-            before = lb.position
-            what = rng.random()
-            if what < 0.45:
-                given.append(lb.append(b"%d" % rng.randrange(1000), rng.sample(tags, rng.randint(0, 2))))
-            elif what < 0.5 and given:
-                lb.trim(rng.choice(given[-10:]))
-            else:
-                how = rng.choice(["next", "prev", "tail"])
-                tag = rng.choice([None, *tags])
-                seqnum = rng.choice(given[-10:]) + rng.randint(-1, 1) if given else 0
-                if how == "next":
-                    rec = lb.read_next(seqnum, tag)
-                elif how == "prev":
-                    rec = lb.read_prev(seqnum, tag)
-                else:
-                    rec, seqnum = lb.check_tail(tag), MAX_SEQNUM
-                assert lb.position >= before, "a read went below the session's position"
-                served.append((how, lb.book_id, tag, seqnum, lb.position, None if rec is None else rec.seqnum))
+        served = random_ops(rng, sessions, 300, tags)
         end = max(lb.position for lb in sessions)
     finally:
         for e in engines:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 import ziplog
-from tests.logbook_oracle import Served, check_served
+from tests.logbook_oracle import check_served, random_ops
 from ziplog.io.zmq_runtime import round_trip
 from ziplog.logbook import LogBook, local_logbook
 from ziplog.logbook.client import Engine
@@ -132,38 +132,13 @@ def test_every_answer_through_the_tier_equals_a_replay_across_kills(cluster: zip
     cut says. (Last in the module: it adds a node.)"""
     rng = random.Random(21)
     books, tags = [10, 11], [1, 2, 3]
-    served: list[Served] = []
     engines = [Engine(tier.zk_hosts, TIMEOUT, index=mode, cache_entries=16) for mode in ("tier", "tier", "nodes")]
     faults = {60: lambda: tier.restart_index_node(1), 120: tier.restart_feeder,
               180: lambda: cluster.kill_replica(0, 1), 200: lambda: cluster.restart_replica(0, 1),
               240: tier.add_index_node}
     try:
         sessions = [LogBook("", b, _engine=e) for e in engines for b in books]
-        given: list[int] = []
-        for step in range(360):
-            if step in faults:
-                faults[step]()
-            lb = rng.choice(sessions)
-            before = lb.position
-            what = rng.random()
-            if what < 0.45:
-                given.append(lb.append(b"%d" % rng.randrange(1000), rng.sample(tags, rng.randint(0, 2))))
-            elif what < 0.5 and given:
-                lb.trim(rng.choice(given[-10:]))
-            else:
-                how = rng.choice(["next", "prev", "tail"])
-                tag = rng.choice([None, *tags])
-                seqnum = rng.choice(given[-30:]) + rng.randint(-1, 1) if given else 0
-                if rng.random() < 0.2:
-                    seqnum = 0 if how == "next" else seqnum
-                if how == "next":
-                    rec = lb.read_next(seqnum, tag)
-                elif how == "prev":
-                    rec = lb.read_prev(seqnum, tag)
-                else:
-                    rec, seqnum = lb.check_tail(tag), MAX_SEQNUM
-                assert lb.position >= before, "a read went below the session's position"
-                served.append((how, lb.book_id, tag, seqnum, lb.position, None if rec is None else rec.seqnum))
+        served = random_ops(rng, sessions, 360, tags, recent=30, from_zero=0.2, faults=faults)
         end = max(lb.position for lb in sessions)
         asked_tier = sum(e.cache.misses for e in engines if e.cache is not None)
         from_cache = sum(e.cache.hits for e in engines if e.cache is not None)
