@@ -37,6 +37,9 @@ ALL_SYSTEMS = ["ziplog", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog"
                "redis-replica"]
 #: the floors: echo processes, not logs (what ziplog's p50 is compared with, not a rival)
 FLOORS = {"floor", "floor-zmtp", "floor-tcp"}
+#: the second ziplog client of the one-client rounds: a plain Client's default policy
+DEFAULT_POLICY = "ziplog-default"
+DEFAULT_POLICY_NAME = "ziplog, default policy"
 COLUMNS = ["system", "clients", "offered_load", "p50_us", "p99_us", "p999_us", "mean_us", "ratio_to_floor",
            "fast_path_ratio", "replication", "durability"]
 SWEEP_COLUMNS = ["system", "clients", "offered_load", "achieved_rate", "p50_us", "p99_us", "p999_us", "mean_us",
@@ -89,11 +92,17 @@ def _start_systems(keys: list[str], p: dict[str, Any], res: Results, stack: cont
 def _one_client(started: dict[str, System], p: dict[str, Any], res: Results,
                 stack: contextlib.ExitStack) -> list[dict[str, Any]]:
     clients: dict[str, ClosedLoopClient] = {}
-    for key, system in started.items():
+    #: key -> (row name, its system); ziplog runs twice: pinned to shard 0 (the row the
+    #: rivals are compared with) and with the default policy, on the same cluster
+    entries: dict[str, tuple[str, System]] = {k: (system.name, system) for k, system in started.items()}
+    if "ziplog" in started:
+        entries[DEFAULT_POLICY] = (DEFAULT_POLICY_NAME, started["ziplog"])
+    for key, (name, system) in entries.items():
+        spec = system.client_spec(None) if key == DEFAULT_POLICY else system.client_spec(0)  # type: ignore[arg-type]
         try:
-            clients[key] = stack.enter_context(ClosedLoopClient(system.client_spec(0), system.name))
+            clients[key] = stack.enter_context(ClosedLoopClient(spec, name))
         except Unavailable as e:
-            res.not_started(system.name, f"client: {e}")
+            res.not_started(name, f"client: {e}")
     samples: dict[str, list[int]] = {k: [] for k in clients}
     rounds_p50: dict[str, list[float]] = {k: [] for k in clients}
     counts: dict[str, dict[str, int]] = {k: {} for k in clients}
@@ -102,7 +111,7 @@ def _one_client(started: dict[str, System], p: dict[str, Any], res: Results,
         try:
             c.measure(0, p["record_bytes"], warmup=p["warmup"])
         except Unavailable as e:
-            res.not_started(started[key].name, f"warm-up failed: {e}")
+            res.not_started(entries[key][0], f"warm-up failed: {e}")
             failed.add(key)
     keys = [k for k in clients if k not in failed]
     for r in progress("latency", list(range(p["rounds"])), lambda r: f"one-client round {r + 1}"):
@@ -113,14 +122,14 @@ def _one_client(started: dict[str, System], p: dict[str, Any], res: Results,
             try:
                 s, k = clients[key].measure(p["appends_per_round"], p["record_bytes"])
             except Unavailable as e:
-                res.not_started(started[key].name, f"failed mid-run: {e}")
+                res.not_started(entries[key][0], f"failed mid-run: {e}")
                 failed.add(key)
                 continue
             samples[key].extend(s)
             rounds_p50[key].append(round(summarize(s)["p50_us"], 1))
             for name, v in k.items():
                 counts[key][name] = counts[key].get(name, 0) + v
-        res.log("round p50s: " + ", ".join(f"{started[k].name} {rounds_p50[k][-1]:.0f}"
+        res.log("round p50s: " + ", ".join(f"{entries[k][0]} {rounds_p50[k][-1]:.0f}"
                                            for k in keys if k not in failed and rounds_p50[k]))
     rows: list[dict[str, Any]] = []
     floor_p50 = summarize(samples["floor"])["p50_us"] if samples.get("floor") else None
@@ -128,12 +137,12 @@ def _one_client(started: dict[str, System], p: dict[str, Any], res: Results,
         if key in failed or not samples[key]:
             continue
         summary = summarize(samples[key])
-        rows.append({"system": started[key].name, "kind": "closed-loop", "clients": 1,
+        rows.append({"system": entries[key][0], "kind": "closed-loop", "clients": 1,
                      "offered_load": "closed-loop", **summary,
                      "ratio_to_floor": summary["p50_us"] / floor_p50 if floor_p50 else None,
                      "fast_path_ratio": _fast_path_ratio(counts[key]), "counters": counts[key],
                      "rounds_p50_us": rounds_p50[key], "histogram": histogram(samples[key]),
-                     **started[key].describe()})
+                     **entries[key][1].describe()})
     rows.sort(key=lambda r: r["p50_us"])
     return rows
 
@@ -238,12 +247,16 @@ def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list
     z = next((r for r in one if r["system"] == "ziplog"), None)
     floor_names = {started[k].name for k in FLOORS if k in started}
     if z is not None and z.get("ratio_to_floor"):
-        others = [r for r in one if r["system"] != "ziplog" and r["system"] not in floor_names]
+        others = [r for r in one if r["system"] not in ("ziplog", DEFAULT_POLICY_NAME) and r["system"] not in floor_names]
         below_all = all(z["p50_us"] < r["p50_us"] for r in others)
         tcp = next((r for r in one if "floor-tcp" in started and r["system"] == started["floor-tcp"].name), None)
         res.note(f"one client: ziplog p50 {z['p50_us']:.0f} us = {z['ratio_to_floor']:.2f} x the floor"
                  + (f", {z['p50_us'] / tcp['p50_us']:.2f} x the plain-TCP floor" if tcp and tcp["p50_us"] else "")
                  + f"; {'below' if below_all else 'NOT below'} every other system's p50.")
+    d = next((r for r in one if r["system"] == DEFAULT_POLICY_NAME), None)
+    if z is not None and d is not None and z["p50_us"] and d["p50_us"]:
+        res.note(f"one client with the default policy (a random shard per insert): p50 {d['p50_us']:.0f} us = "
+                 f"{d['p50_us'] / z['p50_us']:.2f} x the pinned client's, in the same rounds.")
     fp16 = [r for r in sweep if r["system"] == "ziplog" and r["clients"] == 16 and r["fast_path_ratio"] is not None]
     if fp16:
         worst = min(fp16, key=lambda r: r["fast_path_ratio"])
@@ -254,7 +267,8 @@ def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list
                      f"{p['appends_per_round']} appends, systems taking turns (order rotating). Every system runs "
                      "during the whole run, so all share the same background. ziplog: "
                      f"{p['shards']} shards x {p['replicas']} replicas, client pinned to shard 0, each record "
-                     "InsertAfter the previous."),
+                     "InsertAfter the previous; a second ziplog client, with the default policy, takes its turns "
+                     "on the same cluster."),
               extra_tables=[("Open loop (offered load on one shard; latency from call to ack, lag = how late the call left)",
                              sweep, SWEEP_COLUMNS)])
     # the JSON holds every row (one-client, sweep, not started); the table shows the first kind

@@ -43,7 +43,9 @@ class ZiplogSystem(System):
             self._stack = None
         self.cluster = None
 
-    def client_spec(self, shard: int = 0) -> ClientSpec:
+    def client_spec(self, shard: int | None = 0) -> ClientSpec:
+        """A client pinned to ``shard``; None: the default policy (a random live shard
+        per insert), as a user's plain ``Client`` inserts."""
         assert self.cluster is not None, "start() first"
         return ClientSpec(__name__, {"zk_hosts": self.cluster.zk_hosts, "shard": shard})
 
@@ -58,9 +60,9 @@ class ZiplogSystem(System):
 
 
 class ZiplogAppender:
-    def __init__(self, zk_hosts: str, shard: int) -> None:
+    def __init__(self, zk_hosts: str, shard: int | None) -> None:
         import ziplog
-        self.client = ziplog.Client(zk_hosts, policy=ziplog.Policy.fixed(shard))
+        self.client = ziplog.Client(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard))
         self.last = ziplog.RID_GENESIS
         self._insert = self.client.insert_after
 
@@ -95,11 +97,11 @@ class AsyncZiplogAppender:
         await self.client.close()
 
 
-def open_sync(zk_hosts: str, shard: int) -> ZiplogAppender:
+def open_sync(zk_hosts: str, shard: int | None) -> ZiplogAppender:
     return ZiplogAppender(zk_hosts, shard)
 
 
-async def open_async(zk_hosts: str, shard: int) -> AsyncZiplogAppender:
+async def open_async(zk_hosts: str, shard: int | None) -> AsyncZiplogAppender:
     import ziplog
-    client = await ziplog.AsyncClient.connect(zk_hosts, policy=ziplog.Policy.fixed(shard))
+    client = await ziplog.AsyncClient.connect(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard))
     return AsyncZiplogAppender(client)

@@ -36,7 +36,9 @@ from ziplog.protocol.zmtp import (
 
 __all__ = ["BlockingDealer"]
 
-_RECV_BYTES = 256 << 10
+#: bytes asked of one recv: below malloc's mmap threshold, so that a fresh buffer is not
+#: a mmap, mremap and munmap per call (several times a 4 KiB message's whole read)
+_RECV_BYTES = 64 << 10
 
 
 class BlockingDealer:

@@ -45,7 +45,9 @@ from ziplog.protocol.zmtp import (
 
 log = logging.getLogger("ziplog.io")
 
-#: bytes read per recv call, and per connection per turn at most (then the next turn)
+#: bytes read per recv call (into one buffer per loop, then copied out: a fresh 256 KiB
+#: bytes object per recv would be a mmap, mremap and munmap each, several times the cost
+#: of a 4 KiB message's whole read), and per connection per turn at most (then the next turn)
 RECV_BYTES = 256 << 10
 READ_BUDGET = 4 << 20
 #: a peer further behind than this on reading loses what is sent to it
@@ -58,10 +60,19 @@ RECONNECT_MAX_NS = 1_000_000_000
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
+def _recv_buffer(rt: Any) -> tuple[bytearray, memoryview]:
+    """The loop's receive buffer (one per runtime: a runtime is one thread's)."""
+    got = getattr(rt, "_zmtp_recv_buffer", None)
+    if got is None:
+        buf = bytearray(RECV_BYTES)
+        got = rt._zmtp_recv_buffer = (buf, memoryview(buf))
+    return got
+
+
 class _Conn:
     """One TCP connection and its codec; the owner hands it events."""
 
-    __slots__ = ("rt", "sock", "fd", "codec", "out", "owner", "route", "closed", "writing")
+    __slots__ = ("rt", "sock", "fd", "codec", "out", "owner", "route", "closed", "writing", "recv_buffer")
 
     def __init__(self, rt: Any, sock: socket.socket, codec: ZmtpConnection, owner: Any) -> None:
         self.rt = rt
@@ -73,6 +84,7 @@ class _Conn:
         self.route: bytes | None = None
         self.closed = False
         self.writing = False
+        self.recv_buffer = _recv_buffer(rt)
         rt.watch_fd(self.fd, self._readable, self._writable)
 
     def start(self) -> None:
@@ -117,18 +129,20 @@ class _Conn:
 
     def _readable(self) -> None:
         got = 0
+        buf, view = self.recv_buffer
         while not self.closed and got < READ_BUDGET:
             try:
-                data = self.sock.recv(RECV_BYTES)
+                n = self.sock.recv_into(buf)
             except BlockingIOError:
                 return
             except OSError:
                 self.close()
                 return
-            if not data:
+            if not n:
                 self.close()
                 return
-            got += len(data)
+            got += n
+            data = bytes(view[:n])
             codec = self.codec
             codec.receive_data(data)
             while not self.closed:
@@ -145,7 +159,7 @@ class _Conn:
                     log.warning("a ZeroMQ peer broke the protocol (%s): connection closed", ev.reason)
                     self.close()
                     return
-            if len(data) < RECV_BYTES:
+            if n < RECV_BYTES:
                 return  # the kernel had no more
 
     def close(self) -> None:
