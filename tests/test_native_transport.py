@@ -112,6 +112,73 @@ def test_a_native_router_in_the_poll_loop_serves_pyzmq_and_refuses_bad_peers() -
         ctx.term()
 
 
+def test_answers_to_one_chunk_leave_together_and_a_nested_turn_is_not_starved() -> None:
+    """What the messages of one received chunk send is held per peer and leaves when
+    the chunk is handled (every answer arrives, in order); a handler that makes a
+    blocking request of its own (a nested turn) gets its answer: held writes leave
+    before any poll."""
+    import threading
+
+    import zmq
+
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    rt = ZmqRuntime(native=True, wake=False)
+    ctx = zmq.Context()
+    echo = ctx.socket(zmq.ROUTER)
+    echo.setsockopt(zmq.LINGER, 0)
+    port = echo.bind_to_random_port("tcp://127.0.0.1")
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    replies: list[bytes] = []
+    nested: list[bytes] = []
+    try:
+        side = rt.dealer(f"tcp://127.0.0.1:{port}", replies.append)
+
+        def on_frame(route: bytes, frame: bytes) -> None:
+            if frame == b"nested":
+                # a blocking call made inside a handler: its request must leave now
+                side.send(b"ask")
+                assert rt.run_until(lambda: bool(replies), 10_000_000_000), "the nested request was held back"
+                nested.append(replies[-1])
+            router.send_to(route, b"re:" + frame)
+
+        router = rt.router(on_frame, lambda route, parts: None)
+        client.connect(router.addr)
+        for i in range(200):  # sent at once: they arrive in a few chunks
+            client.send(b"%d" % i)
+        answers: list[bytes] = []
+        while len(answers) < 200:
+            rt.run_once(10)
+            while client.poll(0):
+                answers.append(client.recv())
+        assert answers == [b"re:%d" % i for i in range(200)]
+
+        stop = threading.Event()
+
+        def serve_echo() -> None:
+            while not stop.is_set():
+                if echo.poll(5):
+                    route, frame = echo.recv_multipart()
+                    echo.send_multipart([route, b"echo:" + frame])
+
+        t = threading.Thread(target=serve_echo)
+        t.start()
+        try:
+            client.send(b"nested")
+            assert rt.run_until(lambda: bool(nested), 20_000_000_000)
+            assert nested == [b"echo:ask"]
+            assert client.poll(10_000) and client.recv() == b"re:nested"
+        finally:
+            stop.set()
+            t.join()
+    finally:
+        rt.close()
+        client.close(0)
+        echo.close(0)
+        ctx.term()
+
+
 def test_a_native_blocking_client_against_native_servers(cluster: ziplog.LocalCluster,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Both ends native (``ZIPLOG_TRANSPORT=native`` for the client too): no libzmq socket

@@ -169,6 +169,10 @@ class ZmqRuntime:
         self._timers: list[tuple[int, int, _TimerHandle]] = []
         self._seq = itertools.count()
         self._turn_end: list[Callable[[], None]] = []
+        #: run before every poll: the native endpoints' held-back writes leave (a turn
+        #: nested in a handler, say a blocking call made from one, must not wait for an
+        #: answer to a request still held)
+        self._before_poll: list[Callable[[], None]] = []
         self._calls: deque[Callable[[], None]] = deque()
         # Other threads only poke this PAIR (under a lock: a socket is not thread-safe).
         # Without it (``wake=False``: a client's runtime, which runs only while a call
@@ -353,6 +357,8 @@ class ZmqRuntime:
         """One turn: wait for input or the next timer (at most ``max_wait_ms``), handle
         it, end the turn. ``focus``: listen to these endpoints only this turn (what the
         caller waits on; the others' frames wait in their queues)."""
+        for fn in self._before_poll:
+            fn()
         wait_ms = max_wait_ms
         sleep_ns = 0
         timers = self._timers

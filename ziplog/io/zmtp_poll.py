@@ -76,6 +76,10 @@ class _LoopState:
         self.corked = 0
         self.pending: list[_Conn] = []
 
+    def flush_if_pending(self) -> None:
+        if self.pending:
+            self.flush()
+
     def flush(self) -> None:
         pending, self.pending = self.pending, []
         for conn in pending:
@@ -86,6 +90,7 @@ def _loop_state(rt: Any) -> _LoopState:
     got = getattr(rt, "_zmtp_loop_state", None)
     if got is None:
         got = rt._zmtp_loop_state = _LoopState()
+        rt._before_poll.append(got.flush_if_pending)
     return got  # type: ignore[no-any-return]
 
 
