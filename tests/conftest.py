@@ -26,3 +26,13 @@ def no_zookeeper_session_outlives_its_module():
             if t.is_alive():
                 left.append(t.name)
     assert not left, f"ZooKeeper sessions still running after the module: {left}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (to find order dependences)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()

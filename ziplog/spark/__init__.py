@@ -23,10 +23,11 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from ziplog.spark.options import ReadOptions, WriteOptions
+from ziplog.spark.quiet import QueryStopped, foreach_batch
 from ziplog.spark.sink import ZiplogStreamWriter, ZiplogWriter
 from ziplog.spark.source import SCHEMA, ZiplogBatchReader, ZiplogStreamReader
 
-__all__ = ["register", "local_session", "ZiplogDataSource", "SCHEMA"]
+__all__ = ["register", "local_session", "foreach_batch", "QueryStopped", "ZiplogDataSource", "SCHEMA"]
 
 
 class ZiplogDataSource(DataSource):  # type: ignore[misc]
@@ -51,8 +52,44 @@ class ZiplogDataSource(DataSource):  # type: ignore[misc]
 
 
 def register(spark: Any) -> None:
-    """Register the short name ``ziplog`` with a Spark session."""
+    """Register the short name ``ziplog`` with a Spark session (and guard the session's
+    Py4J connections against forks from other threads: see
+    :func:`guard_py4j_connections_across_forks`)."""
+    guard_py4j_connections_across_forks()
     spark.dataSource.register(ZiplogDataSource)
+
+
+_guarded_pid: int | None = None
+
+
+def guard_py4j_connections_across_forks() -> None:
+    """Keep a child forked from one thread from closing the Py4J connections of the
+    parent's other threads.
+
+    Py4J (pinned-thread mode, PySpark's default) gives each Python thread its own
+    connection, closed by a finalizer in a thread-local when the thread ends. A fork
+    from another thread (``subprocess.Popen`` with ``preexec_fn``, as ziplog's local
+    cluster does when it restarts a replica; ``multiprocessing`` with fork) deletes the
+    other threads' states in the child, so their finalizers run there and shut the
+    shared sockets down (``shutdown``, not just ``close``): the parent's next call on
+    that thread finds its connection reset and opens a new one, served by a new JVM
+    thread. That thread has no active SparkSession, and Spark looks a Python data
+    source up in the calling thread's active session: every later query on a
+    session-registered source fails with DATA_SOURCE_NOT_FOUND. The finalizer is made
+    to do nothing outside the process that installed this guard."""
+    global _guarded_pid
+    import os
+
+    from py4j import clientserver
+    if _guarded_pid is not None:
+        return
+    _guarded_pid = owner = os.getpid()
+    original = clientserver.ThreadLocalConnectionFinalizer.__del__
+
+    def __del__(self: Any) -> None:
+        if os.getpid() == owner:  # in a forked child the sockets are the parent's
+            original(self)
+    clientserver.ThreadLocalConnectionFinalizer.__del__ = __del__
 
 
 def local_session(app_name: str = "ziplog", **conf: str) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from pyspark.sql.datasource import (
     DataSourceReader,
@@ -91,11 +91,14 @@ class ZiplogBatchReader(_Planner, DataSourceReader):  # type: ignore[misc]
 
 
 class ZiplogStreamReader(_Planner, DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+    #: what maxTriggerDelay is measured with (a test passes a clock it moves itself)
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, opts: ReadOptions) -> None:
         self.opts = opts
         #: Trigger.AvailableNow: no offset beyond the watermark when the query started
         self._target: int | None = None
-        self._last_batch_at = time.monotonic()
+        self._last_batch_at = self.clock()
 
     # -- offsets ----------------------------------------------------------------------------------
     def initialOffset(self) -> dict[str, int]:
@@ -123,12 +126,12 @@ class ZiplogStreamReader(_Planner, DataSourceStreamReader, SupportsTriggerAvaila
             return {"gsn": after}  # nothing new: no batch (the watermark alone moved)
         least = self.opts.min_records_per_trigger
         if (least and total < least and self._target is None
-                and time.monotonic() - self._last_batch_at < self.opts.max_trigger_delay_s):
+                and self.clock() - self._last_batch_at < self.opts.max_trigger_delay_s):
             return {"gsn": after}  # wait for more, up to maxTriggerDelay
         end = w
         if isinstance(limit, ReadMaxRows) and total > limit.max_rows:
             end = plan.nth_record(c, counted_from, w, limit.max_rows)
-        self._last_batch_at = time.monotonic()
+        self._last_batch_at = self.clock()
         return {"gsn": end}
 
     def reportLatestOffset(self) -> dict[str, int] | None:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import functions as F
 
     import ziplog
-    from ziplog.spark import local_session
+    from ziplog.spark import foreach_batch, local_session
 
     written: Counter[str] = Counter()
     stop = threading.Event()
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                          .option("startingOffsets", f'{{"gsn": {start}}}').option("maxRecordsPerTrigger", "2000")
                          .load().select(F.explode(F.split(F.col("data").cast("string"), " ")).alias("word"))
                          .groupBy("word").count())
-                q = (words.writeStream.outputMode("update").foreachBatch(show)
+                q = (words.writeStream.outputMode("update").foreachBatch(foreach_batch(show))
                      .option("checkpointLocation", os.path.join(tmp, "ckpt")).trigger(processingTime="500 milliseconds")
                      .start())
                 try:
@@ -102,4 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the query, Spark and the cluster were stopped on the way out
+        print("Spark demo: interrupted", file=sys.stderr)
+        sys.exit(130)
