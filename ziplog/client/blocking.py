@@ -225,13 +225,21 @@ class Client(ClientBase):
         """Every record of ``shard`` with ``lo <= gsn <= hi``, in gsn order, a batch per
         request (``hi`` at or below the watermark: those are all stable). Raises
         TrimmedError if ``lo`` is below the trim point."""
+        for page in self.read_range_pages(shard, lo, hi):
+            for g, data in page:
+                yield Record(RecordId(g, shard), data)
+
+    def read_range_pages(self, shard: int, lo: int, hi: int) -> Iterator[list[tuple[int, bytes]]]:
+        """:meth:`read_range` a page at a time, as the replica answered it: lists of
+        ``(gsn, data)`` in gsn order, up to about 1 MiB of data each (never empty), for
+        readers that move records in bulk (Spark's Arrow batches) rather than one by one."""
         self._check_open()
         deadline = time.monotonic() + self.timeout
         pager = RangePager(lo, hi)
         while not pager.done:
             msg = self._wait(self._driver.shard_query(shard, pager.request(), "range"))
-            for g, data in msg.records:
-                yield Record(RecordId(g, shard), data)
+            if msg.records:
+                yield msg.records
             if pager.on_answer(msg):
                 deadline = time.monotonic() + self.timeout
             elif time.monotonic() > deadline:

@@ -123,10 +123,13 @@ class WriteOptions:
     zk: str
     #: names a batch write for exactly-once across re-runs (streaming uses the query id)
     write_id: str | None
+    #: a partition's rows keep their order in the log (one insert in flight), or are
+    #: pipelined in no particular order
+    ordered: bool = True
 
     @staticmethod
     def parse(options: Mapping[str, Any]) -> "WriteOptions":
         zk = _get(options, "zk") or os.environ.get(ENV_ZK)
         if not zk:
             raise OptionError(f"option zk (ZooKeeper hosts) is required, or set ${ENV_ZK}")
-        return WriteOptions(zk=zk, write_id=_get(options, "writeId"))
+        return WriteOptions(zk=zk, write_id=_get(options, "writeId"), ordered=_bool(options, "ordered", True))

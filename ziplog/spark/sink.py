@@ -1,6 +1,11 @@
 """``df.write.format("ziplog")`` and ``df.writeStream.format("ziplog")``: each row's
-``data`` becomes a record; rows of one partition keep their order in the log
-(InsertAfter chains); an optional ``key`` column sends a row to the shard of its key.
+``data`` becomes a record; an optional ``key`` column sends a row to the shard of its key.
+Rows arrive as Arrow record batches.
+
+**Order.** By default (``ordered`` true) the rows of one partition keep their order in
+the log: each is inserted after the one before it (an InsertAfter chain, one insert in
+flight per task). With ``ordered`` false a task pipelines its rows (``insert_many``, many
+in flight: several times the records/s) and promises no order among them.
 
 **Exactly once, and when.** Each task writes through a client whose id is derived from
 (the streaming query's id, or the ``writeId`` option of a batch write; the micro-batch
@@ -22,13 +27,14 @@ that:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from pyspark.sql.datasource import (
-    DataSourceStreamWriter,
-    DataSourceWriter,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
 
@@ -61,7 +67,36 @@ def client_id_of(identity: str) -> int:
     return int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "big")
 
 
-def write_rows(opts: WriteOptions, rows: Iterator[Any]) -> ZiplogCommitMessage:
+#: unordered writes go out in chunks of this many rows (counted from the partition's first
+#: row, whatever Arrow batches Spark cut: a re-run numbers every row as the first run did)
+UNORDERED_CHUNK = 4096
+
+
+def _column(batch: Any, name: str) -> list[Any] | None:
+    i = batch.schema.get_field_index(name)
+    return None if i < 0 else batch.column(i).to_pylist()
+
+
+def _rows(batches: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+    """``(data, key)`` per row, from Arrow record batches; data as bytes (a string column
+    is encoded as UTF-8)."""
+    for batch in batches:
+        datas = _column(batch, "data")
+        if datas is None:
+            raise ValueError("the ziplog sink needs a 'data' column (binary or string)")
+        keys = _column(batch, "key") or [None] * len(datas)
+        yield from zip(datas, keys)
+
+
+def _as_bytes(value: Any, column: str) -> bytes:
+    if value is None:
+        raise ValueError(f"the ziplog sink got a null {column!r}")
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def write_batches(opts: WriteOptions, batches: Iterator[Any]) -> ZiplogCommitMessage:
+    """Write one task's rows (Arrow record batches) to the log; see the module's
+    documentation for order and exactly-once."""
     from ziplog.client.blocking import Client
     from ziplog.protocol.types import RID_GENESIS, Policy
     identity, partition = _task_identity(opts.write_id)
@@ -71,40 +106,53 @@ def write_rows(opts: WriteOptions, rows: Iterator[Any]) -> ZiplogCommitMessage:
         if not shards:
             raise RuntimeError("the log has no shards")
         home = shards[zlib.crc32(identity.encode()) % len(shards)]
-        client.set_policy(Policy.fixed(home))
-        after = RID_GENESIS
-        for row in rows:
-            d = row.asDict() if hasattr(row, "asDict") else dict(row)
-            data = d.get("data")
-            if data is None:
-                raise ValueError("the ziplog sink needs a 'data' column (binary or string)")
-            if isinstance(data, str):
-                data = data.encode()
-            key = d.get("key")
-            if key is not None:
-                kb = key.encode() if isinstance(key, str) else bytes(key)
-                client.set_policy(Policy.fixed(shards[zlib.crc32(kb) % len(shards)]))
-            after = client.insert_after(bytes(data), after)
-            if key is not None:
-                client.set_policy(Policy.fixed(home))
-            n += 1
+
+        def shard_of(key: Any) -> int:
+            return home if key is None else shards[zlib.crc32(_as_bytes(key, "key")) % len(shards)]
+
+        if opts.ordered:
+            # each row after the one before it: one insert in flight
+            after = RID_GENESIS
+            current = None
+            for data, key in _rows(batches):
+                shard = shard_of(key)
+                if shard != current:
+                    client.set_policy(Policy.fixed(shard))
+                    current = shard
+                after = client.insert_after(_as_bytes(data, "data"), after)
+                n += 1
+        else:
+            # pipelined: a chunk's rows, a shard at a time in shard order, rows in their order
+            chunk: list[tuple[Any, Any]] = []
+            rows = _rows(batches)
+            while True:
+                chunk[:] = itertools.islice(rows, UNORDERED_CHUNK)
+                if not chunk:
+                    break
+                per_shard: dict[int, list[bytes]] = {}
+                for data, key in chunk:
+                    per_shard.setdefault(shard_of(key), []).append(_as_bytes(data, "data"))
+                for shard in sorted(per_shard):
+                    client.set_policy(Policy.fixed(shard))
+                    client.insert_many(per_shard[shard])
+                n += len(chunk)
     return ZiplogCommitMessage(partition, n)
 
 
-class ZiplogWriter(DataSourceWriter):  # type: ignore[misc]
+class ZiplogWriter(DataSourceArrowWriter):  # type: ignore[misc]
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
 
     def write(self, iterator: Iterator[Any]) -> ZiplogCommitMessage:
-        return write_rows(self.opts, iterator)
+        return write_batches(self.opts, iterator)
 
 
-class ZiplogStreamWriter(DataSourceStreamWriter):  # type: ignore[misc]
+class ZiplogStreamWriter(DataSourceStreamArrowWriter):  # type: ignore[misc]
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
 
     def write(self, iterator: Iterator[Any]) -> ZiplogCommitMessage:
-        return write_rows(self.opts, iterator)
+        return write_batches(self.opts, iterator)
 
     def commit(self, messages: list[Any], batchId: int) -> None:
         pass  # every record is in the log once its task returned

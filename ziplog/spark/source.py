@@ -1,7 +1,8 @@
 """``spark.read.format("ziplog")`` and ``spark.readStream.format("ziplog")``.
 
 Rows: ``gsn LONG, shard INT, epoch LONG, data BINARY``, in gsn order within a partition
-(a partition is one shard's gsn range). Offsets are ``{"gsn": W}``, W at or below the
+(a partition is one shard's gsn range), handed to Spark as Arrow record batches (one per
+page a replica answers, no Python object per row). Offsets are ``{"gsn": W}``, W at or below the
 log's stable-prefix watermark, exclusive as a start (the first row has a gsn above it)
 and inclusive as an end; an idle log yields no batch (the offset stays put until a
 record lies past it).
@@ -13,6 +14,8 @@ import json
 import logging
 import time
 from typing import Any, Callable, Iterator, Sequence
+
+import pyarrow as pa
 
 from pyspark.sql.datasource import (
     DataSourceReader,
@@ -85,7 +88,7 @@ class ZiplogBatchReader(_Planner, DataSourceReader):  # type: ignore[misc]
         finally:
             self.close_client()
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[int, int, int, bytes]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, plan.ZiplogPartition)
         yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs)
 
@@ -150,7 +153,7 @@ class ZiplogStreamReader(_Planner, DataSourceStreamReader, SupportsTriggerAvaila
         return plan.partitions(c, self.opts.zk, after, upto, per_shard, self.opts.records_per_partition,
                                self.opts.min_partitions)
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[int, int, int, bytes]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, plan.ZiplogPartition)
         yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs)
 
