@@ -30,11 +30,14 @@ from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
 from ziplog.shell.process import (
+    add_address_arguments,
     add_cluster_key_argument,
+    check_address_arguments,
     load_cluster_key,
     serve_forever,
 )
@@ -75,7 +78,7 @@ class FailureHandlerDriver(ElectedDriver):
 
     def __init__(self, rt: Runtime, net: Network, coord: HandlerCoordination, election: ElectionPort,
                  replica_id: int, key: ClusterKey, settings: HandlerSettings | None = None, group: int = 0,
-                 groups: int = 1, host: str = "127.0.0.1") -> None:
+                 groups: int = 1, host: str = "127.0.0.1", advertise: str | None = None) -> None:
         assert 0 <= group < groups
         super().__init__(rt, election, layout.fh_election_path(group), replica_id)
         self.net = net
@@ -90,7 +93,8 @@ class FailureHandlerDriver(ElectedDriver):
         self.guard = InboundGuard(log, rt)
         self.pull = net.puller(self.guard.frames("the suspicion PULL", self.on_suspect_frame), host, paused=True,
                                max_bytes=wire.CONTROL_FRAME_LIMIT)
-        self.addr = self.pull.addr
+        #: what this replica registers for storage replicas to dial
+        self.addr = advertised(self.pull.addr, advertise)
         # -- one term of leadership -----------------------------------------------------------
         self.core: RecoveryCore | None = None
         self.term = 0
@@ -276,18 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="failure_handler.server", description="ziplog failure handler replica")
     ap.add_argument("--zk", required=True)
     ap.add_argument("--id", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    add_address_arguments(ap)
     ap.add_argument("--retry-ms", type=float, default=HandlerSettings.retry_ns / 1e6)
     ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
     ap.add_argument("--groups", type=int, default=1)
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rt = ZmqRuntime()
     coord = KazooHandlerCoordination(args.zk, key, rt)
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,
-                                  HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.host)
+                                  HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.bind,
+                                  advertise=args.advertise)
     driver.start()
     return serve_forever(rt, driver, coord)
 

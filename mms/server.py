@@ -31,12 +31,15 @@ from ziplog.io.ports import Network, Runtime, Timer
 from ziplog.cores.effects import CommitBlock
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
 from ziplog.shell.process import (
+    add_address_arguments,
     add_cluster_key_argument,
+    check_address_arguments,
     load_cluster_key,
     serve_forever,
 )
@@ -70,7 +73,7 @@ class MembershipDriver(ElectedDriver):
     def __init__(self, rt: Runtime, net: Network, coord: MembershipCoordination, election: ElectionPort,
                  replica_id: int, key: ClusterKey, interval_ns: int = 10_000_000,
                  settings: PlannerSettings | None = None, epochs_per_commit: int = 10, host: str = "127.0.0.1",
-                 idle_interval_ns: int = IDLE_INTERVAL_NS) -> None:
+                 idle_interval_ns: int = IDLE_INTERVAL_NS, advertise: str | None = None) -> None:
         assert epochs_per_commit >= 1
         super().__init__(rt, election, layout.MMS_ELECTION, replica_id)
         self.net = net
@@ -86,7 +89,8 @@ class MembershipDriver(ElectedDriver):
         self.guard = InboundGuard(log, rt)
         self.pull = net.puller(self.guard.frames("the rate PULL", self.on_rate_frame), host, paused=True,
                                max_bytes=wire.CONTROL_FRAME_LIMIT)
-        self.addrs = {"pub": self.pub.addr, "pull": self.pull.addr}
+        #: what this replica registers for primaries to dial
+        self.addrs = {"pub": advertised(self.pub.addr, advertise), "pull": advertised(self.pull.addr, advertise)}
         self.encoder = wire.EpochEncoder()
         self.key = key
         self.bad_input = ThrottledLog(log, rt)
@@ -200,20 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--idle-interval-ms", type=float, default=IDLE_INTERVAL_NS / 1e6,
                     help="an idle cluster's epochs lengthen up to this (well under a subscriber's 1 s silence rule)")
-    ap.add_argument("--host", default="127.0.0.1")
+    add_address_arguments(ap)
     ap.add_argument("--default-rate", type=int, default=PlannerSettings.default_rate)
     ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
     ap.add_argument("--epochs-per-commit", type=int, default=10,
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
     coord = KazooMembershipCoordination(args.zk, key, rt)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
-                              args.epochs_per_commit, args.host, int(args.idle_interval_ms * 1_000_000))
+                              args.epochs_per_commit, args.bind, int(args.idle_interval_ms * 1_000_000),
+                              advertise=args.advertise)
     driver.start()
     return serve_forever(rt, driver, coord)
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
-from ziplog.io.zmq_runtime import bind
+from ziplog.io.zmq_runtime import bind, connect
 
 log = logging.getLogger("ziplog.io")
 
@@ -49,7 +49,7 @@ class _Connection:
             return False
 
     def connect(self, addr: str) -> None:
-        self.sock.connect(addr)
+        connect(self.sock, addr)
 
     def close(self, linger_ms: int = 0) -> None:
         self.rt._connections.discard(self)
@@ -183,7 +183,7 @@ class AsyncioRuntime:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+        connect(sock, addr)
         c = _Connection(self, sock, addr, on_frame)
         self._connections.add(c)
         return c

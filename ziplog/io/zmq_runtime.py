@@ -27,6 +27,7 @@ import zmq
 from zmq import zmq_poll
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
+from ziplog.protocol.addresses import is_ipv6, tcp_addr
 
 log = logging.getLogger("ziplog.io")
 
@@ -52,13 +53,22 @@ HWM = 100_000
 
 
 def bind(sock: Any, host: str, port: int) -> str:
-    """Bind ``sock`` (a pyzmq socket, plain or asyncio) on ``host``, at ``port`` or (0)
-    any free port; its address."""
+    """Bind ``sock`` (a pyzmq socket, plain or asyncio) on ``host`` (IPv4 or IPv6), at
+    ``port`` or (0) any free port; its address."""
+    if is_ipv6(host):
+        sock.setsockopt(zmq.IPV6, 1)  # libzmq binds IPv4 only unless told
     if port:
-        sock.bind(f"tcp://{host}:{port}")
+        sock.bind(tcp_addr(host, port))
     else:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
+        port = sock.bind_to_random_port(tcp_addr(host, 0).rpartition(":")[0])
+    return tcp_addr(host, port)
+
+
+def connect(sock: Any, addr: str) -> None:
+    """Connect ``sock`` (a pyzmq socket, plain or asyncio) to ``addr``, IPv6 included."""
+    if "[" in addr:
+        sock.setsockopt(zmq.IPV6, 1)  # libzmq dials IPv4 only unless told
+    sock.connect(addr)
 
 
 class _TimerHandle:
@@ -99,7 +109,7 @@ class _Socket:
 
     def connect(self, addr: str) -> None:
         """Connect to one more peer (a SUB to another publisher)."""
-        self.sock.connect(addr)
+        connect(self.sock, addr)
 
     def close(self, linger_ms: int = 0) -> None:
         self.rt._forget(self)
@@ -292,7 +302,7 @@ class ZmqRuntime:
         sock.setsockopt(zmq.SNDHWM, hwm)
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(addr)
+        connect(sock, addr)
         s = _Socket(self, sock, addr)
         self._add(s, None if on_frame is None else self._drainer(sock, on_frame))
         return s
@@ -330,8 +340,7 @@ class ZmqRuntime:
         sock = self.ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        s = _Socket(self, sock, f"tcp://{host}:{port}")
+        s = _Socket(self, sock, bind(sock, host, 0))
         self._add(s, None)
         return s
 
@@ -340,8 +349,7 @@ class ZmqRuntime:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        s = _Puller(self, sock, f"tcp://{host}:{port}")
+        s = _Puller(self, sock, bind(sock, host, 0))
         s.reader = self._drainer(sock, on_frame)
         self._add(s, None if paused else s.reader)
         return s

@@ -31,6 +31,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
+from ziplog.protocol.addresses import tcp_addr
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
     Handshaken,
@@ -241,7 +242,7 @@ class NativeRouter:
         self.listener.listen(512)
         self.listener.setblocking(False)
         bound = self.listener.getsockname()[1]
-        self.addr = f"tcp://[{host}]:{bound}" if family == socket.AF_INET6 else f"tcp://{host}:{bound}"
+        self.addr = tcp_addr(host, bound)
         self.routes: dict[bytes, _Conn] = {}
         self.conns: set[_Conn] = set()
         self._next_id = random.getrandbits(32)

@@ -70,6 +70,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory, ensure_tier
     from ziplog.shell.inbound import InboundGuard
+    from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key, stop_event
 
     key = load_cluster_key(args.cluster_key_file)
@@ -92,12 +93,12 @@ async def serve(args: argparse.Namespace) -> int:
         refresh()
         guard = InboundGuard(log, rt)
         router = rt.router(guard.routed("the aggregator's ROUTER", front.on_frame,
-                                        internal(lambda r, d: routers[0].send_to(r, d))), front.on_multipart, args.host,
+                                        internal(lambda r, d: routers[0].send_to(r, d))), front.on_multipart, args.bind,
                            args.port, max_bytes=f.ANSWER_LIMIT)
         routers.append(router)
         session.keep_registered(f"{AGGREGATORS}/{os.getpid()}@{socket.gethostname()}",
-                                {"addr": router.addr, "pid": os.getpid()})
-        log.info("aggregator serving at %s", router.addr)
+                                {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
+        log.info("aggregator serving at %s (advertised: %s)", router.addr, advertised(router.addr, args.advertise))
         await stop.wait()
         return 0
     finally:
@@ -106,13 +107,13 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.shell.process import add_cluster_key_argument
+    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.aggregator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
-    ap.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    ap.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    add_address_arguments(ap, port_help="port (0: any free one)")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aggregator %(levelname)s %(name)s %(message)s")
     from ziplog.client.aio import run
     return run(serve(args))

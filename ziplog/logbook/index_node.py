@@ -92,6 +92,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.io.zk_logbook import NODES, ensure_tier
     from ziplog.shell.inbound import InboundGuard
+    from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key, stop_event
 
     key = load_cluster_key(args.cluster_key_file)
@@ -104,9 +105,10 @@ async def serve(args: argparse.Namespace) -> int:
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns)
         guard = InboundGuard(log, rt)
         router = rt.router(guard.routed("the index node's ROUTER", driver.on_frame, internal(lambda r, d: router.send_to(r, d))),
-                           driver.on_multipart, args.host,
+                           driver.on_multipart, args.bind,
                            args.port, max_bytes=f.REQUEST_LIMIT)
-        session.keep_registered(f"{NODES}/{args.node}", {"addr": router.addr, "pid": os.getpid()})
+        session.keep_registered(f"{NODES}/{args.node}",
+                                {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         log.info("index node %d serving at %s", args.node, router.addr)
         while not stop.is_set():
             try:
@@ -120,14 +122,14 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.shell.process import add_cluster_key_argument
+    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.index_node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--node", type=int, required=True, help="this index node's number, 0..N-1")
-    ap.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    ap.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    add_address_arguments(ap, port_help="port (0: any free one)")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args)
     if args.node < 0:
         ap.error("--node must be 0 or more")
     logging.basicConfig(level=logging.INFO,

@@ -121,6 +121,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.types import RecordId
+    from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
@@ -137,7 +138,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
         who = f"coordinator-{args.id}"
         guard = InboundGuard(log, rt)
-        router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard)
+        router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard, args.bind, args.port)
 
         def send(route: bytes, frame: bytes) -> None:
             router.send_to(route, frame)
@@ -154,7 +155,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                                    int(args.snapshot_every * 1e9))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
-        session.keep_registered(f"{path}/coordinators/{args.id}", {"addr": router.addr, "pid": os.getpid()})
+        session.keep_registered(f"{path}/coordinators/{args.id}",
+                                {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         driver.contend()
 
         async def tick() -> None:
@@ -190,7 +192,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.client.aio import run
-    from ziplog.shell.process import add_cluster_key_argument
+    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")
@@ -202,8 +204,10 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     ap.add_argument("--gc-every", type=float, default=GC_EVERY_S, help="seconds between the leader's trims")
     ap.add_argument("--no-gc", dest="gc", action="store_false",
                     help="never trim the log (it is shared with applications that still need old records)")
+    add_address_arguments(ap, port_help="port for clients (0: any free one)")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s coordinator{args.id} %(levelname)s %(name)s %(message)s")
     return run(serve(args, open_log))

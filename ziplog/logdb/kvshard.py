@@ -111,6 +111,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.logdb.process import replay, run_until_stopped, serve_requests
     from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
+    from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key
 
     key = load_cluster_key(args.cluster_key_file)
@@ -134,8 +135,9 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         def answer(route: bytes, frame: bytes) -> None:
             router.send_to(route, driver.answer(frame))
 
-        router = serve_requests(rt, answer, InboundGuard(log, rt), port=args.port)
-        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}", {"addr": router.addr, "pid": os.getpid()})
+        router = serve_requests(rt, answer, InboundGuard(log, rt), args.bind, args.port)
+        session.keep_registered(f"{db_path(args.name)}/kv/{args.index}",
+                                {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         code = await run_until_stopped(
             stop, [replay(client, core.replay_from, driver, 0.1, driver.flush, lambda: driver.blocked,
                           STORE_RETRY_NS / 1e9)],
@@ -153,18 +155,19 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
-    from ziplog.shell.process import add_cluster_key_argument
+    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")
     ap.add_argument("--index", type=int, required=True, help="this shard's index, 0..N-1")
     ap.add_argument("--shards", type=int, required=True, help="N: how many KV shards the keys are spread over")
     ap.add_argument("--data-dir", type=Path, required=True)
-    ap.add_argument("--port", type=int, default=0, help="port for clients (0: any free one)")
+    add_address_arguments(ap, port_help="port for clients (0: any free one)")
     ap.add_argument("--snapshot-every", type=float, default=SNAPSHOT_NS / 1e9,
                     help="seconds between validator snapshots (the log can be trimmed only up to the last one)")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args)
     if not 0 <= args.index < args.shards:
         ap.error("--index must be in 0..N-1")
     logging.basicConfig(level=logging.INFO,

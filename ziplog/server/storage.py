@@ -38,12 +38,15 @@ from ziplog.io.ports import (
 )
 from ziplog.io.segments import SEGMENT_BYTES, SegmentLog, replica_dir
 from ziplog.protocol import frames as f
+from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import history_ranges
 from ziplog.shell.process import (
+    add_address_arguments,
     add_cluster_key_argument,
+    check_address_arguments,
     load_cluster_key,
     serve_forever,
 )
@@ -62,7 +65,8 @@ RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume
 
 class StorageDriver:
     def __init__(self, settings: ReplicaSettings, rt: Runtime, net: Network, coord: StorageCoordination,
-                 disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0) -> None:
+                 disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0,
+                 advertise: str | None = None) -> None:
         self.settings = settings
         #: seals what this replica tells its peers and the control plane, and opens what
         #: they tell it
@@ -79,7 +83,8 @@ class StorageDriver:
         self.guard = InboundGuard(log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
                                  self.on_multipart, host, port, max_bytes=f.request_limit(settings.max_record_bytes))
-        self.addr = self.router.addr
+        #: what this replica registers for peers and clients to dial
+        self.addr = advertised(self.router.addr, advertise)
         self.primary: Endpoint | None = None
         self.primary_addr: str | None = None
         self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
@@ -390,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsync-interval", type=float, default=1.0)
     ap.add_argument("--segment-bytes", type=int, default=SEGMENT_BYTES,
                     help="a segment file is closed and the next opened past this size (trim deletes whole files)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    add_address_arguments(ap, port_help="port for clients and peers (0: any free one)")
     ap.add_argument("--noop-timeout-us", type=int, default=0,
                     help="also pass a slot this long after its expected time (0: only on notices and at the epoch's close)")
     ap.add_argument("--notice-interval-us", type=float, default=ReplicaSettings.notice_interval_ns / 1000,
@@ -413,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                          "switches the default")
     add_cluster_key_argument(ap)
     args = ap.parse_args(argv)
+    check_address_arguments(ap, args)
     key = load_cluster_key(args.cluster_key_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
@@ -427,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is not None:
         disk = SegmentLog(replica_dir(args.data_dir, settings.shard, settings.replica), fsync=args.fsync,
                           fsync_interval=args.fsync_interval, segment_bytes=args.segment_bytes)
-    driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.host, port=args.port)
+    driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.bind, port=args.port,
+                           advertise=args.advertise)
 
     driver.start()
     return serve_forever(rt, driver, coord)

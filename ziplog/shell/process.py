@@ -64,6 +64,34 @@ def add_cluster_key_argument(ap: argparse.ArgumentParser) -> None:
                          "process and operator tool shares it")
 
 
+def add_address_arguments(ap: argparse.ArgumentParser, port_help: str | None = None) -> None:
+    """``--bind`` (``--host`` is its old name), ``--advertise`` and, with ``port_help``,
+    ``--port``: where a process listens and what it registers for others to dial."""
+    ap.add_argument("--bind", "--host", dest="bind", default="127.0.0.1",
+                    help="the IP address to listen on (IPv4 or IPv6; 0.0.0.0 or :: for every interface, which needs "
+                         "--advertise)")
+    ap.add_argument("--advertise", default=None,
+                    help="the address (host or host:port) registered in ZooKeeper for others to dial (default: the "
+                         "bind address)")
+    if port_help is not None:
+        ap.add_argument("--port", type=int, default=0, help=port_help)
+
+
+def check_address_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace, one_port: bool = True) -> None:
+    """Exit with argparse's usage error when ``--bind``/``--advertise`` cannot work, before
+    anything is bound or registered; ``args.bind`` becomes the canonical bind host. A
+    process with several listening sockets (``one_port`` false) advertises a host only:
+    each socket keeps its own port."""
+    from ziplog.protocol.addresses import AddressError, advertised, check_bind_host, parse_host_port, tcp_addr
+    try:
+        args.bind = check_bind_host(args.bind)
+        advertised(tcp_addr(args.bind, 1), args.advertise)
+        if not one_port and args.advertise is not None and parse_host_port(args.advertise)[1] is not None:
+            raise AddressError("this process listens on several ports: --advertise takes a host only")
+    except AddressError as exc:
+        ap.error(str(exc))
+
+
 def load_cluster_key(path: Path | None) -> ClusterKey:
     """The cluster key from ``path`` or the file ``$ZIPLOG_CLUSTER_KEY_FILE`` names; exits
     with a clear message when there is none (a member without it could not be told from

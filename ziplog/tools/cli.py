@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--timeout", type=float, default=30.0, metavar="S", help="ZooKeeper connection timeout")
     rr.add_argument("--alive-check-s", type=float, default=1.0, help=argparse.SUPPRESS)
     rr.add_argument("server_args", nargs="*", metavar="-- SERVER_ARGS",
-                    help="more ziplog.server options after --, e.g. -- --host 10.0.0.5")
+                    help="more ziplog.server options after --, e.g. -- --bind 10.0.0.5")
     rr.set_defaults(func=cmd_replica_replace)
 
     kg = sub.add_parser("keygen", help="write a new cluster secret to FILE (readable by its owner only)",
