@@ -11,14 +11,15 @@ setup: $(STAMP)
 
 # System packages from Debian (ZooKeeper and a JRE for it; nats-server and
 # redis-server, the benchmark's real rivals; nftables, for the partition tests' firewall
-# rules), then a venv with the package and its extras. Re-runs only when pyproject.toml or this file changes.
+# rules; iproute2, for the network namespaces of the multi-host tests and
+# `ziplog cluster up --netns`), then a venv with the package and its extras. Re-runs only when pyproject.toml or this file changes.
 $(STAMP): pyproject.toml Makefile
 	@if [ ! -f /usr/share/java/zookeeper.jar ] || ! command -v java >/dev/null \
 	    || ! command -v nats-server >/dev/null || ! command -v redis-server >/dev/null \
-	    || ! command -v nft >/dev/null; then \
-		echo "installing ZooKeeper, nats-server, redis-server, nftables (Debian packages)"; \
+	    || ! command -v nft >/dev/null || ! command -v ip >/dev/null; then \
+		echo "installing ZooKeeper, nats-server, redis-server, nftables, iproute2 (Debian packages)"; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
-			zookeeper default-jre-headless nats-server redis-server nftables >/dev/null; \
+			zookeeper default-jre-headless nats-server redis-server nftables iproute2 >/dev/null; \
 	fi
 	@test -d $(VENV) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast,bench,spark]'

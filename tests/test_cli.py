@@ -151,6 +151,7 @@ def test_status_table_lists_replicas_that_did_not_answer() -> None:
         ("0", "0", "ok", "primary"), ("0", "1", "not-registered", "backup"),
         ("1", "0", "unreachable", "primary"), ("1", "1", "ok", "backup")]
     assert rows[1]["frontier"] == "-" and rows[3]["frontier"] == "9"
+    assert rows[1]["addr"] == "-" and rows[2]["addr"] == "tcp://h:1"
 
 
 @pytest.mark.parametrize("bad", ["abc", "12", "x:0", "0:0", "5:-1"])

@@ -1,6 +1,6 @@
 """The ``ziplog`` command line.
 
-    ziplog cluster up [--shards N] [--replicas N] [--data-dir D]
+    ziplog cluster up [--shards N] [--replicas N] [--data-dir D] [--netns]
     ziplog insert  --zk HOSTS [--after GSN:SHARD] [--shard S] DATA... | -
     ziplog tail    --zk HOSTS [--from GSN|genesis|recent] [-n COUNT]
     ziplog read    --zk HOSTS GSN:SHARD
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -134,10 +135,27 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
              f"{args.replicas} replica(s) ...")
         t0 = time.monotonic()
         try:
-            with local_cluster(shards=args.shards, replicas=args.replicas, data_dir=args.data_dir) as c:
+            with contextlib.ExitStack() as stack:
+                kw: dict[str, Any] = {}
+                bed = None
+                if args.netns:
+                    from ziplog.tools import netns
+                    why = netns.unavailable()
+                    if why is not None:
+                        raise _UsageError(f"--netns: cannot make network namespaces here: {why}")
+                    bed = stack.enter_context(netns.NetnsBed(netns.cluster_host_names(args.shards, args.replicas)))
+                    kw = {"placement": netns.NetnsPlacement(bed), "mms_replicas": netns.CONTROL_HOSTS,
+                          "fh_replicas": netns.CONTROL_HOSTS}
+                c = stack.enter_context(local_cluster(shards=args.shards, replicas=args.replicas,
+                                                      data_dir=args.data_dir, **kw))
                 hosts = c.zk_hosts
                 _out(f"ziplog is up ({time.monotonic() - t0:.1f} s); logs in {c.logs}")
                 _out("")
+                if bed is not None:
+                    _out(f"  hosts (network namespaces on a bridge; this one is {bed.gateway}):")
+                    for name, host in bed.hosts.items():
+                        _out(f"    {name:8s} {host.addr:15s} {' '.join(host.prefix)} COMMAND")
+                    _out("")
                 _out(f"  ZooKeeper hosts:  {hosts}")
                 _out(f"  cluster key:      {c.key_file}  (cluster processes and operator tools prove membership "
                      "with it)")
@@ -223,7 +241,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
 
 
 STATUS_COLUMNS = ["shard", "replica", "answer", "role", "epoch", "frontier", "stable", "trim_point", "records",
-                  "subscriptions", "disk"]
+                  "subscriptions", "disk", "addr"]
 
 
 def status_rows(status: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -245,7 +263,7 @@ def format_status(rows: list[dict[str, Any]], columns: Sequence[str] = STATUS_CO
     # one word per cell, so the table splits on whitespace ("not registered" -> "not-registered")
     cells = [[("-" if r.get(c) is None else str(r.get(c)).replace(" ", "-")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    left = {"role", "answer"}
+    left = {"role", "answer", "addr"}
 
     def line(vals: Sequence[str]) -> str:
         return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, columns)).rstrip()
@@ -442,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=None, metavar="D",
                     help="keep data and logs here (default: a temporary directory removed on exit); "
                          "reusing it restarts the same log")
+    up.add_argument("--netns", action="store_true",
+                    help="run each process on a host of its own: Linux network namespaces with their own addresses "
+                         "on a bridge (three control hosts, one per storage replica, one for clients; root only)")
     up.set_defaults(func=cmd_cluster_up)
 
     rp = sub.add_parser("replica", help="operate on storage replicas", description="Operate on storage replicas.")

@@ -25,6 +25,7 @@ from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.shell.process import load_cluster_key, write_cluster_key
 from ziplog.tools import procs
+from ziplog.tools.placement import Placement
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 
@@ -32,7 +33,8 @@ class LocalCluster:
     def __init__(self, data_dir: Path, shards: int = 2, replicas: int = 2, mms_replicas: int = 3,
                  epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
-                 supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None) -> None:
+                 supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
+                 placement: Placement | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -45,6 +47,8 @@ class LocalCluster:
         self.mms_args = list(mms_args or [])
         self.fh_args = list(fh_args or [])
         self.fh_replicas = fh_replicas
+        #: which host each process runs on (loopback unless a test bed says otherwise)
+        self.placement = placement or Placement()
         #: Restart a storage replica that died, as an operator (or systemd) would.
         self.supervise = supervise
         #: How long the supervisor waits before restarting a dead replica (an operator's
@@ -55,7 +59,8 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync)
+        self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync,
+                                    hosts=[self.placement.zookeeper(i) for i in range(3)])
         #: the cluster's secret: every process of it (and an operator's tools) proves
         #: membership with it; kept with the data, so a restart on it is the same cluster
         self.key_file = self.data_dir / "cluster.key"
@@ -77,21 +82,24 @@ class LocalCluster:
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn_mms(self, i: int) -> None:
+        host = self.placement.mms(i)
         argv = [sys.executable, "-m", "mms.server", "--zk", self.zk_hosts, "--id", str(i),
-                "--interval-ms", str(self.epoch_interval_ms), *self.member_args, *self.mms_args]
-        self.mms[i] = procs.spawn(argv, self.logs / f"mms{i}.log")
+                "--interval-ms", str(self.epoch_interval_ms), *host.bind_args(), *self.member_args, *self.mms_args]
+        self.mms[i] = procs.spawn(host.wrap(argv), self.logs / f"mms{i}.log")
 
     def _spawn_fh(self, i: int) -> None:
+        host = self.placement.failure_handler(i)
         argv = [sys.executable, "-m", "failure_handler.server", "--zk", self.zk_hosts, "--id", str(i),
-                *self.member_args, *self.fh_args]
-        self.fh[i] = procs.spawn(argv, self.logs / f"fh{i}.log")
+                *host.bind_args(), *self.member_args, *self.fh_args]
+        self.fh[i] = procs.spawn(host.wrap(argv), self.logs / f"fh{i}.log")
 
     def _spawn_server(self, shard: int, replica: int) -> None:
+        host = self.placement.server(shard, replica)
         argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
                 "--replica", str(replica), "--replicas", str(self.replicas),
-                "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *self.member_args,
-                *self.server_args]
-        self.servers[(shard, replica)] = procs.spawn(argv, self.logs / f"shard{shard}-replica{replica}.log")
+                "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *host.bind_args(),
+                *self.member_args, *self.server_args]
+        self.servers[(shard, replica)] = procs.spawn(host.wrap(argv), self.logs / f"shard{shard}-replica{replica}.log")
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Sequence
 
 from ziplog.tools import procs
+from ziplog.tools.placement import LOOPBACK, Host
 
 __all__ = [
     "ZooKeeperEnsemble",
@@ -263,8 +264,11 @@ def _tail(path: Path, lines: int = 40) -> str:
 class _Node:
     """Static description plus the current process of one ZooKeeper server."""
 
-    def __init__(self, index: int, node_dir: Path, client_port: int, peer_port: int, election_port: int):
+    def __init__(self, index: int, node_dir: Path, client_port: int, peer_port: int, election_port: int,
+                 host: Host = LOOPBACK):
         self.index = index
+        #: where the node runs and what it listens on
+        self.host = host
         self.myid = index + 1
         self.dir = node_dir
         self.data_dir = node_dir / "data"
@@ -312,6 +316,7 @@ class ZooKeeperEnsemble:
         force_sync: bool = True,
         tick_time_ms: int = 500,
         jvm_flags: Sequence[str] | None = None,
+        hosts: Sequence[Host] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("size must be >= 1")
@@ -323,7 +328,8 @@ class ZooKeeperEnsemble:
         self._started_pids: list[int] = []
         ports = procs.free_tcp_ports(3 * size)
         self._nodes = [
-            _Node(i, self.base_dir / f"zk{i}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
+            _Node(i, self.base_dir / f"zk{i}", ports[3 * i], ports[3 * i + 1], ports[3 * i + 2],
+                  hosts[i] if hosts is not None else LOOPBACK)
             for i in range(size)
         ]
         for node in self._nodes:
@@ -338,7 +344,8 @@ class ZooKeeperEnsemble:
         * tickTime 500 ms: quick elections and failure detection in tests;
           initLimit/syncLimit are in ticks (10 s / 5 s), generous enough for
           a loaded 2-core machine.
-        * clientPortAddress=127.0.0.1: never listen on external interfaces.
+        * clientPortAddress: the node's host address (127.0.0.1 unless placed on a
+          host of its own): never listen on other interfaces.
         * maxClientCnxns=0: the default limit of 60 connections *per IP* is
           easily hit when every process of a local cluster connects from
           127.0.0.1.
@@ -357,7 +364,7 @@ class ZooKeeperEnsemble:
             "syncLimit=10",
             f"dataDir={node.data_dir}",
             f"clientPort={node.client_port}",
-            "clientPortAddress=127.0.0.1",
+            f"clientPortAddress={node.host.addr}",
             "maxClientCnxns=0",
             f"minSessionTimeout={2 * self.tick_time_ms}",
             "maxSessionTimeout=60000",
@@ -370,7 +377,7 @@ class ZooKeeperEnsemble:
             "reconfigEnabled=false",
         ]
         for n in self._nodes:
-            lines.append(f"server.{n.myid}=127.0.0.1:{n.peer_port}:{n.election_port}")
+            lines.append(f"server.{n.myid}={n.host.addr}:{n.peer_port}:{n.election_port}")
         return "\n".join(lines) + "\n"
 
     def _write_node_files(self, node: _Node) -> None:
@@ -401,11 +408,12 @@ class ZooKeeperEnsemble:
     @property
     def hosts(self) -> str:
         """Connection string for clients: ``127.0.0.1:p1,127.0.0.1:p2,...``."""
-        return ",".join(f"127.0.0.1:{n.client_port}" for n in self._nodes)
+        return ",".join(f"{n.host.addr}:{n.client_port}" for n in self._nodes)
 
     def node_hosts(self, i: int) -> str:
         """Connection string for node ``i`` alone (to pin a client to it)."""
-        return f"127.0.0.1:{self._node(i).client_port}"
+        node = self._node(i)
+        return f"{node.host.addr}:{node.client_port}"
 
     def client_port(self, i: int) -> int:
         return self._node(i).client_port
@@ -435,7 +443,8 @@ class ZooKeeperEnsemble:
         None covers: process down, port not open yet, and "not currently
         serving requests" (node up but without a quorum / still electing).
         """
-        return _parse_mode(four_letter_word("127.0.0.1", self._node(i).client_port, "srvr"))
+        node = self._node(i)
+        return _parse_mode(four_letter_word(node.host.addr, node.client_port, "srvr"))
 
     def leader(self) -> int | None:
         """Index of the node currently reporting ``leader``, if any."""
@@ -463,7 +472,7 @@ class ZooKeeperEnsemble:
         self._write_node_files(node)
         with open(node.log, "ab") as f:
             f.write(f"\n===== ziplog: starting zk node {i} (myid {node.myid}) at {time.ctime()} =====\n".encode())
-        node.proc = procs.spawn(self._argv(node), node.log, cwd=node.dir)
+        node.proc = procs.spawn(node.host.wrap(self._argv(node)), node.log, cwd=node.dir)
         self._started_pids.append(node.proc.pid)
 
     def kill_node(self, i: int) -> None:
