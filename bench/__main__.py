@@ -22,6 +22,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "sequential": ("bench.experiments.sequential", "insert-to-delivery latency at a subscriber (Fig. 4.6), rate step"),
     "read": ("bench.experiments.read", "ReadRecord latency, stable and recent records"),
     "failure": ("bench.experiments.failure", "throughput across a replica failure (Fig. 4.7)"),
+    "rolling": ("bench.experiments.rolling", "a rolling restart of every process under load: stall per process kind"),
     "spark": ("bench.experiments.spark", "Spark replay: batch records/s vs subscribe, streaming insert-to-sink latency"),
     "logdb": ("bench.experiments.logdb", "LogDB transactions and aborts, ziplog vs Scalog-style (Fig. 4.8, 4.9)"),
     "logbook": ("bench.experiments.logbook", "LogBook: appends, reads via the index tier vs read_record, "

@@ -246,6 +246,12 @@ class LocalCluster:
         from ziplog.client.blocking import Client
         return Client(self.zk_hosts, **kw)
 
+    def rolling_restart(self, timeout: float = 60.0, on_restart: Any = None) -> list[Any]:
+        """Restart every process one at a time, each once the last is back
+        (:func:`ziplog.tools.rolling.rolling_restart`)."""
+        from ziplog.tools.rolling import rolling_restart
+        return rolling_restart(self, timeout, on_restart)
+
 
 def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: Callable[[int], None]) -> int:
     """SIGKILL the process leading the election at ``election`` (its id is the
