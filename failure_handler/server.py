@@ -23,9 +23,10 @@ import sys
 from collections import deque
 from typing import Any, Callable, Protocol
 
-from failure_handler.recovery import HandlerSettings, RecoveryCore
+from failure_handler.recovery import ACQUIRED, DONE, PROBING, HandlerSettings, RecoveryCore
 from ziplog.cores.effects import Message, Ready, ReplicaOf, WriteRecovery
 from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, gauge, serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
@@ -106,6 +107,9 @@ class FailureHandlerDriver(ElectedDriver):
         self.timer: Timer | None = None
         self.seen_generation = -1
         self.suspicions = 0
+        #: recovery records written to ZooKeeper, by phase (probing: a recovery began;
+        #: done: it finished)
+        self.recovery_steps = {PROBING: 0, ACQUIRED: 0, DONE: 0}
 
     def start(self) -> None:
         self.coord.register_fh(self.group, self.id, self.addr)
@@ -264,9 +268,29 @@ class FailureHandlerDriver(ElectedDriver):
             self.step_down(f"the recovery record of shard {a.shard} changed under us")
             return
         self.versions[a.shard] = version
+        phase = str(a.record["phase"])
+        self.recovery_steps[phase] = self.recovery_steps.get(phase, 0) + 1
         log.info("shard %d recovery %d: %s", a.shard, a.record["gen"], a.record["phase"])
         self.core.on_persisted(a.shard, int(a.record["gen"]), self.rt.now())
         self._act()
+
+    def metrics(self) -> list[Metric]:
+        """Prometheus families (called at scrape time from the metrics server's thread)."""
+        lb = {"id": str(self.id), "group": str(self.group)}
+        core = self.core
+        steps = dict(self.recovery_steps)
+        return [
+            gauge("ziplog_fh_leader", "1 while this replica leads its group (acts on suspicions)", int(self.leading), lb),
+            counter("ziplog_fh_suspicions", "replicas' suspicions taken while leading", self.suspicions, lb),
+            counter("ziplog_fh_recoveries_started", "recoveries this replica began (a probing record written)",
+                    steps.get(PROBING, 0), lb),
+            counter("ziplog_fh_recoveries_finished", "recoveries this replica finished (a done record written)",
+                    steps.get(DONE, 0), lb),
+            counters("ziplog_fh_recovery_records", "recovery records written to ZooKeeper, by phase", "phase", steps,
+                     lb),
+            gauge("ziplog_fh_recoveries_active", "recoveries under way (while leading)",
+                  len(core.active) if core is not None else 0, lb),
+        ]
 
     def close(self) -> None:
         self.lead_end()
@@ -285,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
     ap.add_argument("--groups", type=int, default=1)
     add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
     args = ap.parse_args(argv)
     check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
@@ -295,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.bind,
                                   advertise=args.advertise)
     driver.start()
-    return serve_forever(rt, driver, coord)
+    metrics = serve_metrics(args, driver.metrics)
+    return serve_forever(rt, metrics, driver, coord)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
+from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, gauge, serve_metrics
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
@@ -102,6 +103,12 @@ class MembershipDriver(ElectedDriver):
         #: the deadline passed while a commit was unanswered: broadcast once it is
         self.broadcast_due = False
         self.broadcasts = 0
+        #: the epoch of the last broadcast (-1: none yet from this replica)
+        self.last_epoch = -1
+        #: block commits answered by ZooKeeper: "ok" and "refused"
+        self.commits = {"ok": 0, "refused": 0}
+        #: rate reports taken while leading
+        self.rate_reports = 0
 
     def start(self) -> None:
         self.coord.register_mms(self.id, self.addrs)
@@ -140,6 +147,8 @@ class MembershipDriver(ElectedDriver):
             return
         if not seq.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns):
             self.bad_input("rate report of an unknown shard dropped", msg.shard)
+            return
+        self.rate_reports += 1
 
     # -- the epoch cycle --------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -153,6 +162,7 @@ class MembershipDriver(ElectedDriver):
     def _committed(self, term: int, ok: bool) -> None:
         if term != self.term or self.seq is None:
             return  # an answer to a term that is over
+        self.commits["ok" if ok else "refused"] += 1
         if not self.seq.on_commit_result(ok):
             self.step_down("a block commit was refused: another leader committed")
             return
@@ -182,11 +192,24 @@ class MembershipDriver(ElectedDriver):
         cfg = seq.config()
         self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates))
         self.broadcasts += 1
+        self.last_epoch = cfg.epoch
         seq.advance()
         # fell behind (slow commit): do not burst to catch up
         self.next_t = max(self.next_t + seq.interval_ns(self.interval_ns, self.idle_interval_ns), self.rt.now())
         self._prepare()
         self._arm()
+
+    def metrics(self) -> list[Metric]:
+        """Prometheus families (called at scrape time from the metrics server's thread)."""
+        lb = {"id": str(self.id)}
+        return [
+            gauge("ziplog_mms_leader", "1 while this replica leads (broadcasts epochs)", int(self.leading), lb),
+            counter("ziplog_mms_epochs_broadcast", "epochs this replica broadcast", self.broadcasts, lb),
+            gauge("ziplog_mms_epoch", "the epoch this replica broadcast last (-1: none)", self.last_epoch, lb),
+            counters("ziplog_mms_zk_commits", "block commits to ZooKeeper answered, by result (refused: a version "
+                     "check or the session failed)", "result", dict(self.commits), lb),
+            counter("ziplog_mms_rate_reports", "primaries' rate reports taken while leading", self.rate_reports, lb),
+        ]
 
     def close(self) -> None:
         self.lead_end()
@@ -210,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs-per-commit", type=int, default=10,
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
     add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
     args = ap.parse_args(argv)
     check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
@@ -221,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                               args.epochs_per_commit, args.bind, int(args.idle_interval_ms * 1_000_000),
                               advertise=args.advertise)
     driver.start()
-    return serve_forever(rt, driver, coord)
+    metrics = serve_metrics(args, driver.metrics)
+    return serve_forever(rt, metrics, driver, coord)
 
 
 if __name__ == "__main__":

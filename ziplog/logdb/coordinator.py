@@ -25,6 +25,7 @@ from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.coordinator import CoordinatorCore, collection_point
 from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
 from ziplog.shell.elected import ElectedDriver, ElectionPort
+from ziplog.shell.metrics import Metric, counter, gauge
 
 log = logging.getLogger("ziplog.logdb.coordinator")
 
@@ -80,6 +81,10 @@ class CoordinatorDriver(ElectedDriver):
         self.save_snapshot = save_snapshot
         self._snapshot_at = rt.now()
         self._snapshot_position = core.position
+        #: commit records this replica validated since it started (a restart replays
+        #: from its snapshot and counts those again): committed, aborted
+        self.commits = 0
+        self.aborts = 0
 
     def _perform(self, messages: Messages) -> None:
         """Send the core's answers, encoded, to their routes."""
@@ -88,6 +93,14 @@ class CoordinatorDriver(ElectedDriver):
 
     def on_record(self, gsn: int, shard: int, data: bytes) -> None:
         self._perform(self.core.on_record(gsn, shard, data))
+        decided = self.core.validator.decided
+        if decided:  # a first decision is added last: this record's, when it is at this gsn
+            d = next(reversed(decided.values()))
+            if d.gsn == gsn and d.shard == shard:
+                if d.committed:
+                    self.commits += 1
+                else:
+                    self.aborts += 1
 
     def on_position(self, gsn: int) -> None:
         self._perform(self.core.on_position(gsn))
@@ -102,6 +115,22 @@ class CoordinatorDriver(ElectedDriver):
             self._snapshot_at = now
             self._snapshot_position = self.core.position
             self.save_snapshot(self.core.position, encode_snapshot(self.core.validator))
+
+    def metrics(self, labels: dict[str, str]) -> list[Metric]:
+        """Prometheus families (called at scrape time from the metrics server's thread)."""
+        return [
+            gauge("ziplog_logdb_coordinator_leader", "1 while this replica leads (clients ask it first; it collects "
+                  "garbage)", int(self.leading), labels),
+            counter("ziplog_logdb_commits", "transactions validated as committed since this process started",
+                    self.commits, labels),
+            counter("ziplog_logdb_aborts", "transactions validated as aborted since this process started",
+                    self.aborts, labels),
+            gauge("ziplog_logdb_position_gsn", "every gsn up to here has been replayed", self.core.position, labels),
+            gauge("ziplog_logdb_snapshot_gsn", "the position of the last validator snapshot written",
+                  self._snapshot_position, labels),
+            gauge("ziplog_logdb_waiting_requests", "requests waiting for the replay to reach their position",
+                  self.core.waiting, labels),
+        ]
 
     def lead_begin(self) -> None:
         pass  # the process's collector looks at ``leading``
@@ -123,6 +152,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.protocol.types import RecordId
     from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key
+    from ziplog.shell.metrics import serve_metrics
 
     key = load_cluster_key(args.cluster_key_file)
     loop = asyncio.get_running_loop()
@@ -130,6 +160,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     session = zk.ElectedSession(args.zk, key, rt)
     stop = stop_event()
     client = None
+    metrics = None
     try:
         ensure_db(session.zk, args.name, args.kv_shards)
         args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -153,6 +184,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         path = db_path(args.name)
         driver = CoordinatorDriver(rt, session.election, f"{path}/election", args.id, core, send, save_snapshot,
                                    int(args.snapshot_every * 1e9))
+        labels = {"name": args.name, "role": "coordinator", "id": str(args.id)}
+        metrics = serve_metrics(args, lambda: driver.metrics(labels))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
         session.keep_registered(f"{path}/coordinators/{args.id}",
@@ -184,6 +217,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
             lambda: f"the log is trimmed past this replica's snapshot (gsn {core.position}): copy a peer's "
                     "snapshot file into its data directory")
     finally:
+        if metrics is not None:
+            metrics.close()
         if client is not None:
             await client.close()
         session.close()
@@ -192,6 +227,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.client.aio import run
+    from ziplog.shell.metrics import add_metrics_arguments
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
@@ -206,6 +242,7 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
                     help="never trim the log (it is shared with applications that still need old records)")
     add_address_arguments(ap, port_help="port for clients (0: any free one)")
     add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
     args = ap.parse_args(argv)
     check_address_arguments(ap, args)
     logging.basicConfig(level=logging.INFO,

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.kvshard import SNAPSHOT_NS, KvShardCore, owner
 from ziplog.logdb.store import SqliteStore
+from ziplog.shell.metrics import Metric, counter, gauge
 
 log = logging.getLogger("ziplog.logdb.kvshard")
 
@@ -39,6 +40,10 @@ class KvShardDriver:
         #: a batch the store refused (a full disk): tried again before anything else
         self._unstored: Any = None
         self._retry_at = 0
+        #: commit records validated since the process started (a restart replays from
+        #: the last snapshot and counts those again): committed, aborted
+        self.commits = 0
+        self.aborts = 0
 
     @property
     def blocked(self) -> bool:
@@ -46,7 +51,12 @@ class KvShardDriver:
         return self._unstored is not None
 
     def on_record(self, gsn: int, shard: int, data: bytes) -> None:
-        self.core.on_record(gsn, shard, data)
+        d = self.core.on_record(gsn, shard, data)
+        if d is not None and not d.duplicate:
+            if d.committed:
+                self.commits += 1
+            else:
+                self.aborts += 1
 
     def on_position(self, gsn: int) -> None:
         self.core.on_position(gsn)
@@ -79,6 +89,21 @@ class KvShardDriver:
         if batch.snapshot is not None:
             self.on_snapshot(batch.position)
         return True
+
+    def metrics(self, labels: dict[str, str]) -> list[Metric]:
+        """Prometheus families (called at scrape time from the metrics server's thread)."""
+        core = self.core
+        return [
+            counter("ziplog_logdb_commits", "transactions validated as committed since this process started",
+                    self.commits, labels),
+            counter("ziplog_logdb_aborts", "transactions validated as aborted since this process started",
+                    self.aborts, labels),
+            gauge("ziplog_logdb_position_gsn", "every gsn up to here has been replayed", core.position, labels),
+            gauge("ziplog_logdb_applied_gsn", "every committed write up to this gsn is in the store", core.applied,
+                  labels),
+            gauge("ziplog_logdb_store_blocked", "1 while the store refuses a write (a full disk): replay waits",
+                  int(self.blocked), labels),
+        ]
 
     def answer(self, data: bytes) -> bytes:
         try:
@@ -113,6 +138,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key
+    from ziplog.shell.metrics import serve_metrics
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
@@ -120,6 +146,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     rt = AsyncioRuntime(asyncio.get_running_loop())
     client = None
     store = None
+    metrics = None
     try:
         ensure_db(session.zk, args.name, args.shards)
         args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +156,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         who = f"kv-{args.index}"
         driver = KvShardDriver(core, store, time.monotonic_ns,
                                lambda position: publish_gc(session.zk, args.name, who, position))
+        labels = {"name": args.name, "role": "kv", "id": str(args.index)}
+        metrics = serve_metrics(args, lambda: driver.metrics(labels))
         log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
                  core.applied, core.replay_from)
         client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
@@ -146,6 +175,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         driver.flush()
         return code
     finally:
+        if metrics is not None:
+            metrics.close()
         if client is not None:
             await client.close()
         await rt.aclose()
@@ -155,6 +186,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
+    from ziplog.shell.metrics import add_metrics_arguments
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
@@ -166,6 +198,7 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     ap.add_argument("--snapshot-every", type=float, default=SNAPSHOT_NS / 1e9,
                     help="seconds between validator snapshots (the log can be trimmed only up to the last one)")
     add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
     args = ap.parse_args(argv)
     check_address_arguments(ap, args)
     if not 0 <= args.index < args.shards:

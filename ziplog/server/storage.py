@@ -26,7 +26,11 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardPrimary
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.cores.replica.primary import PrimaryState
+from ziplog.cores.replica.recovery import RecoveryPhase
 from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, directory_bytes, gauge, one_of, \
+    serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import (
     CoordinationUnavailable,
@@ -41,7 +45,7 @@ from ziplog.protocol import frames as f
 from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
-from ziplog.protocol.gsna import EpochConfig
+from ziplog.protocol.gsna import EpochConfig, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.shell.process import (
     add_address_arguments,
@@ -79,6 +83,9 @@ class StorageDriver:
         self.disk = disk
         self.core = ReplicaCore(settings)
         self.core.driver_stats["inbound_failures"] = 0
+        #: requests refused before they reached the core (undecodable, unsigned, an
+        #: uncommitted recovery generation), by error code
+        self.refused_frames: dict[str, int] = {}
         #: contains a failure in handling one inbound message (see ziplog.shell.inbound)
         self.guard = InboundGuard(log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
@@ -162,6 +169,7 @@ class StorageDriver:
                 if type(msg) in RECOVERY_REQUESTS:
                     self._check_generation(msg)
         except f.ProtocolError as exc:
+            self.refused_frames[exc.code] = self.refused_frames.get(exc.code, 0) + 1
             core.error(route, exc.req_id, exc.code, exc.message)
         else:
             core.on_request(route, msg, self.rt.now())
@@ -218,6 +226,7 @@ class StorageDriver:
                                                  f"{type(exc).__name__} while handling the request"))
 
     def on_multipart(self, route: bytes, extra_parts: int) -> None:
+        self.refused_frames[f.E_MALFORMED] = self.refused_frames.get(f.E_MALFORMED, 0) + 1
         self.core.error(route, None, f.E_MALFORMED, f"a request is one frame, got {extra_parts + 1}")
         self._perform(self.core.ready())
 
@@ -357,6 +366,79 @@ class StorageDriver:
             self.disk_fault = None
             core.on_disk(None, now)
 
+    # -- metrics ----------------------------------------------------------------------------------
+    def metrics(self) -> list[Metric]:
+        """Prometheus families from the counters and state the core and this driver keep;
+        called at scrape time from the metrics server's thread (plain reads: no lock)."""
+        core, log_ = self.core, self.core.log
+        s = self.settings
+        lb = {"shard": str(s.shard), "replica": str(s.replica)}
+        stats = dict(core.stats)
+        role = core.role
+        stable, frontier = log_.stable, log_.frontier
+        servable = log_.servable
+        subs = list(core.fanout.subs.values())
+        lag = max((max(servable - sub.progress_sent, 0) for sub in subs), default=0)
+        state = getattr(role, "state", None)
+        out: list[Metric] = [
+            gauge("ziplog_replica_primary", "1 on the shard's primary (replica 0), 0 on a backup", int(s.is_primary), lb),
+            one_of("ziplog_replica_primary_state", "the primary's state (1 for the current one; a backup shows none)",
+                   "state", [st.value for st in PrimaryState], state.value if state is not None else None, lb),
+            gauge("ziplog_replica_blocked", "1 while this primary refuses every insert until a recovery (it lost "
+                  "state a backup holds)", int(core.blocked is not None), lb),
+            gauge("ziplog_replica_backups_connected", "backups whose HELLO this primary holds",
+                  len(getattr(role, "backup_routes", ())), lb),
+            counter("ziplog_replica_inserts", "new inserts this replica took (a duplicate or refused-before-the-role "
+                    "insert excluded; a parked insert resent counts again)", stats["inserts"], lb),
+            counter("ziplog_replica_fast_acks", "backup: inserts answered with this replica's own guess (the fast "
+                    "path's ACK; a guess the primary decided otherwise is also counted in reacks)",
+                    stats["fast_acks"], lb),
+            counter("ziplog_replica_reacks", "backup: inserts re-acknowledged with the primary's decided gsn because "
+                    "this replica's first answer (a guess or NO_GUESS) differed: each is a slow-path insert",
+                    stats["reacks"], lb),
+            counter("ziplog_replica_reads", "reads and ranges served", stats["reads"], lb),
+            counter("ziplog_replica_errors", "error replies sent (every refusal, whatever its code)", stats["errors"], lb),
+            counters("ziplog_replica_refused_frames", "requests refused by the driver before the core saw them, by "
+                     "error code (undecodable, badly signed, an uncommitted recovery generation)", "code",
+                     dict(self.refused_frames), lb),
+            counter("ziplog_replica_inbound_failures", "inbound messages whose handling failed (contained; see the "
+                    "log)", core.driver_stats.get("inbound_failures", 0), lb),
+            counter("ziplog_replica_passed_on_notice", "primary: slots passed as no-ops on a NOTICE",
+                    stats.get("passed_on_notice", 0), lb),
+            gauge("ziplog_replica_records", "decided records held (not trimmed)", len(log_.gsns), lb),
+            gauge("ziplog_replica_frontier_gsn", "every slot of this shard up to this gsn is decided here", frontier, lb),
+            gauge("ziplog_replica_stable_gsn", "every replica of the shard holds the log up to this gsn", stable, lb),
+            gauge("ziplog_replica_stable_lag_gsns", "frontier minus stable, in gsns (an epoch spans 2^32 gsns: "
+                  "within one epoch, slots)", max(frontier - stable, 0), lb),
+            gauge("ziplog_replica_stable_lag_epochs", "epochs between the stable point and the frontier",
+                  max(epoch_of(frontier) - epoch_of(stable), 0), lb),
+            gauge("ziplog_replica_trim_gsn", "records below this gsn are trimmed", log_.trim_point, lb),
+            gauge("ziplog_replica_epoch", "the last epoch of the decided stream", log_.last_epoch, lb),
+            gauge("ziplog_replica_epoch_records", "primary: records assigned in the current epoch (the count its "
+                  "RATE report carries at the epoch's close)", getattr(role, "epoch_count", 0), lb),
+            gauge("ziplog_replica_subscriptions", "subscriptions open", len(subs), lb),
+            gauge("ziplog_replica_subscription_lag_gsns", "the largest gap between what subscribers may be shown and "
+                  "the position last reported to them, in gsns", lag, lb),
+            gauge("ziplog_replica_parked", "requests waiting for an epoch or a position", len(core.parking), lb),
+            gauge("ziplog_replica_qualified", "1 once this replica is synchronised with the primary (a backup "
+                  "guesses only then)", int(core.qualified), lb),
+            one_of("ziplog_replica_recovery_phase", "this replica's part in a failure recovery (1 for the current "
+                   "phase)", "phase", [ph.value for ph in RecoveryPhase], core.recovery.phase.value, lb),
+            gauge("ziplog_replica_recovery_generation", "the highest recovery generation the failure handler named "
+                  "here (-1: none)", core.recovery.gen, lb),
+            gauge("ziplog_replica_suspicions", "peers this replica reported to the failure handler as silent",
+                  core.liveness.suspicions, lb),
+            gauge("ziplog_replica_disk_full", "1 while the segment files cannot be written (DISK_FULL: no new "
+                  "records taken)", int(self.disk_fault is not None), lb),
+            gauge("ziplog_replica_disk_buffered_events", "decided-stream events waiting to be written",
+                  len(self._disk_buf), lb),
+        ]
+        directory = getattr(self.disk, "dir", None)
+        if isinstance(directory, Path):
+            out.append(gauge("ziplog_replica_disk_bytes", "bytes of this replica's segment directory",
+                             directory_bytes(directory), lb))
+        return out
+
     def close(self) -> None:
         """Write what is buffered and let go of every endpoint (not the runtime's own)."""
         if self.closed:
@@ -416,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                          "3.1, the default) or with libzmq (zmq); the wire is the same. $ZIPLOG_TRANSPORT=zmq "
                          "switches the default")
     add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
     args = ap.parse_args(argv)
     check_address_arguments(ap, args)
     key = load_cluster_key(args.cluster_key_file)
@@ -436,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                            advertise=args.advertise)
 
     driver.start()
-    return serve_forever(rt, driver, coord)
+    metrics = serve_metrics(args, driver.metrics)
+    return serve_forever(rt, metrics, driver, coord)
 
 
 if __name__ == "__main__":

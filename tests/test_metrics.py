@@ -1,0 +1,200 @@
+"""Prometheus metrics of every server process, scraped over HTTP from real processes: a
+local cluster (one shard, two replicas, three MMS and three failure handler replicas)
+and a local LogDB (one coordinator, one KV shard). Every process runs with
+``--metrics-port auto`` and writes the port it took to its log; the test finds it there
+(by the process's pid), scrapes ``/metrics`` and checks the counters against what it
+did: inserts, the fast and slow paths, one MMS leader and epochs that move, a killed
+replica recovered by the failure handler and serving metrics again, LogDB commits and
+an abort."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import ziplog
+from ziplog.logdb import LogDB, TransactionAborted
+from ziplog.tools.logdb_local import local_logdb
+
+ARGS = ["--metrics-port", "auto"]
+#: how long any awaited change may take on a busy machine
+DEADLINE_S = 90.0
+INSERTS = 60
+
+T = TypeVar("T")
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+_SERVED = re.compile(r"metrics served on (http://\S+/metrics) \(pid (\d+)\)")
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout: float = DEADLINE_S) -> T:
+    """Poll ``fn`` until it returns something other than None (or False)."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while True:
+        try:
+            got = fn()
+            if got is not None and got is not False:
+                return got
+        except OSError as exc:  # not listening yet, or restarting
+            last_exc = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+        time.sleep(0.05)
+
+
+def metrics_url(log_path: Path, pid: int) -> str:
+    """The endpoint the process ``pid`` wrote to its log (a restarted process appends to
+    the same file: its own line is the one with its pid)."""
+    def find() -> str | None:
+        if not log_path.exists():
+            return None
+        for m in _SERVED.finditer(log_path.read_text(errors="replace")):
+            if int(m.group(2)) == pid:
+                return m.group(1)
+        return None
+    return wait_for(f"the metrics endpoint of pid {pid} in {log_path.name}", find)
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def scrape_until(what: str, url: str, ok: Callable[[Samples], bool]) -> Samples:
+    """Scrape ``url`` until ``ok`` holds of what it serves; that scrape."""
+    def once() -> Samples | None:
+        got = scrape(url)
+        return got if ok(got) else None
+    return wait_for(what, once)
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The one sample called ``name`` whose labels include ``labels``."""
+    found = [v for (n, lb), v in samples.items() if n == name and set(labels.items()) <= lb]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_cluster_processes_serve_metrics() -> None:
+    with ziplog.local_cluster(shards=1, replicas=2, server_args=ARGS, mms_args=ARGS, fh_args=ARGS) as cluster:
+        logs = cluster.logs
+        primary = metrics_url(logs / "shard0-replica0.log", cluster.servers[(0, 0)].pid)
+        backup = metrics_url(logs / "shard0-replica1.log", cluster.servers[(0, 1)].pid)
+        mms = [metrics_url(logs / f"mms{i}.log", p.pid) for i, p in sorted(cluster.mms.items())]
+        fh = [metrics_url(logs / f"fh{i}.log", p.pid) for i, p in sorted(cluster.fh.items())]
+
+        with cluster.client() as c:
+            for i in range(INSERTS):
+                c.insert_after(b"x%d" % i)
+            paths = dict(c.stats)
+        assert paths["fast_path"] + paths["slow_path"] == INSERTS, paths
+
+        # The backup holds every record once the primary's forwards reached it.
+        b = scrape_until("the backup to hold every record", backup,
+                         lambda s: value(s, "ziplog_replica_records") == INSERTS)
+        p = scrape_until("the primary's stable point to move", primary,
+                         lambda s: value(s, "ziplog_replica_stable_gsn") > 0)
+        assert value(p, "ziplog_replica_primary", shard="0", replica="0") == 1
+        assert value(b, "ziplog_replica_primary", shard="0", replica="1") == 0
+        assert value(p, "ziplog_replica_primary_state", state="serving") == 1
+        assert value(p, "ziplog_replica_blocked") == 0
+        assert value(p, "ziplog_replica_backups_connected") == 1
+        # every insert was decided by the primary, once (a resend is answered from its record)
+        assert value(p, "ziplog_replica_inserts_total") >= INSERTS
+        assert value(p, "ziplog_replica_records") == INSERTS
+        # each slow-path insert is one re-ACK of the backup; the rest took the fast path
+        assert value(b, "ziplog_replica_reacks_total") == paths["slow_path"], paths
+        assert value(p, "ziplog_replica_frontier_gsn") >= value(p, "ziplog_replica_stable_gsn") > 0
+        assert value(p, "ziplog_replica_stable_lag_gsns") == (value(p, "ziplog_replica_frontier_gsn")
+                                                              - value(p, "ziplog_replica_stable_gsn"))
+        assert value(p, "ziplog_replica_epoch") >= 0
+        assert value(p, "ziplog_replica_disk_full") == 0
+        assert value(p, "ziplog_replica_disk_bytes") > 0
+        assert value(p, "ziplog_replica_recovery_phase", phase="normal") == 1
+        assert value(p, "ziplog_replica_subscriptions") == 0
+
+        # Exactly one MMS replica leads, and its epochs move between two scrapes.
+        def one_leader(urls: list[str], name: str) -> int | None:
+            leading = [i for i, u in enumerate(urls) if value(scrape(u), name) == 1]
+            return leading[0] if len(leading) == 1 else None
+        leader = wait_for("one MMS leader", lambda: one_leader(mms, "ziplog_mms_leader"))
+        first = scrape(mms[leader])
+        later = scrape_until("the MMS leader's next epoch", mms[leader],
+                             lambda s: value(s, "ziplog_mms_epoch") > value(first, "ziplog_mms_epoch"))
+        assert value(later, "ziplog_mms_epochs_broadcast_total") > value(first, "ziplog_mms_epochs_broadcast_total")
+        assert value(later, "ziplog_mms_zk_commits_total", result="ok") >= 1
+        for i, u in enumerate(mms):
+            if i != leader:
+                assert value(scrape(u), "ziplog_mms_epochs_broadcast_total") >= 0
+        assert value(scrape(backup), "ziplog_replica_epoch") >= 0
+
+        # A killed backup, restarted only after the suspicion timeout: the failure
+        # handler's leader recovers the shard, and the new process serves metrics.
+        fh_leader = wait_for("one failure handler leader", lambda: one_leader(fh, "ziplog_fh_leader"))
+        before = scrape(fh[fh_leader])
+        started = value(before, "ziplog_fh_recoveries_started_total")
+        finished = value(before, "ziplog_fh_recoveries_finished_total")
+        old_pid = cluster.servers[(0, 1)].pid
+        cluster.restart_delay_s = 1.0
+        cluster.kill_replica(0, 1)
+        after = scrape_until("the failure handler to finish a recovery", fh[fh_leader],
+                             lambda s: value(s, "ziplog_fh_recoveries_finished_total") > finished)
+        assert value(after, "ziplog_fh_recoveries_started_total") > started
+        assert value(after, "ziplog_fh_suspicions_total") >= 1
+        assert value(after, "ziplog_fh_recovery_records_total", phase="done") > finished
+        new_pid = wait_for("the supervisor to restart the backup",
+                           lambda: pid if (pid := cluster.servers[(0, 1)].pid) != old_pid else None)
+        restarted = metrics_url(logs / "shard0-replica1.log", new_pid)
+        cluster.wait_ready([0])
+        with cluster.client() as c:
+            c.insert_after(b"after")
+        r = scrape_until("the restarted backup to hold every record", restarted,
+                         lambda s: value(s, "ziplog_replica_records") == INSERTS + 1)
+        assert value(r, "ziplog_replica_primary") == 0
+        assert value(r, "ziplog_replica_recovery_generation") >= 0
+        assert value(r, "ziplog_replica_recovery_phase", phase="normal") == 1
+
+
+def test_logdb_processes_count_commits() -> None:
+    with ziplog.local_cluster(shards=1, replicas=2) as cluster, \
+            local_logdb(cluster, coordinators=1, kv_shards=1, coordinator_args=ARGS, kv_args=ARGS) as ldb:
+        coordinator = metrics_url(cluster.logs / "logdb-coordinator0.log", ldb.coordinators[0].pid)
+        kv = metrics_url(cluster.logs / "logdb-kv0.log", ldb.kv[0].pid)
+        commits = 5
+        with LogDB(ldb.zk_hosts) as db:
+            for i in range(commits):
+                db.run(lambda t, i=i: t.put(b"k%d" % i, b"v"))  # type: ignore[misc]
+            # Two transactions read the same key and write it: the second to commit aborts.
+            t1, t2 = db.transaction(), db.transaction()
+            t1.get(b"k0")
+            t2.get(b"k0")
+            t1.put(b"k0", b"one")
+            t2.put(b"k0", b"two")
+            t1.commit()
+            last = t1.commit_rid
+            assert last is not None
+            try:
+                t2.commit()
+                raise AssertionError("a transaction whose read was overwritten committed")
+            except TransactionAborted:
+                pass
+        for url in (coordinator, kv):
+            s = scrape_until("every decision counted", url,
+                             lambda s: value(s, "ziplog_logdb_commits_total") == commits + 1
+                             and value(s, "ziplog_logdb_aborts_total") == 1)
+            assert value(s, "ziplog_logdb_position_gsn") > 0
+        assert value(scrape(coordinator), "ziplog_logdb_coordinator_leader") == 1
+        wait_for("the KV shard to apply every commit",
+                 lambda: value(scrape(kv), "ziplog_logdb_applied_gsn") >= last.gsn or None)

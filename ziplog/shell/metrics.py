@@ -1,0 +1,175 @@
+"""Prometheus metrics for every server process.
+
+A process that is given ``--metrics-port`` serves ``/metrics`` over HTTP from
+prometheus_client's own thread, with a registry of its own holding one collector. The
+collector calls the process's ``read`` function at scrape time: it turns counters the
+driver and its core already keep (plain ints and dicts, read under the GIL, no lock)
+into metric families, so nothing is added to a request's path. The cores never import
+this module (nor prometheus_client): only drivers and process mains do.
+
+A driver builds its families with :func:`counter`, :func:`gauge` and :func:`one_of`; a
+process ``main`` adds the flags with :func:`add_metrics_arguments` and starts the
+server with :func:`serve_metrics`, whose result it closes on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["AUTO_PORT", "Metric", "MetricsServer", "Read", "add_metrics_arguments", "counter", "counters",
+           "directory_bytes", "gauge", "one_of", "serve_metrics"]
+
+log = logging.getLogger("ziplog.metrics")
+
+#: what a process hands the collector: every family, built fresh at each scrape
+Read = Callable[[], Iterable[Metric]]
+
+#: ``--metrics-port auto``: any free port, written to the process's log
+AUTO_PORT = -1
+
+
+def _port(text: str) -> int:
+    if text == "auto":
+        return AUTO_PORT
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range")
+    return port
+
+
+def add_metrics_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-bind``: where the process serves Prometheus
+    metrics (off unless a port is given)."""
+    ap.add_argument("--metrics-port", type=_port, default=0,
+                    help="serve Prometheus metrics at http://BIND:PORT/metrics (0: off, the default; auto: any free "
+                         "port, written to the log)")
+    ap.add_argument("--metrics-bind", default="127.0.0.1",
+                    help="the address the metrics endpoint listens on (IPv4 or IPv6; 0.0.0.0 or :: for every "
+                         "interface)")
+
+
+# -- building families ------------------------------------------------------------------------------
+def counter(name: str, doc: str, value: float, labels: Mapping[str, str] | None = None) -> CounterMetricFamily:
+    """A counter (exposed as ``name_total``); ``labels``: the process's constant labels."""
+    labels = labels or {}
+    fam = CounterMetricFamily(name, doc, labels=list(labels))
+    fam.add_metric(list(labels.values()), value)
+    return fam
+
+
+def counters(name: str, doc: str, label: str, values: Mapping[str, float],
+             labels: Mapping[str, str] | None = None) -> CounterMetricFamily:
+    """One counter per ``label`` value."""
+    labels = labels or {}
+    fam = CounterMetricFamily(name, doc, labels=[*labels, label])
+    for key, value in sorted(values.items()):
+        fam.add_metric([*labels.values(), key], value)
+    return fam
+
+
+def gauge(name: str, doc: str, value: float, labels: Mapping[str, str] | None = None) -> GaugeMetricFamily:
+    labels = labels or {}
+    fam = GaugeMetricFamily(name, doc, labels=list(labels))
+    fam.add_metric(list(labels.values()), value)
+    return fam
+
+
+def one_of(name: str, doc: str, label: str, choices: Iterable[str], current: str | None,
+           labels: Mapping[str, str] | None = None) -> GaugeMetricFamily:
+    """A state as a gauge per possible value: 1 for ``current``, 0 for the others."""
+    labels = labels or {}
+    fam = GaugeMetricFamily(name, doc, labels=[*labels, label])
+    for choice in choices:
+        fam.add_metric([*labels.values(), choice], 1.0 if choice == current else 0.0)
+    return fam
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes the regular files directly in ``path`` hold (0 when it is gone)."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue  # deleted while we looked (a trimmed segment)
+    except FileNotFoundError:
+        return 0
+    return total
+
+
+# -- serving ----------------------------------------------------------------------------------------
+class _ReadCollector(Collector):
+    def __init__(self, read: Read) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        # The process's thread changes what is read meanwhile; a dict that changed size
+        # under an iteration is simply read again.
+        for attempt in range(3):
+            try:
+                families = list(self.read())
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                continue
+            yield from families
+            return
+
+
+class MetricsServer:
+    """The HTTP endpoint: prometheus_client's server on its own thread, with this
+    process's registry."""
+
+    def __init__(self, read: Read, port: int, host: str = "127.0.0.1") -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ReadCollector(read))
+        try:
+            self.server, self.thread = start_http_server(0 if port == AUTO_PORT else port, host,
+                                                         registry=self.registry)
+        except OSError as exc:
+            raise SystemExit(f"cannot serve metrics on {host} port {port}: {exc}") from None
+        self.port: int = self.server.server_port
+        shown = f"[{host}]" if ":" in host else host
+        log.info("metrics served on http://%s:%d/metrics (pid %d)", shown, self.port, os.getpid())
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+class _Off:
+    port = 0
+
+    def close(self) -> None:
+        pass
+
+
+def serve_metrics(args: argparse.Namespace, read: Read) -> MetricsServer | _Off:
+    """Start the endpoint :func:`add_metrics_arguments` configured (nothing when
+    ``--metrics-port`` is 0); close the result when the process stops."""
+    if not args.metrics_port:
+        return _Off()
+    return MetricsServer(read, args.metrics_port, args.metrics_bind)
+
