@@ -18,6 +18,9 @@ from typing import Callable, TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 import ziplog
+from ziplog import RecordId
+from ziplog.protocol.errors import ZiplogError
+from ziplog.protocol.gsna import EPOCH_BITS
 from ziplog.logdb import LogDB, TransactionAborted
 from ziplog.tools.logdb_local import local_logdb
 
@@ -140,6 +143,27 @@ def test_cluster_processes_serve_metrics() -> None:
                 assert value(scrape(u), "ziplog_mms_epochs_broadcast_total") >= 0
         assert value(scrape(backup), "ziplog_replica_epoch") >= 0
 
+        # An insert after a rid a few epochs ahead parks on the primary until its epoch
+        # begins: the wait histogram counts it (a lead the epochs overtook before the
+        # insert arrived is tried again, longer).
+        inserted = INSERTS
+        parked_before = value(scrape(primary), "ziplog_replica_parked_wait_seconds_count", kind="insert")
+        with cluster.client() as c:
+            for lead in (3, 6, 12, 24):
+                epoch = value(scrape(mms[leader]), "ziplog_mms_epoch")
+                try:
+                    c.insert_after(b"parked", RecordId(int(epoch + lead) << EPOCH_BITS, 0))
+                    inserted += 1
+                except ZiplogError:  # waited past the park timeout: nothing was stored
+                    continue
+                if value(scrape(primary), "ziplog_replica_parked_wait_seconds_count", kind="insert") > parked_before:
+                    break
+        p = scrape(primary)
+        assert value(p, "ziplog_replica_parked_wait_seconds_count", kind="insert") > parked_before
+        assert value(p, "ziplog_replica_parked_wait_seconds_sum", kind="insert") > 0
+        assert value(p, "ziplog_replica_parked_wait_seconds_bucket", kind="insert", le="+Inf") == value(
+            p, "ziplog_replica_parked_wait_seconds_count", kind="insert")
+
         # A killed backup, restarted only after the suspicion timeout: the failure
         # handler's leader recovers the shard, and the new process serves metrics.
         fh_leader = wait_for("one failure handler leader", lambda: one_leader(fh, "ziplog_fh_leader"))
@@ -161,7 +185,7 @@ def test_cluster_processes_serve_metrics() -> None:
         with cluster.client() as c:
             c.insert_after(b"after")
         r = scrape_until("the restarted backup to hold every record", restarted,
-                         lambda s: value(s, "ziplog_replica_records") == INSERTS + 1)
+                         lambda s: value(s, "ziplog_replica_records") == inserted + 1)
         assert value(r, "ziplog_replica_primary") == 0
         assert value(r, "ziplog_replica_recovery_generation") >= 0
         assert value(r, "ziplog_replica_recovery_phase", phase="normal") == 1

@@ -26,11 +26,12 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardPrimary
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.cores.replica.parking import Parked
 from ziplog.cores.replica.primary import PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
 from ziplog.shell.inbound import InboundGuard
-from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, directory_bytes, gauge, one_of, \
-    serve_metrics
+from ziplog.shell.metrics import Durations, Metric, add_metrics_arguments, counter, counters, directory_bytes, gauge, \
+    histograms, one_of, serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import (
     CoordinationUnavailable,
@@ -86,6 +87,9 @@ class StorageDriver:
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
         self.refused_frames: dict[str, int] = {}
+        #: how long parked requests waited, from arrival to release, by kind
+        self.park_waits = {"insert": Durations(), "read": Durations()}
+        self._time_parking()
         #: contains a failure in handling one inbound message (see ziplog.shell.inbound)
         self.guard = InboundGuard(log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
@@ -116,6 +120,25 @@ class StorageDriver:
             self.core.replay(disk.load())
             disk.start(self.core.snapshot())
         rt.at_turn_end(self.end_turn)
+
+    def _time_parking(self) -> None:
+        """Time parked requests as the core lets them go: its parking hands them out
+        through ``inserts_for`` (an epoch began) and ``reads_upto`` (the frontier moved),
+        called on that object each time; wrapped here so that only requests that
+        waited cost anything. A request parks until ``park_timeout_ns`` after it came."""
+        parking, timeout = self.core.parking, self.settings.park_timeout_ns
+        take_inserts, take_reads = parking.inserts_for, parking.reads_upto
+        inserts, reads = self.park_waits["insert"], self.park_waits["read"]
+
+        def released(taken: list[Parked], into: Durations) -> list[Parked]:
+            if taken:
+                now = self.rt.now()
+                for p in taken:
+                    into.observe((now - (p.deadline_ns - timeout)) / 1e9)
+            return taken
+
+        parking.inserts_for = lambda epoch: released(take_inserts(epoch), inserts)  # type: ignore[method-assign]
+        parking.reads_upto = lambda frontier: released(take_reads(frontier), reads)  # type: ignore[method-assign]
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -420,6 +443,10 @@ class StorageDriver:
             gauge("ziplog_replica_subscription_lag_gsns", "the largest gap between what subscribers may be shown and "
                   "the position last reported to them, in gsns", lag, lb),
             gauge("ziplog_replica_parked", "requests waiting for an epoch or a position", len(core.parking), lb),
+            histograms("ziplog_replica_parked_wait_seconds", "parked requests only: seconds from a request's arrival "
+                       "to its release (an insert: its epoch began, and it is decided in that turn unless it must wait "
+                       "again or is refused; a read: its gsn was decided, and it is answered). Requests answered at "
+                       "once, and those that time out, are not in it", "kind", self.park_waits, lb),
             gauge("ziplog_replica_qualified", "1 once this replica is synchronised with the primary (a backup "
                   "guesses only then)", int(core.qualified), lb),
             one_of("ziplog_replica_recovery_phase", "this replica's part in a failure recovery (1 for the current "
