@@ -35,6 +35,8 @@ from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
+from ziplog.shell.config import parse_args
+from ziplog.shell.logs import add_log_arguments, configure_logging
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
@@ -310,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1)
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "failure_handler")
     check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args, f"failure-handler{args.id}")
     rt = ZmqRuntime()
     coord = KazooHandlerCoordination(args.zk, key, rt)
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,

@@ -37,6 +37,8 @@ from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
 from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, gauge, serve_metrics
+from ziplog.shell.config import parse_args
+from ziplog.shell.logs import add_log_arguments, configure_logging
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
@@ -234,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "mms")
     check_address_arguments(ap, args, one_port=False)
     key = load_cluster_key(args.cluster_key_file)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args, f"mms{args.id}")
     rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
     coord = KazooMembershipCoordination(args.zk, key, rt)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),

@@ -108,13 +108,16 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.aggregator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     add_address_arguments(ap, port_help="port (0: any free one)")
     add_cluster_key_argument(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "aggregator")
     check_address_arguments(ap, args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s aggregator %(levelname)s %(name)s %(message)s")
+    configure_logging(args, "aggregator")
     from ziplog.client.aio import run
     return run(serve(args))
 

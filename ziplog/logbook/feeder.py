@@ -186,11 +186,14 @@ async def _first(*waits: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from ziplog.shell.process import add_cluster_key_argument
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.feeder", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     add_cluster_key_argument(ap)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s feeder %(levelname)s %(name)s %(message)s")
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "feeder")
+    configure_logging(args, "feeder")
     from ziplog.client.aio import run
     return run(serve(args))
 

@@ -123,17 +123,19 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.index_node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--node", type=int, required=True, help="this index node's number, 0..N-1")
     add_address_arguments(ap, port_help="port (0: any free one)")
     add_cluster_key_argument(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "index_node")
     check_address_arguments(ap, args)
     if args.node < 0:
         ap.error("--node must be 0 or more")
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s index-node{args.node} %(levelname)s %(name)s %(message)s")
+    configure_logging(args, f"index-node{args.node}")
     from ziplog.client.aio import run
     return run(serve(args))
 

@@ -228,6 +228,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.client.aio import run
     from ziplog.shell.metrics import add_metrics_arguments
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
@@ -243,10 +245,10 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     add_address_arguments(ap, port_help="port for clients (0: any free one)")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "logdb_coordinator")
     check_address_arguments(ap, args)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s coordinator{args.id} %(levelname)s %(name)s %(message)s")
+    configure_logging(args, f"coordinator{args.id}")
     return run(serve(args, open_log))
 
 

@@ -187,6 +187,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:
     from ziplog.shell.metrics import add_metrics_arguments
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
     from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
@@ -199,12 +201,12 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
                     help="seconds between validator snapshots (the log can be trimmed only up to the last one)")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "kvshard")
     check_address_arguments(ap, args)
     if not 0 <= args.index < args.shards:
         ap.error("--index must be in 0..N-1")
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s kvshard{args.index} %(levelname)s %(name)s %(message)s")
+    configure_logging(args, f"kvshard{args.index}")
     from ziplog.client.aio import run
     return run(serve(args, open_log))
 

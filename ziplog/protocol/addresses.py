@@ -73,6 +73,8 @@ def check_bind_host(host: str) -> str:
 def advertised(bound: str, advertise: str | None) -> str:
     """What a process bound at ``bound`` (``tcp://host:port``) registers for others to
     dial: ``bound`` itself, or ``advertise`` (a host, or host:port) in its place."""
+    if advertise is None and not bound.startswith("tcp://"):
+        return bound  # another transport's address (the simulation's): nothing to translate
     try:
         host, port = parse_endpoint(bound)
     except ValueError as exc:

@@ -48,6 +48,8 @@ from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig, epoch_of
 from ziplog.protocol.membership import history_ranges
+from ziplog.shell.config import parse_args
+from ziplog.shell.logs import add_log_arguments, configure_logging
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
@@ -526,10 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                          "switches the default")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
-    args = ap.parse_args(argv)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, "storage")
     check_address_arguments(ap, args)
     key = load_cluster_key(args.cluster_key_file)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args, f"storage{args.shard}.{args.replica}")
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),

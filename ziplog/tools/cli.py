@@ -6,6 +6,7 @@
     ziplog read    --zk HOSTS GSN:SHARD
     ziplog trim    --zk HOSTS GSN
     ziplog status  --zk HOSTS
+    ziplog config check FILE [--role ROLE]
 
 ``--zk`` defaults to the environment variable ``ZIPLOG_ZK``.
 """
@@ -21,6 +22,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from ziplog.protocol.errors import ZiplogError
+from ziplog.shell.config import ROLES as CONFIG_ROLES
 from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
 ENV_ZK = "ZIPLOG_ZK"
@@ -93,6 +95,11 @@ def format_data(data: bytes) -> str:
 def _out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 # -- client plumbing ------------------------------------------------------------------------------
@@ -271,10 +278,27 @@ def format_status(rows: list[dict[str, Any]], columns: Sequence[str] = STATUS_CO
     return "\n".join([line(list(columns))] + [line(r) for r in cells])
 
 
+def _all_serving(st: dict[int, list[dict[str, Any]]], live: set[int], shards: int) -> bool:
+    rows = status_rows(st)
+    return (len(st) >= max(shards, 1) and set(st) <= live
+            and all(r["answer"] == "ok" and not r.get("frozen") for r in rows))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as log:
-        live = set(log.live_shards())
-        st = log.status()
+        deadline = time.monotonic() + (args.wait or 0)
+        while True:
+            live = set(log.live_shards())
+            st = log.status()
+            if not args.wait or _all_serving(st, live, args.shards):
+                break
+            if time.monotonic() > deadline:
+                rows = status_rows(st)
+                if rows:
+                    _out(format_status(rows))
+                raise ZiplogError(f"not every replica of {max(args.shards, len(st))} shard(s) serves after "
+                                  f"{args.wait:g} s")
+            time.sleep(0.2)  # status answers are not events: ask again
     rows = status_rows(st)
     if not rows:
         _out("no shard is registered in ZooKeeper")
@@ -334,6 +358,39 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execv(sys.executable, argv)
     return 0  # not reached
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """Check a config file against the flags of every role it has a table for (or of
+    ``--role``): every problem, with its key, at once."""
+    import subprocess
+    import tomllib
+
+    from ziplog.shell.config import ROLES
+    try:
+        with open(args.file, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as exc:
+        raise _UsageError(f"{args.file}: cannot read it: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        _err(f"{args.file}: not TOML: {exc}")
+        return 2
+    roles = [args.role] if args.role else [r for r in ROLES if isinstance(doc.get(r), dict)]
+    if not roles:
+        raise _UsageError(f"{args.file} has no table of a role ({', '.join(ROLES)}): say which role it is for "
+                          "with --role")
+    problems: dict[str, None] = {}
+    for role in roles:
+        done = subprocess.run([sys.executable, "-m", ROLES[role], "--config", args.file, "--check-config"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            _out(done.stdout.strip())
+        for line in done.stderr.splitlines():
+            if line.strip():
+                problems[line] = None  # a problem every role finds (a shared key) is said once
+    for line in problems:
+        _err(line)
+    return 2 if problems else 0
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -491,6 +548,17 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("file", metavar="FILE")
     kg.set_defaults(func=cmd_keygen)
 
+    cf = sub.add_parser("config", help="config files of server processes", description="Config files.")
+    cfsub = cf.add_subparsers(dest="config_command", metavar="ACTION")
+    cfsub.required = True
+    cc = cfsub.add_parser("check", help="report every error of a config file, with its key",
+                          description="Check a TOML config file against the flags of each role it has a table for "
+                                      "([storage], [mms], ...), or of --role for a one-process file.")
+    cc.add_argument("file", metavar="FILE")
+    cc.add_argument("--role", choices=sorted(CONFIG_ROLES), default=None,
+                    help="the role a file without role tables is for")
+    cc.set_defaults(func=cmd_config_check)
+
     ins = client_cmd("insert", "insert records, each after the previous one; prints each record id as GSN:SHARD",
                      cmd_insert)
     ins.add_argument("--after", type=parse_rid, default=None, metavar="GSN:SHARD",
@@ -514,7 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr = client_cmd("trim", "delete every record below GSN on every shard", cmd_trim)
     tr.add_argument("gsn", type=_positive_int, metavar="GSN")
 
-    client_cmd("status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions", cmd_status)
+    stp = client_cmd("status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions, address",
+                     cmd_status)
+    stp.add_argument("--wait", type=float, default=0.0, metavar="S",
+                     help="first wait up to S seconds until every replica answers, unfrozen, and every shard takes "
+                          "inserts (exit status 1 if not): the check between two steps of a rolling restart")
+    stp.add_argument("--shards", type=int, default=0, metavar="N",
+                     help="with --wait: also until at least N shards are registered")
 
     ld = sub.add_parser("logdb", help="transactions on a LogDB running on the log",
                         description="Transactions on a LogDB (its coordinators and KV shards must run).")
@@ -569,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = {"cluster": f"cluster {getattr(args, 'cluster_command', '')}",
             "replica": f"replica {getattr(args, 'replica_command', '')}",
             "logdb": f"logdb {getattr(args, 'logdb_command', '')}",
-            "book": f"book {getattr(args, 'book_command', '')}"}.get(args.command, args.command)
+            "book": f"book {getattr(args, 'book_command', '')}",
+            "config": f"config {getattr(args, 'config_command', '')}"}.get(args.command, args.command)
     try:
         return args.func(args)
     except _UsageError as e:
