@@ -119,6 +119,10 @@ def test_cluster_processes_serve_metrics() -> None:
         assert value(p, "ziplog_replica_records") == INSERTS
         # each slow-path insert is one re-ACK of the backup; the rest took the fast path
         assert value(b, "ziplog_replica_reacks_total") == paths["slow_path"], paths
+        # each guess the primary confirmed is a fast-path insert (a client may also take the
+        # fast path on a backup's answer from a decision it already held: not a guess)
+        confirmed = value(b, "ziplog_replica_confirmed_guesses_total")
+        assert 0 < confirmed <= paths["fast_path"], paths
         assert value(p, "ziplog_replica_frontier_gsn") >= value(p, "ziplog_replica_stable_gsn") > 0
         assert value(p, "ziplog_replica_stable_lag_gsns") == (value(p, "ziplog_replica_frontier_gsn")
                                                               - value(p, "ziplog_replica_stable_gsn"))

@@ -124,23 +124,14 @@ class StorageDriver:
         rt.at_turn_end(self.end_turn)
 
     def _time_parking(self) -> None:
-        """Time parked requests as the core lets them go: its parking hands them out
-        through ``inserts_for`` (an epoch began) and ``reads_upto`` (the frontier moved),
-        called on that object each time; wrapped here so that only requests that
-        waited cost anything. A request parks until ``park_timeout_ns`` after it came."""
-        parking, timeout = self.core.parking, self.settings.park_timeout_ns
-        take_inserts, take_reads = parking.inserts_for, parking.reads_upto
-        inserts, reads = self.park_waits["insert"], self.park_waits["read"]
+        """Time parked requests as the core releases them (an epoch began, the frontier
+        moved): only requests that waited cost anything."""
+        waits = self.park_waits
 
-        def released(taken: list[Parked], into: Durations) -> list[Parked]:
-            if taken:
-                now = self.rt.now()
-                for p in taken:
-                    into.observe((now - (p.deadline_ns - timeout)) / 1e9)
-            return taken
+        def released(p: Parked) -> None:
+            waits["insert" if type(p.msg) is f.Insert else "read"].observe((self.rt.now() - p.arrived_ns) / 1e9)
 
-        parking.inserts_for = lambda epoch: released(take_inserts(epoch), inserts)  # type: ignore[method-assign]
-        parking.reads_upto = lambda frontier: released(take_reads(frontier), reads)  # type: ignore[method-assign]
+        self.core.parking.on_release = released
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -421,11 +412,16 @@ class StorageDriver:
             counter("ziplog_replica_reacks", "backup: inserts re-acknowledged with the primary's decided gsn because "
                     "this replica's first answer (a guess or NO_GUESS) differed: each is a slow-path insert",
                     stats["reacks"], lb),
+            counter("ziplog_replica_confirmed_guesses", "backup: guesses the primary decided the same (each is a "
+                    "fast-path insert of a client that waited for this replica): confirmed_guesses + reacks counts "
+                    "the inserts this backup answered", stats["confirmed_guesses"], lb),
             counter("ziplog_replica_reads", "reads and ranges served", stats["reads"], lb),
             counter("ziplog_replica_errors", "error replies sent (every refusal, whatever its code)", stats["errors"], lb),
             counters("ziplog_replica_refused_frames", "requests refused by the driver before the core saw them, by "
                      "error code (undecodable, badly signed, an uncommitted recovery generation)", "code",
                      dict(self.refused_frames), lb),
+            counters("ziplog_replica_errors_by_code", "error replies the core sent, by code (NOT_READY, TIMEOUT, "
+                     "DISK_FULL, TRIMMED, ...)", "code", dict(core.errors_by_code), lb),
             counter("ziplog_replica_inbound_failures", "inbound messages whose handling failed (contained; see the "
                     "log)", core.driver_stats.get("inbound_failures", 0), lb),
             counter("ziplog_replica_passed_on_notice", "primary: slots passed as no-ops on a NOTICE",

@@ -216,7 +216,9 @@ class BackupFollower:
             if sp.config.epoch == epoch_of(gsn) and ev.slot + 1 > sp.next_slot:
                 sp.next_slot = ev.slot + 1
         pending = self.pending_routes.pop(key)
-        if pending is not None and guessed != gsn:
+        if pending is not None and guessed == gsn:
+            self.stats["confirmed_guesses"] += 1  # the client's fast path, as far as this replica can tell
+        elif pending is not None:
             self.stats["reacks"] += 1
             self.out.send(pending[0], f.Ack(req_id=pending[1], gsn=gsn, replica=self.s.replica, stable=self.log.stable,
                                             decided=True, final=False))

@@ -43,7 +43,10 @@ class ReplicaCore:
         self.s = settings
         self.shard = settings.shard
         self.out = Outbox()
-        self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "reacks": 0, "reads": 0, "errors": 0}
+        self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "confirmed_guesses": 0, "reacks": 0, "reads": 0,
+                                      "errors": 0}
+        #: error replies by code (the codes are the protocol's few constants: bounded)
+        self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
         self.driver_stats: dict[str, int] = {}
         self.log = DecidedLog(self.out)
@@ -124,6 +127,7 @@ class ReplicaCore:
 
     def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
         self.stats["errors"] += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
         self.out.send(route, f.Error(req_id=req_id, code=code, message=message))
 
     def _on_insert(self, route: bytes, msg: f.Insert, now: int) -> None:

@@ -67,7 +67,7 @@ class Fanout:
             if log.membership and epoch_of(msg.gsn) > log.last_epoch + self.s.max_epochs_ahead:
                 self.error(route, msg.req_id, f.E_UNKNOWN_RID, f"gsn {msg.gsn} lies far beyond this shard's log")
                 return
-            if not self.parking.park(Parked(route, msg, now + self.s.park_timeout_ns, need_frontier=msg.gsn)):
+            if not self.parking.park(Parked(route, msg, now + self.s.park_timeout_ns, need_frontier=msg.gsn, arrived_ns=now)):
                 self.error(route, msg.req_id, f.E_OVERLOADED, "too many requests are waiting on this replica")
             return
         self.answer_read(route, msg.req_id, msg.gsn)

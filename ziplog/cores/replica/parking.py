@@ -19,6 +19,7 @@ class Parked:
     deadline_ns: int
     need_epoch: int = 0  # an insert waits until this epoch is current ...
     need_frontier: int = 0  # ... a read until the frontier reaches this
+    arrived_ns: int = 0  # when it was parked (how long it waited, once released)
 
 
 class Parking:
@@ -28,6 +29,9 @@ class Parking:
         self.waiting: list[Parked] = []
         #: requests waiting per route (only routes with some: bounded by ``limit``)
         self.by_route: dict[bytes, int] = {}
+        #: told of each request released because what it waited for came (not of those
+        #: that expired or were refused): a driver times them with its own clock
+        self.on_release: Callable[[Parked], None] | None = None
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -60,13 +64,19 @@ class Parking:
         """Inserts whose epoch has begun (``epoch`` is current), in arrival order."""
         if not self.waiting:
             return []
-        return self._take(lambda p: type(p.msg) is Insert and p.need_epoch <= epoch)
+        return self._released(self._take(lambda p: type(p.msg) is Insert and p.need_epoch <= epoch))
 
     def reads_upto(self, frontier: int) -> list[Parked]:
         """Reads of gsns now decided (at or below ``frontier``), in arrival order."""
         if not self.waiting:
             return []
-        return self._take(lambda p: type(p.msg) is Read and p.need_frontier <= frontier)
+        return self._released(self._take(lambda p: type(p.msg) is Read and p.need_frontier <= frontier))
+
+    def _released(self, taken: list[Parked]) -> list[Parked]:
+        if taken and self.on_release is not None:
+            for p in taken:
+                self.on_release(p)
+        return taken
 
     def all_inserts(self) -> list[Parked]:
         return self._take(lambda p: type(p.msg) is Insert)

@@ -200,7 +200,7 @@ class PrimarySequencer:
         self.stable_changed()
 
     def _park(self, route: bytes, msg: f.Insert, now: int, need_epoch: int) -> None:
-        if not self.parking.park(Parked(route, msg, now + self.s.park_timeout_ns, need_epoch=need_epoch)):
+        if not self.parking.park(Parked(route, msg, now + self.s.park_timeout_ns, need_epoch=need_epoch, arrived_ns=now)):
             self.refuse(route, msg.req_id, (msg.client_id, msg.seq), now, f.E_OVERLOADED,
                         "too many requests are waiting on this replica")
 
