@@ -5,9 +5,39 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ziplog
 from ziplog import RID_GENESIS
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.binary(max_size=300), max_size=40), most=st.integers(1, 700), iov_max=st.integers(1, 8))
+def test_a_gathered_write_puts_what_one_write_of_the_join_would(tmp_path: Path, parts: list[bytes], most: int,
+                                                                 iov_max: int) -> None:
+    """``_writev_all`` against the reference (``os.write`` of ``b"".join(parts)``), with
+    the kernel made to take at most ``most`` bytes and ``iov_max`` buffers per call (short
+    writes, a buffer cut in the middle, empty buffers)."""
+    import os
+    from unittest import mock
+
+    from ziplog.io import segments
+    real = os.writev
+
+    def short_writev(fd: int, bufs: list[bytes]) -> int:
+        assert len(bufs) <= iov_max
+        data = b"".join(bytes(b) for b in bufs)[:most]
+        return real(fd, [data])
+
+    path = tmp_path / f"gathered-{len(parts)}-{most}-{iov_max}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with mock.patch.object(segments.os, "writev", short_writev), mock.patch.object(segments, "IOV_MAX", iov_max):
+            n = segments._writev_all(fd, parts)
+    finally:
+        os.close(fd)
+    assert n == sum(map(len, parts)) and path.read_bytes() == b"".join(parts)
 
 
 def test_segments_below_a_trim_are_deleted(tmp_path: Path) -> None:

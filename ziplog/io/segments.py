@@ -161,16 +161,17 @@ class SegmentLog:
             parts.append(encode_event(ev))
             if type(ev) is RecordEvent and ev.gsn > top:
                 top = ev.gsn
-        blob = b"".join(parts)
         fd, before = self._fd, self._size
         assert fd is not None
         try:
-            _write_all(fd, blob)
+            # gathered by the kernel: joining first would copy the batch once more, into a
+            # fresh allocation that is mmapped (and page-faulted) past 128 KiB
+            size = _writev_all(fd, parts)
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
             raise
-        self._size = before + len(blob)
+        self._size = before + size
         seq = self._seq
         if top > self.max_gsn.get(seq, 0):
             self.max_gsn[seq] = top
@@ -321,3 +322,23 @@ def _write_all(fd: int, blob: bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+#: buffers per writev call (the kernel's IOV_MAX)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _writev_all(fd: int, parts: list[bytes]) -> int:
+    """Write ``parts`` one after another, as one ``write`` of their join would; the
+    bytes written (all of them: a short write goes on from where it stopped)."""
+    total = sum(len(p) for p in parts)
+    bufs: list[bytes | memoryview] = list(parts)
+    i = 0
+    while i < len(bufs):
+        n = os.writev(fd, bufs[i:i + IOV_MAX])
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        if n:  # stopped inside a buffer: the rest of it first
+            bufs[i] = memoryview(bufs[i])[n:]
+    return total
