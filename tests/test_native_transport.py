@@ -112,6 +112,55 @@ def test_a_native_router_in_the_poll_loop_serves_pyzmq_and_refuses_bad_peers() -
         ctx.term()
 
 
+def test_the_asyncio_runtimes_native_router_is_bound_at_once_and_serves_pyzmq() -> None:
+    """``AsyncioRuntime(native=True)``'s ROUTER (the LogDB and LogBook processes'): its
+    address is known, and a connection accepted by the kernel, before the loop turns;
+    a pyzmq DEALER's one-part messages are turns of ``on_frame`` and are answered, a
+    multipart one a turn of ``on_multipart`` with its part count; a frame over the limit
+    closes only that peer; closing the runtime stops listening."""
+    import asyncio
+    import socket
+
+    import zmq
+    import zmq.asyncio
+
+    from ziplog.io.asyncio_runtime import AsyncioRuntime
+
+    async def main() -> None:
+        rt = AsyncioRuntime(native=True)
+        frames: list[bytes] = []
+        multi: list[int] = []
+        router = rt.router(lambda route, frame: (frames.append(frame), router.send_to(route, b"re:" + frame)),
+                           lambda route, parts: multi.append(parts), max_bytes=1 << 16)
+        port = int(router.addr.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # listening before any turn
+        ctx = zmq.asyncio.Context()
+        try:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(router.addr)
+            await dealer.send(b"hello")
+            assert await asyncio.wait_for(dealer.recv(), 10) == b"re:hello"
+            await dealer.send_multipart([b"a", b"b", b"c"])
+            big = ctx.socket(zmq.DEALER)
+            big.setsockopt(zmq.LINGER, 0)
+            big.setsockopt(zmq.RECONNECT_IVL, -1)
+            big.connect(router.addr)
+            await big.send(b"x" * (1 << 17))  # over the limit: that peer is closed
+            await dealer.send(b"again")
+            assert await asyncio.wait_for(dealer.recv(), 10) == b"re:again"
+            assert frames == [b"hello", b"again"] and multi == [3]
+            for sock in (dealer, big):
+                sock.close(0)
+        finally:
+            await rt.aclose()
+            ctx.term()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+
+    asyncio.run(main())
+
+
 def test_answers_to_one_chunk_leave_together_and_a_nested_turn_is_not_starved() -> None:
     """What the messages of one received chunk send is held per peer and leaves when
     the chunk is handled (every answer arrives, in order); a handler that makes a

@@ -123,6 +123,48 @@ class _Router:
         self.sock.close(0)
 
 
+class _NativeRouter:
+    """A bound ROUTER speaking ZMTP natively (:class:`~ziplog.io.zmtp_asyncio.ZmtpRouter`)
+    with the interface of :class:`_Router`: bound at once (its address is known before
+    the loop turns), served by its reader task until closed."""
+
+    __slots__ = ("rt", "addr", "router", "reader", "_closed")
+
+    def __init__(self, rt: "AsyncioRuntime", on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str,
+                 port: int, max_bytes: int) -> None:
+        from ziplog.io.zmtp_asyncio import DEFAULT_MAX_MESSAGE, ZmtpRouter
+
+        turn = rt.turn
+
+        def on_message(route: bytes, parts: list[bytes]) -> None:
+            if len(parts) == 1:
+                turn(on_frame, route, parts[0])
+            else:
+                turn(on_multipart, route, len(parts))
+
+        self.rt = rt
+        self.router = ZmtpRouter(on_message, host=host, port=port,
+                                 max_message=DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes)
+        self.router.bind()
+        self.addr = self.router.endpoint
+        self._closed = asyncio.Event()
+        self.reader = rt.loop.create_task(self._serve(), name=f"ziplog-router-{self.addr}")
+
+    async def _serve(self) -> None:
+        try:
+            await self.router.start()
+            await self._closed.wait()
+        finally:
+            await self.router.aclose()
+
+    def send_to(self, route: bytes, frame: bytes) -> bool:
+        return self.router.send_to(route, [frame])
+
+    def close(self) -> None:
+        self.rt._connections.discard(self)
+        self._closed.set()
+
+
 def _quiet(fut: Any) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -145,7 +187,7 @@ class AsyncioRuntime:
         self.native = native
         self.ctx = zmq.asyncio.Context()
         self._turn_end: list[Callable[[], None]] = []
-        self._connections: set[_Connection | _NativeConnection | _Router] = set()
+        self._connections: set[_Connection | _NativeConnection | _Router | _NativeRouter] = set()
         self.closed = False
 
     # -- Runtime ----------------------------------------------------------------------------------
@@ -190,8 +232,13 @@ class AsyncioRuntime:
 
     # -- Network (binding side) ------------------------------------------------------------------
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
-               port: int = 0, max_bytes: int = -1) -> _Router:
-        """Bind a ROUTER (port 0: any free port)."""
+               port: int = 0, max_bytes: int = -1) -> _Router | _NativeRouter:
+        """Bind a ROUTER (port 0: any free port), natively or with libzmq as the runtime's
+        DEALERs are."""
+        if self.native:
+            n = _NativeRouter(self, on_frame, on_multipart, host, port, max_bytes)
+            self._connections.add(n)
+            return n
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)

@@ -45,6 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, cast
 
+from ziplog.protocol.addresses import tcp_addr
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
     DEFAULT_MAX_PARTS,
@@ -279,20 +280,41 @@ class ZmtpRouter:
         self._routes: dict[bytes, _Link] = {}
         self._links: set[_Link] = set()
         self._server: asyncio.AbstractServer | None = None
+        #: the listening socket :meth:`bind` made (start() then serves it)
+        self._sock: socket.socket | None = None
         # libzmq starts its integral routing ids at a random value too.
         self._next_id = random.getrandbits(32)
         #: messages send_to dropped (unknown route or a peer not reading)
         self.dropped = 0
 
+    def bind(self) -> None:
+        """Bind and listen now, synchronously (:attr:`port` is then the bound port), for a
+        caller that must know its address before the loop runs; :meth:`start` serves it."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(512)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+
     async def start(self) -> None:
-        """Bind and listen; :attr:`port` is then the bound port."""
+        """Bind (unless :meth:`bind` did) and listen; :attr:`port` is then the bound port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._new_link, self.host, self.port, reuse_address=True)
+        if self._sock is not None:
+            self._server = await loop.create_server(self._new_link, sock=self._sock)
+        else:
+            self._server = await loop.create_server(self._new_link, self.host, self.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return tcp_addr(self.host, self.port)
 
     @property
     def routes(self) -> list[bytes]:
@@ -327,6 +349,9 @@ class ZmtpRouter:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+        elif self._sock is not None:  # bound, never served
+            self._sock.close()
+        self._sock = None
 
     async def __aenter__(self) -> "ZmtpRouter":
         await self.start()

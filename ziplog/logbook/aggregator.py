@@ -68,6 +68,7 @@ class AggregatorFrontend:
 async def serve(args: argparse.Namespace) -> int:
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zmtp_poll import native_transport_wanted
     from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory, ensure_tier
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
@@ -77,7 +78,7 @@ async def serve(args: argparse.Namespace) -> int:
     session = zk.Session(args.zk, key)
     stop = stop_event()
     loop = asyncio.get_running_loop()
-    rt = AsyncioRuntime(loop)
+    rt = AsyncioRuntime(loop, native=native_transport_wanted())
     try:
         ensure_tier(session.zk)
         front: AggregatorFrontend

@@ -109,6 +109,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zmtp_poll import native_transport_wanted
     from ziplog.io.zk_logbook import TierDirectory, ensure_tier, read_assignment, write_assignment
     from ziplog.protocol.types import RecordId
     from ziplog.shell.process import load_cluster_key, stop_event
@@ -117,7 +118,7 @@ async def serve(args: argparse.Namespace) -> int:
     session = zk.Session(args.zk, key)
     stop = stop_event()
     loop = asyncio.get_running_loop()
-    rt = AsyncioRuntime(loop)
+    rt = AsyncioRuntime(loop, native=native_transport_wanted())
     client = None
     sub: Any = None
     now = time.monotonic_ns

@@ -90,6 +90,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zmtp_poll import native_transport_wanted
     from ziplog.io.zk_logbook import NODES, ensure_tier
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
@@ -98,7 +99,7 @@ async def serve(args: argparse.Namespace) -> int:
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
     stop = stop_event()
-    rt = AsyncioRuntime(asyncio.get_running_loop())
+    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted())
     try:
         ensure_tier(session.zk)
         core = NodeCore(args.node)

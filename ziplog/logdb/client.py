@@ -272,7 +272,8 @@ class AsyncLogDB(_Base):
                 rt, log = self._log.runtime, ClientLog(self._log.driver)
             else:  # another log with the same awaitable calls (a benchmark's)
                 from ziplog.io.asyncio_runtime import AsyncioRuntime
-                rt = self._own_rt = AsyncioRuntime(loop)
+                from ziplog.io.zmtp_poll import native_transport_wanted
+                rt = self._own_rt = AsyncioRuntime(loop, native=native_transport_wanted())
                 log = AwaitableLog(self._log)
             self._driver = TransactionDriver(rt, rt, self._dir, log, int(self.timeout * 1e9),
                                              int(self.request_timeout * 1e9))

@@ -132,6 +132,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.client.aio import AsyncClient
     from ziplog.io import zk
     from ziplog.io.asyncio_runtime import AsyncioRuntime
+    from ziplog.io.zmtp_poll import native_transport_wanted
     from ziplog.io.zk_logdb import db_path, ensure_db, publish_gc
     from ziplog.logdb.process import replay, run_until_stopped, serve_requests
     from ziplog.shell.process import stop_event
@@ -143,7 +144,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
     stop = stop_event()
-    rt = AsyncioRuntime(asyncio.get_running_loop())
+    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted())
     client = None
     store = None
     metrics = None
