@@ -123,6 +123,9 @@ def test_cluster_processes_serve_metrics() -> None:
         # fast path on a backup's answer from a decision it already held: not a guess)
         confirmed = value(b, "ziplog_replica_confirmed_guesses_total")
         assert 0 < confirmed <= paths["fast_path"], paths
+        # every guess that missed is one of the slow paths (the re-ACK tells the client)
+        wrong = sum(value(b, "ziplog_replica_wrong_guesses_total", kind=k) for k in ("epoch", "ahead", "behind"))
+        assert wrong <= value(b, "ziplog_replica_reacks_total")
         assert value(p, "ziplog_replica_frontier_gsn") >= value(p, "ziplog_replica_stable_gsn") > 0
         assert value(p, "ziplog_replica_stable_lag_gsns") == (value(p, "ziplog_replica_frontier_gsn")
                                                               - value(p, "ziplog_replica_stable_gsn"))

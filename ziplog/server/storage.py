@@ -415,6 +415,12 @@ class StorageDriver:
             counter("ziplog_replica_confirmed_guesses", "backup: guesses the primary decided the same (each is a "
                     "fast-path insert of a client that waited for this replica): confirmed_guesses + reacks counts "
                     "the inserts this backup answered", stats["confirmed_guesses"], lb),
+            counters("ziplog_replica_wrong_guesses", "backup: guesses the primary decided at another gsn, by why: "
+                     "epoch (the replicas switched epochs at different moments), ahead or behind (a slot above or "
+                     "below the primary's in the same epoch)", "kind",
+                     {k: stats[f"wrong_guesses_{k}"] for k in ("epoch", "ahead", "behind")}, lb),
+            counter("ziplog_replica_guesses_displaced", "backup: guesses dropped because the primary decided another "
+                    "record at their gsn", stats["guesses_displaced"], lb),
             counter("ziplog_replica_reads", "reads and ranges served", stats["reads"], lb),
             counter("ziplog_replica_errors", "error replies sent (every refusal, whatever its code)", stats["errors"], lb),
             counters("ziplog_replica_refused_frames", "requests refused by the driver before the core saw them, by "

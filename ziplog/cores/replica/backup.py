@@ -215,6 +215,8 @@ class BackupFollower:
             sp.forget(gsn)  # another record guessed here is displaced: the primary will place it
             if sp.config.epoch == epoch_of(gsn) and ev.slot + 1 > sp.next_slot:
                 sp.next_slot = ev.slot + 1
+        if guessed is not None and guessed != gsn:
+            self._count_wrong_guess(guessed, gsn)
         pending = self.pending_routes.pop(key)
         if pending is not None and guessed == gsn:
             self.stats["confirmed_guesses"] += 1  # the client's fast path, as far as this replica can tell
@@ -232,10 +234,22 @@ class BackupFollower:
             self._displaced(sp.by_gsn[g].key, now)
             sp.forget(g)
 
+    def _count_wrong_guess(self, guessed: int, gsn: int) -> None:
+        """Why a guess missed, for whoever tunes the fast path: a guess in another epoch
+        than the decision (the two replicas switched epochs at different moments), or in
+        the same epoch a slot ahead of or behind the primary's. Two records the replicas
+        saw in opposite orders show up as one guess ahead and one displaced (the first
+        one's slot went to the second, whose guess was one slot higher)."""
+        ge, de = epoch_of(guessed), epoch_of(gsn)
+        kind = "wrong_guesses_epoch" if ge != de else (
+            "wrong_guesses_ahead" if guessed > gsn else "wrong_guesses_behind")
+        self.stats[kind] += 1
+
     def _displaced(self, key: Key, now: int) -> None:
         """The primary filled our guess's slot otherwise: never guess this record again. A
         resend then learns NO_GUESS; if the primary refused the record for good, that tells
         the client the shard has no copy (guessing anew at every resend never would)."""
+        self.stats["guesses_displaced"] += 1
         if key not in self.log.dedup:
             self.no_guess.add(key, now)
 

@@ -44,7 +44,8 @@ class ReplicaCore:
         self.shard = settings.shard
         self.out = Outbox()
         self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "confirmed_guesses": 0, "reacks": 0, "reads": 0,
-                                      "errors": 0}
+                                      "errors": 0, "wrong_guesses_epoch": 0, "wrong_guesses_ahead": 0,
+                                      "wrong_guesses_behind": 0, "guesses_displaced": 0}
         #: error replies by code (the codes are the protocol's few constants: bounded)
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
