@@ -506,9 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    cl = sub.add_parser("cluster", help="run a local cluster", description="Run a local cluster.")
-    clsub = cl.add_subparsers(dest="cluster_command", metavar="ACTION")
-    clsub.required = True
+    def command_group(name: str, help: str, description: str) -> Any:
+        """``ziplog NAME ACTION ...``: its ACTION is ``args.NAME_command``."""
+        group = sub.add_parser(name, help=help, description=description)
+        actions = group.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+        actions.required = True
+        return actions
+
+    clsub = command_group("cluster", "run a local cluster", "Run a local cluster.")
     up = clsub.add_parser("up", help="start a local cluster in the foreground (Ctrl-C stops it)",
                           description="Start ZooKeeper, the membership service and the storage replicas on "
                                       "this machine; runs until Ctrl-C or SIGTERM, then stops every process.")
@@ -522,9 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "on a bridge (three control hosts, one per storage replica, one for clients; root only)")
     up.set_defaults(func=cmd_cluster_up)
 
-    rp = sub.add_parser("replica", help="operate on storage replicas", description="Operate on storage replicas.")
-    rpsub = rp.add_subparsers(dest="replica_command", metavar="ACTION")
-    rpsub.required = True
+    rpsub = command_group("replica", "operate on storage replicas", "Operate on storage replicas.")
     rr = rpsub.add_parser("replace", help="run a new replica in place of one whose machine is gone",
                           description="Run the storage server here, on an empty data directory, as shard SHARD "
                                       "replica REPLICA, in place of a replica that is gone for good. Failure "
@@ -548,9 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("file", metavar="FILE")
     kg.set_defaults(func=cmd_keygen)
 
-    cf = sub.add_parser("config", help="config files of server processes", description="Config files.")
-    cfsub = cf.add_subparsers(dest="config_command", metavar="ACTION")
-    cfsub.required = True
+    cfsub = command_group("config", "config files of server processes", "Config files.")
     cc = cfsub.add_parser("check", help="report every error of a config file, with its key",
                           description="Check a TOML config file against the flags of each role it has a table for "
                                       "([storage], [mms], ...), or of --role for a one-process file.")
@@ -590,10 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--shards", type=int, default=0, metavar="N",
                      help="with --wait: also until at least N shards are registered")
 
-    ld = sub.add_parser("logdb", help="transactions on a LogDB running on the log",
-                        description="Transactions on a LogDB (its coordinators and KV shards must run).")
-    ldsub = ld.add_subparsers(dest="logdb_command", metavar="ACTION")
-    ldsub.required = True
+    ldsub = command_group("logdb", "transactions on a LogDB running on the log",
+                          "Transactions on a LogDB (its coordinators and KV shards must run).")
 
     def logdb_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         sp = _app_action(ldsub, name, help, func)
@@ -610,10 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--processes", type=_positive_int, default=3)
     lb.add_argument("--seconds", type=float, default=5.0)
 
-    bk = sub.add_parser("book", help="Boki's LogBook on the log: append to and read a book by tag",
-                        description="Append to and read a LogBook book (a record's seqnum is its gsn).")
-    bksub = bk.add_subparsers(dest="book_command", metavar="ACTION")
-    bksub.required = True
+    bksub = command_group("book", "Boki's LogBook on the log: append to and read a book by tag",
+                          "Append to and read a LogBook book (a record's seqnum is its gsn).")
 
     def book_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         sp = _app_action(bksub, name, help, func)
@@ -640,11 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors (2) and --help (0)
         return e.code if isinstance(e.code, int) else 2
-    name = {"cluster": f"cluster {getattr(args, 'cluster_command', '')}",
-            "replica": f"replica {getattr(args, 'replica_command', '')}",
-            "logdb": f"logdb {getattr(args, 'logdb_command', '')}",
-            "book": f"book {getattr(args, 'book_command', '')}",
-            "config": f"config {getattr(args, 'config_command', '')}"}.get(args.command, args.command)
+    action = getattr(args, f"{args.command}_command", None)  # a command group's ACTION
+    name = args.command if action is None else f"{args.command} {action}"
     try:
         return args.func(args)
     except _UsageError as e:
