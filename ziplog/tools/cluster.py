@@ -253,13 +253,18 @@ class LocalCluster:
         return rolling_restart(self, timeout, on_restart)
 
 
+def election_leader(zkc: Any, election: str) -> int | None:
+    """The id of the process leading ``election`` (the first contender), if any."""
+    contenders = zkc.Election(election).contenders()
+    return int(contenders[0]) if contenders else None
+
+
 def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: Callable[[int], None]) -> int:
     """SIGKILL the process leading the election at ``election`` (its id is the
     contender's identifier), start it again with ``respawn``; returns its id."""
-    contenders = zkc.Election(election).contenders()
-    if not contenders:
+    leader = election_leader(zkc, election)
+    if leader is None:
         raise RuntimeError(f"no leader at {election}")
-    leader = int(contenders[0])
     procs.kill(procs_by_id[leader])
     respawn(leader)
     return leader

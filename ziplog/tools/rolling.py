@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ziplog.protocol import layout
 from ziplog.tools import procs
+from ziplog.tools.cluster import election_leader
 
 #: how often a restarted process is asked whether it is back (ZooKeeper has no event for
 #: a status answer)
@@ -52,12 +53,6 @@ def _leader_last(ids: list[int], leader: int | None) -> list[int]:
     return sorted(ids, key=lambda i: (i == leader, i))
 
 
-def _leader_of(zk: Any, election: str) -> int | None:
-    """The id of the process leading ``election`` (the first contender), if any."""
-    contenders = zk.Election(election).contenders()
-    return int(contenders[0]) if contenders else None
-
-
 def rolling_restart(cluster: Any, timeout: float = 60.0,
                     on_restart: Callable[[Restart], None] | None = None) -> list[Restart]:
     """Restart every process of ``cluster`` (a :class:`ziplog.LocalCluster`) one at a
@@ -87,7 +82,7 @@ def rolling_restart(cluster: Any, timeout: float = 60.0,
             ("mms", cluster.mms, cluster._spawn_mms, layout.MMS_ELECTION, lambda i: f"{layout.MMS_REPLICAS}/{i}"),
             ("failure_handler", cluster.fh, cluster._spawn_fh, layout.fh_election_path(0),
              lambda i: f"{layout.FH_REPLICAS}/0-{i}")):
-        for i in _leader_last(sorted(by_id), _leader_of(zk, election)):
+        for i in _leader_last(sorted(by_id), election_leader(zk, election)):
             path = node_of(i)
             before = _owner(zk, path)
             t = time.monotonic()
