@@ -151,6 +151,12 @@ def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] 
     return read_record(cluster._zkc, shard)[0]
 
 
+def next_recovery_gen(cluster: ziplog.LocalCluster, shard: int) -> int:
+    """The generation the shard's next recovery will have."""
+    rec = recovery_record(cluster, shard)
+    return int(rec["gen"]) + 1 if rec else 0
+
+
 def wait_recovery(cluster: ziplog.LocalCluster, shard: int, phase: str, min_gen: int = 0,
                   timeout: float = 60.0) -> dict[str, Any]:
     """Until the shard's durable recovery record reaches ``phase`` (a ZooKeeper watch)."""

@@ -30,7 +30,7 @@ from typing import Iterator
 import pytest
 
 import ziplog
-from tests.load import wait_recovery, wait_status
+from tests.load import next_recovery_gen, wait_recovery, wait_status
 from ziplog.tools import netns, procs
 from ziplog.tools.placement import Host
 
@@ -130,12 +130,6 @@ class RemoteLoad:
         self.stderr.close()
 
 
-def _next_gen(cluster: ziplog.LocalCluster, shard: int) -> int:
-    from tests.load import recovery_record
-    rec = recovery_record(cluster, shard)
-    return int(rec["gen"]) + 1 if rec else 0
-
-
 def test_a_killed_replica_and_a_host_cut_off_lose_nothing(bed: netns.NetnsBed, cluster: ziplog.LocalCluster,
                                                           tmp_path: Path) -> None:
     load = RemoteLoad(bed.hosts["client"], cluster.zk_hosts, tmp_path / "load.log")
@@ -149,7 +143,7 @@ def test_a_killed_replica_and_a_host_cut_off_lose_nothing(bed: netns.NetnsBed, c
         load.acked(200)
         # shard 0's primary cut off from every host, then back
         shard, cut_host = 0, "s0r0"
-        gen = _next_gen(cluster, shard)
+        gen = next_recovery_gen(cluster, shard)
         bed.link_down(cut_host)
         try:
             wait_recovery(cluster, shard, "acquired", min_gen=gen, timeout=30)  # somebody suspected

@@ -25,8 +25,8 @@ from tests import firewall
 from tests.load import (
     Load,
     RegistrationWatch,
+    next_recovery_gen,
     pinned_inserts_then_read_all,
-    recovery_record,
     wait_recovery,
 )
 from ziplog.protocol import layout
@@ -53,11 +53,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCl
 
 def _port(addr: str) -> int:
     return int(addr.rsplit(":", 1)[1])
-
-
-def _next_gen(cluster: ziplog.LocalCluster, shard: int) -> int:
-    rec = recovery_record(cluster, shard)
-    return int(rec["gen"]) + 1 if rec else 0
 
 
 def _keep_loaded(load: Load, until: float) -> None:
@@ -90,7 +85,7 @@ def _partitioned_under_load(cluster: ziplog.LocalCluster, shard: int,
     load, when the cut began and ended, and the recovery's generation."""
     load = Load(cluster)
     load.wait_acked(200)
-    gen = _next_gen(cluster, shard)
+    gen = next_recovery_gen(cluster, shard)
     with cluster.client() as c:
         primary_port = _port(c.topology.replica_addrs(shard)[0])  # type: ignore[index]
     t_cut = time.monotonic()
