@@ -35,6 +35,9 @@ ROLES = {
 }
 #: keys that would put a secret in the file
 SECRET_KEYS = frozenset(("cluster_key", "key", "secret", "password"))
+#: top-level keys some role has: one this role lacks is another role's, not an error
+SHARED_KEYS = frozenset(("zk", "cluster_key_file", "bind", "host", "advertise", "data_dir", "log_format", "log_level",
+                         "metrics_port", "metrics_bind", "fsync", "name", "replicas"))
 #: flags a file cannot set (they are about the file itself)
 NOT_IN_FILES = frozenset(("help", "config", "check_config"))
 
@@ -124,7 +127,7 @@ def settings_for(ap: argparse.ArgumentParser, path: Path, role: str) -> dict[str
                 continue
             action = actions.get(key)
             if action is None or key in NOT_IN_FILES:
-                if strict or not _known_to_some_role(key):
+                if strict or key not in SHARED_KEYS:
                     problems.append(f"{path}: {where}{raw_key}: not a setting of {role}")
                 continue  # a shared key another role has (this one has no such flag)
             try:
@@ -135,14 +138,6 @@ def settings_for(ap: argparse.ArgumentParser, path: Path, role: str) -> dict[str
         raise ConfigError(problems)
     return out
 
-
-#: shared keys some role has (a shared key this role lacks is not an error)
-SHARED_KEYS = frozenset(("zk", "cluster_key_file", "bind", "host", "advertise", "data_dir", "log_format", "log_level",
-                         "metrics_port", "metrics_bind", "fsync", "name", "replicas"))
-
-
-def _known_to_some_role(key: str) -> bool:
-    return key in SHARED_KEYS
 
 
 def _config_path(argv: Sequence[str]) -> Path | None:
