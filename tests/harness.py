@@ -17,6 +17,14 @@ from ziplog.protocol.membership import history_ranges
 MS = 1_000_000
 
 
+def request(core: ReplicaCore, route: bytes, msg: wire.Request, now: int) -> None:
+    """``msg`` alone in a turn, as the core's driver hands it over: the request, then
+    (an INSERT is held until the turn's input is read) the held inserts."""
+    core.on_request(route, msg, now)
+    for r, held in core.take_inserts():
+        core.insert(r, held, now)
+
+
 def backup_route(replica: int) -> bytes:
     """The route a backup's messages reach the primary by (b"backup" for replica 1)."""
     return b"backup" if replica == 1 else b"backup%d" % replica
@@ -85,12 +93,22 @@ class ShardHarness:
         self.send_epoch(self.epoch, tuple(self.history[-1][1]))
         self.pump()
 
-    def insert(self, seq: int, data: bytes, to: tuple[int, ...] = (0, 1), after: int = 0, client: int = 7) -> None:
-        msg = wire.Insert(req_id=seq, client_id=client, seq=seq, after=after, data=data)
+    def insert(self, seq: int, data: bytes, to: tuple[int, ...] = (0, 1), after: int = 0, client: int = 7,
+               stamp: int = 0) -> None:
+        """One INSERT, alone in its turn at each replica of ``to``."""
+        msg = wire.Insert(req_id=seq, client_id=client, seq=seq, after=after, data=data, stamp=stamp)
         for i in to:
             core = self.cores[i]
             if core is not None:
-                core.on_request(b"client", wire.decode_request(wire.encode(msg)), self.now)
+                self.turn(core, [msg])
+
+    def turn(self, core: ReplicaCore, inserts: list[wire.Insert]) -> None:
+        """``inserts`` reach ``core`` in one turn, in this order (as its driver does: each
+        request as it is read, then the held inserts once the input is read)."""
+        for msg in inserts:
+            core.on_request(b"client", wire.decode_request(wire.encode(msg)), self.now)
+        for route, held in core.take_inserts():
+            core.insert(route, held, self.now)
 
     def replies(self, req_id: int) -> list[tuple[int, wire.Reply]]:
         return [(i, m) for i, m in self.client if m.req_id == req_id]

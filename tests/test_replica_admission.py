@@ -6,6 +6,7 @@ its last rid reached the new shard before the new shard's first EPOCH did."""
 
 from __future__ import annotations
 
+from tests.harness import request
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol.gsna import EpochConfig, epoch_base
@@ -28,7 +29,7 @@ def _fresh_primary() -> ReplicaCore:
 def test_insert_after_a_running_log_rid_waits_for_the_first_epoch() -> None:
     core = _fresh_primary()
     after = epoch_base(RUNNING_EPOCH) + 1000  # a rid another shard got a moment ago
-    core.on_request(b"client", wire.Insert(req_id=7, client_id=99, seq=1, after=after, data=DATA), 10)
+    request(core, b"client", wire.Insert(req_id=7, client_id=99, seq=1, after=after, data=DATA), 10)
     assert not [m for m in _replies(core) if isinstance(m, wire.Error)], "refused before knowing any epoch"
     # The first epoch follows a gap: the core asks for the members of the epochs it missed.
     core.on_epoch(EpochConfig(RUNNING_EPOCH, (4, 5), (1000, 1000)), 20)
@@ -44,7 +45,7 @@ def test_a_replica_that_knows_the_epoch_still_refuses_far_beyond() -> None:
     core.on_history([(0, 2, (5,))], 0)  # the epochs before it, from the membership history
     _replies(core)
     far = epoch_base(3 + core.s.max_epochs_ahead + 1)
-    core.on_request(b"client", wire.Insert(req_id=8, client_id=99, seq=2, after=far, data=DATA), 10)
+    request(core, b"client", wire.Insert(req_id=8, client_id=99, seq=2, after=far, data=DATA), 10)
     errors = [m for m in _replies(core) if isinstance(m, wire.Error)]
     assert errors and errors[0].code == wire.E_UNKNOWN_RID
 

@@ -6,6 +6,7 @@ import pytest
 
 from tests.sim.shard import NetParams, ShardApp, ShardSim, corrupt, run
 from ziplog.cores.client.calls import InsertCall
+from tests.harness import request
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import NoShardAvailableError, ZiplogTimeoutError
@@ -50,7 +51,7 @@ def test_joining_shard_waits_for_its_first_epoch() -> None:
     reaches the shard: the insert waits for that epoch instead of being refused."""
     core = ReplicaCore(ReplicaSettings(1, 0, 1))
     core.on_epoch(EpochConfig(0, (0,), (1000,)), 0)
-    core.on_request(b"c", wire.Insert(req_id=7, client_id=1, seq=1, after=0, data=b"early"), 1)
+    request(core, b"c", wire.Insert(req_id=7, client_id=1, seq=1, after=0, data=b"early"), 1)
     assert not core.ready().messages, "a joining shard must not refuse"
     core.on_epoch(EpochConfig(1, (0, 1), (1000, 1000)), 2)
     (route, msg), = core.ready().messages
@@ -59,12 +60,12 @@ def test_joining_shard_waits_for_its_first_epoch() -> None:
     # client may have seen a rejoin in ZooKeeper before its epoch reached us)
     core.on_epoch(EpochConfig(2, (0,), (1000,)), 3)
     core.ready()  # (the rate report of epoch 1)
-    core.on_request(b"c", wire.Insert(req_id=8, client_id=1, seq=2, after=0, data=b"late"), 4)
+    request(core, b"c", wire.Insert(req_id=8, client_id=1, seq=2, after=0, data=b"late"), 4)
     assert not core.ready().messages
     core.on_epoch(EpochConfig(3, (0,), (1000,)), 5)
     last = core.ready().messages[-1][1]
     assert isinstance(last, wire.Error) and last.code == wire.E_NOT_MEMBER
-    core.on_request(b"c", wire.Insert(req_id=8, client_id=1, seq=2, after=0, data=b"late"), 6)  # a resend: refused for good
+    request(core, b"c", wire.Insert(req_id=8, client_id=1, seq=2, after=0, data=b"late"), 6)  # a resend: refused for good
     last = core.ready().messages[-1][1]
     assert isinstance(last, wire.Error) and last.code == wire.E_NOT_MEMBER
 

@@ -22,7 +22,7 @@ import warnings
 import pytest
 
 from failure_handler.recovery import ACQUIRED
-from tests.harness import ShardHarness
+from tests.harness import ShardHarness, request
 from tests.sim.system import KnownBug, NetParams, Outcome, SystemSim, corrupt, run
 from ziplog.cores.client.waits import InsertWait, Redirect
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
@@ -205,8 +205,8 @@ def test_source_does_not_disown_a_guess_between_install_parts() -> None:
     B, gsn = h.B, w.decided
     assert gsn is not None
 
-    def ask(req: wire.Frame) -> wire.Frame:
-        B.on_request(b"handler", req, h.now)
+    def ask(req: wire.Request) -> wire.Frame:
+        request(B, b"handler", req, h.now)
         return B.ready().messages[-1][1]
 
     state = ask(wire.Probe(req_id=1, gen=0))

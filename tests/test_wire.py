@@ -7,9 +7,23 @@ from ziplog.protocol import frames as wire
 
 
 def test_roundtrip_valid_insert() -> None:
-    frame = msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data"], use_bin_type=True)
-    assert wire.decode_request(frame) == wire.Insert(req_id=1, client_id=2, seq=3, after=4, data=b"data")
+    frame = msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data", 5], use_bin_type=True)
+    assert wire.decode_request(frame) == wire.Insert(req_id=1, client_id=2, seq=3, after=4, data=b"data", stamp=5)
     assert wire.encode(wire.decode_request(frame)) == frame
+
+
+def test_an_insert_without_its_optional_stamp_has_stamp_zero() -> None:
+    """A client that sends no stamp (an older one, or one in another language) is served;
+    an array one short of that, or one too long, is not."""
+    frame = msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data"], use_bin_type=True)
+    assert wire.decode_request(frame) == wire.Insert(req_id=1, client_id=2, seq=3, after=4, data=b"data", stamp=0)
+    for fields in ([1, 2, 3, 4], [1, 2, 3, 4, b"data", 5, 6]):
+        with pytest.raises(wire.ProtocolError) as err:
+            wire.decode_request(msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, *fields], use_bin_type=True))
+        assert err.value.code == wire.E_MALFORMED and "takes 5 to 6 fields" in err.value.message
+    with pytest.raises(wire.ProtocolError) as err:
+        wire.decode_request(msgpack.packb([wire.PROTOCOL_VERSION, wire.INSERT, 1, 2, 3, 4, b"data", -1]))
+    assert err.value.code == wire.E_BAD_ARGUMENT and "stamp" in err.value.message
 
 
 @pytest.mark.parametrize("msg, code", [

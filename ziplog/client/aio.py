@@ -22,7 +22,14 @@ import asyncio
 import random
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
-from ziplog.client.common import INSERT_WINDOW, ClientBase, SubscriptionBase, new_client_id, payloads_of
+from ziplog.client.common import (
+    INSERT_WINDOW,
+    ClientBase,
+    SubscriptionBase,
+    new_client_id,
+    payloads_of,
+    wall_offset_ns,
+)
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
@@ -66,7 +73,7 @@ class AsyncClient(ClientBase):
         self.zk_hosts = zk_hosts
         self.timeout = timeout
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
-                                  int(timeout * 1e9))
+                                  int(timeout * 1e9), wall_offset_ns=wall_offset_ns())
         self._zk: Any = None
         self.topology: zk.Topology | None = None
         self._rt: AsyncioRuntime | None = None

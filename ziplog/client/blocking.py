@@ -17,7 +17,14 @@ import random
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from ziplog.client.common import INSERT_WINDOW, ClientBase, SubscriptionBase, new_client_id, payloads_of
+from ziplog.client.common import (
+    INSERT_WINDOW,
+    ClientBase,
+    SubscriptionBase,
+    new_client_id,
+    payloads_of,
+    wall_offset_ns,
+)
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
@@ -76,7 +83,7 @@ class Client(ClientBase):
         # replica per turn (no batches to drain).
         self._rt = ZmqRuntime(wake=False, drain_limit=1, native=native_transport_wanted())
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
-                                  int(timeout * 1e9))
+                                  int(timeout * 1e9), wall_offset_ns=wall_offset_ns())
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)
         self._subs: list[Subscription] = []
 

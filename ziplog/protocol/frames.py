@@ -165,13 +165,17 @@ class Frame(msgspec.Struct, array_like=True, gc=False, kw_only=True, forbid_unkn
 # -- client -> storage server ----------------------------------------------------------
 class Insert(Frame, kw_only=True):
     """Insert ``data`` anywhere after gsn ``after``; ``(client_id, seq)`` names the record
-    across resends and redirects."""
+    across resends and redirects. ``stamp`` (optional, 0: none) is when the client sent
+    it, in wall-clock nanoseconds: the replicas take the inserts that reach them in one
+    turn in stamp order, so that they place concurrent inserts alike (the fast path).
+    It orders nothing else and decides nothing."""
     op: int = INSERT
     req_id: U64
     client_id: U64
     seq: U64
     after: U64
     data: bytes
+    stamp: U64 = 0
 
 
 class Read(Frame, kw_only=True):
@@ -526,8 +530,10 @@ class _EdgeDecoder:
         if cls is None:
             raise ProtocolError(E_UNKNOWN_OP, f"unknown op {_show(op)}", req_id)
         nfields = len(cls.__struct_fields__)
-        if len(msg) != nfields:
-            raise ProtocolError(E_MALFORMED, f"op {op} takes {nfields - 2} fields, got {len(msg) - 2}", req_id)
+        optional = _optional_tail(cls)
+        if not nfields - optional <= len(msg) <= nfields:
+            takes = f"{nfields - 2}" if not optional else f"{nfields - 2 - optional} to {nfields - 2}"
+            raise ProtocolError(E_MALFORMED, f"op {op} takes {takes} fields, got {len(msg) - 2}", req_id)
         try:  # the typed decoder again, on the frame as it would be with version 1
             return msgspec.msgpack.decode(msgpack.packb([PROTOCOL_VERSION, *msg[1:]], use_bin_type=True), type=cls)
         except msgspec.ValidationError as exc:
@@ -535,6 +541,17 @@ class _EdgeDecoder:
         except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(E_BAD_ARGUMENT, f"op {op}: a field cannot be read ({type(exc).__name__})",
                                 req_id) from None
+
+
+def _optional_tail(cls: type[Frame]) -> int:
+    """How many of a frame's last fields may be left out (they have defaults; the
+    version and op, which lead every frame, are never among them)."""
+    n = 0
+    for default in reversed(cls.__struct_defaults__[2:]):
+        if default is msgspec.NODEFAULT:
+            break
+        n += 1
+    return n
 
 
 def _show(value: Any) -> str:

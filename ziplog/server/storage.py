@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import sys
@@ -189,7 +190,8 @@ class StorageDriver:
             core.error(route, exc.req_id, exc.code, exc.message)
         else:
             core.on_request(route, msg, self.rt.now())
-        # ACKs leave now, before forwards and bookkeeping: that is the client's critical path.
+        # Replies leave now (an INSERT's at the turn's end: the core holds inserts until
+        # the turn's input is read), before forwards and bookkeeping.
         self._perform(core.ready())
 
     def _check_generation(self, msg: f.Probe | f.Acquired | f.Fetch | f.Install | f.Resume) -> None:
@@ -277,6 +279,8 @@ class StorageDriver:
             return
         core, rt = self.core, self.rt
         now = rt.now()
+        if core.held_inserts:
+            self._take_inserts(now)
         if now >= self._next_tick:
             core.tick(now)
             self._next_tick = now + MIN_TICK_NS
@@ -290,6 +294,18 @@ class StorageDriver:
         else:
             self._disk_buf.clear()
         self._schedule(now)
+
+    def _take_inserts(self, now: int) -> None:
+        """The turn's input is read: the core takes the inserts it held, in stamp order,
+        and their ACKs leave before the turn's forwards and bookkeeping."""
+        core, guard = self.core, self.guard
+        for route, msg in core.take_inserts():
+            guard.call("its ROUTER", functools.partial(core.insert, route, msg, now),
+                       functools.partial(self._insert_failed, route, msg.req_id))
+        self._perform(core.ready())
+
+    def _insert_failed(self, route: bytes, req_id: int, exc: Exception) -> None:
+        self.router.send_to(route, f.error_frame(req_id, f.E_INTERNAL, f"{type(exc).__name__} while handling the request"))
 
     def _schedule(self, now: int) -> None:
         deadline = self.core.next_deadline(now)

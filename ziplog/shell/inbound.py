@@ -44,6 +44,21 @@ class InboundGuard:
             self._on_failure(edge)
         self._log(f"handling a message on {edge} failed (message dropped, still serving)", where(exc))
 
+    def call(self, edge: str, fn: Callable[[], None], reply: Callable[[Exception], None] | None = None) -> None:
+        """``fn()``, the handling of one inbound message taken later than it arrived,
+        contained the same way; ``reply(exc)`` answers its sender."""
+        try:
+            fn()
+        except AssertionError:
+            raise
+        except Exception as exc:
+            self.failed(edge, exc)
+            if reply is not None:
+                try:
+                    reply(exc)
+                except Exception as again:
+                    self.failed(edge, again)
+
     def frames(self, edge: str, handler: FrameHandler) -> FrameHandler:
         """``handler`` for one frame at a time, contained."""
         def handle(frame: bytes) -> None:

@@ -142,7 +142,8 @@ class InsertCall(Call):
         self.shard = shard
         self.targets = tuple(addrs)
         self.wait = InsertWait(req, len(addrs))
-        self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data)
+        self.msg = wire.Insert(req_id=req, client_id=client.client_id, seq=self.seq, after=self.after, data=self.data,
+                               stamp=client.stamp(now))
         self.retry_at = now + client.retry_after_ns
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]

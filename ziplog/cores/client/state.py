@@ -25,8 +25,14 @@ MAX_SHARDS_REMEMBERED = 1_000_000
 
 class ClientState:
     def __init__(self, client_id: int, policy: Policy | None, rng: random.Random, timeout_ns: int,
-                 retry_after_ns: int = RETRY_AFTER_NS, retry_troubled_ns: int = RETRY_TROUBLED_NS) -> None:
+                 retry_after_ns: int = RETRY_AFTER_NS, retry_troubled_ns: int = RETRY_TROUBLED_NS,
+                 wall_offset_ns: int = 0) -> None:
         self.client_id = client_id
+        #: wall clock minus the monotonic clock the calls are given (``now``), read once by
+        #: the driver: an insert's stamp is its send time on the wall clock, which clients
+        #: on other hosts share (to within their clock sync), where monotonic clocks are
+        #: unrelated across hosts
+        self.wall_offset_ns = wall_offset_ns
         self.policy = policy or Policy.random()
         self.rng = rng
         self.timeout_ns = timeout_ns
@@ -47,6 +53,10 @@ class ClientState:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    def stamp(self, now: int) -> int:
+        """An insert's stamp (``frames.Insert.stamp``) when sent at ``now``."""
+        return max(now + self.wall_offset_ns, 0)
 
     def next_req(self) -> int:
         self._req += 1

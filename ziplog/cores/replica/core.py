@@ -38,6 +38,10 @@ from ziplog.protocol.gsna import EpochConfig
 Role = Union[PrimarySequencer, BackupFollower]
 
 
+def _stamp_of(held: tuple[bytes, f.Insert]) -> int:
+    return held[1].stamp
+
+
 class ReplicaCore:
     def __init__(self, settings: ReplicaSettings) -> None:
         self.s = settings
@@ -50,6 +54,8 @@ class ReplicaCore:
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
         self.driver_stats: dict[str, int] = {}
+        #: this turn's inserts, held until :meth:`take_inserts` (see there)
+        self.held_inserts: list[tuple[bytes, f.Insert]] = []
         self.log = DecidedLog(self.out)
         self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
         self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
@@ -59,7 +65,6 @@ class ReplicaCore:
         self.recovery = RecoveryParticipant(settings.shard, settings.replica, self.log, self.role, self.parking,
                                             self.out, self.error, self._resumed)
         self._handlers: dict[type, Callable[[bytes, Any, int], None]] = {
-            f.Insert: self._on_insert,
             f.Read: self.fanout.on_read,
             f.Range: self.fanout.on_range,
             f.Count: self.fanout.on_count,
@@ -123,8 +128,37 @@ class ReplicaCore:
 
     # -- inputs ---------------------------------------------------------------------------------
     def on_request(self, route: bytes, msg: f.Request, now: int) -> None:
-        """A frame on the replica's ROUTER (clients, backups, the failure handler)."""
+        """A frame on the replica's ROUTER (clients, backups, the failure handler). An
+        INSERT is held until the turn's input ends (:meth:`take_inserts`)."""
+        if type(msg) is f.Insert:
+            held = self.held_inserts
+            held.append((route, msg))
+            if len(held) >= self.s.max_turn_inserts:  # a flood: take these now, in order
+                for r, m in self.take_inserts():
+                    self.insert(r, m, now)
+            return
         self._handlers[type(msg)](route, msg, now)
+
+    def take_inserts(self) -> list[tuple[bytes, f.Insert]]:
+        """The inserts held since the last call, in the order to take them (the driver
+        calls :meth:`insert` with each once it has read all its input for the turn): by
+        the clients' send stamps, arrival order among equal ones. A primary places
+        inserts in the order it takes them and a backup guesses in the order it takes
+        them; in arrival order the two differ whenever concurrent inserts reach them in
+        different orders (read from their sockets in different orders, or one client's
+        copies sent around another's), and each such pair is two slow-path inserts.
+        Sorting each turn's inserts by stamp makes both replicas take a turn's inserts
+        in the same order, and across turns it follows the order the clients sent them
+        in, which is the order their copies reach both replicas in, most of the time."""
+        held = self.held_inserts
+        if len(held) > 1:
+            held.sort(key=_stamp_of)
+        self.held_inserts = []
+        return held
+
+    def insert(self, route: bytes, msg: f.Insert, now: int) -> None:
+        """Take one INSERT (from :meth:`take_inserts`)."""
+        self._on_insert(route, msg, now)
 
     def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
         self.stats["errors"] += 1

@@ -76,6 +76,9 @@ class ReplicaSettings:
     #: Entries in each refusal memory and in the backup's route memory; the oldest go
     #: first when one is full (each is also pruned by age).
     max_remembered: int = 200_000
+    #: Inserts one turn brought, held until the driver's input for the turn ends so that
+    #: they are taken in stamp order; a turn that brings more takes them in batches.
+    max_turn_inserts: int = 4096
 
     @property
     def is_primary(self) -> bool:
