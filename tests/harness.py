@@ -158,7 +158,8 @@ class ShardHarness:
                         if isinstance(msg2, wire.Forward):
                             backup.on_forward(msg2, self.now)
                 elif dest == b"client":
-                    self.client.append((i, wire.decode_reply(frame)))
+                    reply = wire.decode_reply(frame)
+                    self.client.extend((i, m) for m in (reply.acks if isinstance(reply, wire.Acks) else [reply]))
                 elif dest == b"handler":
                     self.handler.on_reply(0, i, wire.decode_recovery_reply(frame), self.now)
                 else:

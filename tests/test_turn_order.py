@@ -1,5 +1,6 @@
 """Inserts that reach the replicas in one turn are taken in the order of the clients'
-send stamps (real cores, the wire codec between them). Two concurrent inserts read in
+send stamps, and answered in one frame per client (real cores, the wire codec between
+them). Two concurrent inserts read in
 opposite orders by the primary and the backup are two slow-path inserts when each
 replica takes them as they came; taken in stamp order, both replicas place them alike
 and both take the fast path. Without stamps (0: a client that sends none) arrival order
@@ -13,6 +14,7 @@ from tests.harness import ShardHarness
 from ziplog.cores.client.calls import InsertCall
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.waits import InsertWait
+from ziplog.cores.replica.core import coalesce_acks
 from ziplog.protocol import frames as wire
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy
@@ -79,8 +81,8 @@ def test_a_flood_of_inserts_in_one_turn_is_taken_in_bounded_batches() -> None:
     for m in msgs:
         P.on_request(b"client", wire.decode_request(wire.encode(m)), h.now)
         assert len(P.held_inserts) < 4
-    acks = [m for _, m in P.ready().messages if isinstance(m, wire.Ack)]
-    assert [a.req_id for a in acks] == [4, 3, 2, 1], "the first four, by stamp, as the fourth arrived"
+    (batch,) = [m for _, m in P.ready().messages if isinstance(m, wire.Acks)]
+    assert [a.req_id for a in batch.acks] == [4, 3, 2, 1], "the first four, by stamp, as the fourth arrived"
     assert [m.req_id for _, m in P.take_inserts()] == [6, 5]
 
 
@@ -98,3 +100,32 @@ def test_a_client_stamps_each_insert_with_its_send_time_on_the_wall_clock() -> N
     assert isinstance(msg, wire.Insert) and msg.stamp == 1_700_000_002 * S
     resent = call.on_timer(2 * S + state.retry_after_ns, topo)
     assert resent and all(m.stamp == msg.stamp for _, m in resent)
+
+
+def test_a_turns_acks_to_one_client_leave_in_one_frame() -> None:
+    """Three inserts of one client read in one turn: one ACKS frame from each replica,
+    each holding the three ACKs in the order they were taken; another client's single
+    ACK stays an ACK frame. The client sees the same answers either way."""
+    h = _serving()
+    mine = [wire.Insert(req_id=i, client_id=7, seq=i, after=0, data=b"m", stamp=10 * i) for i in (1, 2, 3)]
+    other = wire.Insert(req_id=9, client_id=8, seq=1, after=0, data=b"o", stamp=15)
+    for core in (h.P, h.B):
+        for m in [*mine, other]:
+            route = b"client" if m.client_id == 7 else b"other"
+            core.on_request(route, wire.decode_request(wire.encode(m)), h.now)
+        for route, held in core.take_inserts():
+            core.insert(route, held, h.now)
+        sent = [(dest, wire.decode_reply(wire.encode(msg))) for dest, msg in core.ready().messages
+                if dest in (b"client", b"other")]
+        assert [type(m) for _, m in sent] == [wire.Acks, wire.Ack], sent
+        (_, batch), (to_other, single) = sent
+        assert isinstance(batch, wire.Acks) and [a.req_id for a in batch.acks] == [1, 2, 3]
+        assert to_other == b"other" and isinstance(single, wire.Ack) and single.req_id == 9
+    h.pump()
+
+
+def test_coalescing_leaves_a_batch_with_one_ack_per_route_as_it_is() -> None:
+    msgs = [(b"a", wire.Ack(req_id=1, gsn=5, replica=0, stable=0, decided=True, final=False)),
+            (b"b", wire.Ack(req_id=2, gsn=6, replica=0, stable=0, decided=True, final=False)),
+            (b"a", wire.Error(req_id=3, code=wire.E_TOO_LARGE, message="no"))]
+    assert coalesce_acks(list(msgs)) == msgs

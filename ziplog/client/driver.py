@@ -153,7 +153,15 @@ class ClientDriver:
             msg = wire.decode_reply(frame)
         except wire.ProtocolError:
             return
-        call = self.pending.get(msg.req_id)
+        if type(msg) is wire.Acks:  # a replica's turn answered several of our inserts
+            for ack in msg.acks:
+                self._on_message(addr, ack)
+            return
+        self._on_message(addr, msg)
+
+    def _on_message(self, addr: str, msg: wire.Reply) -> None:
+        req = msg.req_id
+        call = None if req is None else self.pending.get(req)
         if call is None or call.done:
             return  # a late answer to a request that is over
         try:

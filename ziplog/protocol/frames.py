@@ -53,6 +53,7 @@ SUB_BATCH = 19
 STATUS_OK = 20
 RANGE_OK = 21
 COUNT_OK = 22
+ACKS = 23
 ERROR = 31
 # -- replica <-> replica ---------------------------------------------------------------
 HELLO = 32
@@ -246,6 +247,14 @@ class Ack(Frame, kw_only=True):
     final: bool
 
 
+class Acks(Frame, kw_only=True):
+    """Several ACKs to one client from one replica's turn, in one frame: each element is
+    exactly an ACK frame's array. A replica sends this instead of two or more ACK frames
+    to the same connection (a pipelining client's inserts, read in one turn)."""
+    op: int = ACKS
+    acks: list[Ack]
+
+
 class ReadOk(Frame, kw_only=True):
     op: int = READ_OK
     req_id: U64
@@ -433,6 +442,8 @@ PeerRequest = Union[Hello, Prefix, Notice]
 RecoveryRequest = Union[Probe, Acquired, Fetch, Install, Resume]
 Request = Union[ClientRequest, PeerRequest, RecoveryRequest]
 Reply = Union[Ack, ReadOk, TrimOk, SubBatch, StatusOk, RangeOk, CountOk, Error]
+#: What a client's DEALER takes: a reply, or several ACKs in one frame.
+ReplyFrame = Union[Reply, Acks]
 
 #: Frames a storage server's ROUTER takes bare, by op (FORWARD is not one of them: it
 #: comes only from the primary, on a backup's own connection).
@@ -449,7 +460,7 @@ MEMBER_OPS = frozenset((*MEMBER_REQUESTS, SUSPECT, RATE))
 #: Frames a client's DEALER takes.
 REPLIES: dict[int, type[Frame]] = {
     ACK: Ack, READ_OK: ReadOk, TRIM_OK: TrimOk, SUB_BATCH: SubBatch, STATUS_OK: StatusOk, RANGE_OK: RangeOk,
-    COUNT_OK: CountOk, ERROR: Error,
+    COUNT_OK: CountOk, ERROR: Error, ACKS: Acks,
 }
 FROM_PRIMARY: dict[int, type[Frame]] = {FORWARD: Forward, ERROR: Error}
 RECOVERY_REPLIES: dict[int, type[Frame]] = {RECOVERY_OK: RecoveryOk, ERROR: Error}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Union
 
-from ziplog.cores.effects import Outbox, Ready
+from ziplog.cores.effects import Messages, Outbox, Ready
 from ziplog.cores.replica.backup import BackupFollower
 from ziplog.cores.replica.fanout import Fanout
 from ziplog.cores.replica.liveness import Liveness
@@ -40,6 +40,32 @@ Role = Union[PrimarySequencer, BackupFollower]
 
 def _stamp_of(held: tuple[bytes, f.Insert]) -> int:
     return held[1].stamp
+
+
+def coalesce_acks(messages: Messages) -> Messages:
+    """``messages`` with every route's ACKs, when it has two or more, in one ACKS frame at
+    the place of the first (their order kept): a turn that took a pipelining client's
+    inserts answers them in one frame, and with one ACK per route nothing changes.
+    Other messages keep their places; ACKs are only ever reordered past replies to
+    other requests."""
+    counts: dict[bytes, int] = {}
+    for dest, msg in messages:
+        if type(msg) is f.Ack and type(dest) is bytes:
+            counts[dest] = counts.get(dest, 0) + 1
+    if not counts or max(counts.values()) < 2:
+        return messages
+    out: Messages = []
+    batches: dict[bytes, list[f.Ack]] = {}
+    for dest, msg in messages:
+        if type(msg) is f.Ack and type(dest) is bytes and counts[dest] > 1:
+            batch = batches.get(dest)
+            if batch is None:
+                batch = batches[dest] = []
+                out.append((dest, f.Acks(acks=batch)))
+            batch.append(msg)
+        else:
+            out.append((dest, msg))
+    return out
 
 
 class ReplicaCore:
@@ -85,8 +111,12 @@ class ReplicaCore:
 
     # -- what the driver reads ------------------------------------------------------------------
     def ready(self) -> Ready:
-        """The effects of everything since the last call, in order."""
-        return self.out.ready()
+        """The effects of everything since the last call, in order; two or more ACKs to
+        one route travel as one ACKS frame (see :func:`coalesce_acks`)."""
+        r = self.out.ready()
+        if len(r.messages) > 1:
+            r.messages = coalesce_acks(r.messages)
+        return r
 
     @property
     def is_primary(self) -> bool:
