@@ -177,3 +177,16 @@ def test_slow_subscriber_memory_is_bounded(cluster: ziplog.LocalCluster) -> None
                     break
             limit = len(c.topology.shards()) * (SUB_CREDIT_BYTES + len(big) + (1 << 20))
             assert peak <= limit, (peak, limit)
+
+
+def test_storage_replicas_run_under_sched_batch(cluster: ziplog.LocalCluster) -> None:
+    """Every thread of every storage replica (``--sched batch``, the default; see
+    ``ziplog.server.storage.set_scheduling``): those a library started at import, and
+    those started after it (the ZooKeeper session's), which inherit it."""
+    import os
+
+    for (shard, replica), proc in cluster.servers.items():
+        tids = os.listdir(f"/proc/{proc.pid}/task")
+        assert len(tids) > 1, "the replica runs its ZooKeeper session's threads"
+        policies = {os.sched_getscheduler(int(tid)) for tid in tids}
+        assert policies == {os.SCHED_BATCH}, (shard, replica, policies)

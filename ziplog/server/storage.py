@@ -509,6 +509,34 @@ class StorageDriver:
             self._wakeup.cancel()
 
 
+def set_scheduling(policy: str) -> None:
+    """Run this process under SCHED_BATCH (``batch``) or leave it as it is (``normal``).
+
+    Why: a client sends an INSERT to every replica of a shard, one ``send`` after the
+    other. Under SCHED_OTHER the replica the first ``send`` wakes may preempt the client
+    on its CPU when the other CPUs are busy (the previous insert's forwards, the
+    control plane): the client's second copy then leaves only after the first replica's
+    whole turn, and the replicas work one after the other instead of side by side. A
+    SCHED_BATCH task never preempts on wake-up (it runs when a CPU is free or at the
+    next tick) and otherwise gets the same share of the CPU as a SCHED_OTHER task of
+    its nice level. Measured on a 2-core machine, one pinned client, the servers' policy
+    switched every 800 inserts: the block's p50 lower in 9 of 12 pairs, by about 5 %.
+    Policy needs no privilege to set; where the platform has none, this does nothing."""
+    if policy != "batch" or not hasattr(os, "SCHED_BATCH"):
+        return
+    # Every thread there is (a library may have started some at import: numpy's BLAS
+    # pool), and threads started later inherit it.
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:
+            log.warning("could not run thread %d under SCHED_BATCH (%s): its scheduling left as it is", tid, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ziplog.io import zk
     from ziplog.io.zmq_runtime import ZmqRuntime
@@ -544,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve ZeroMQ's ROUTER and DEALER natively in this process's loop (native: ziplog's ZMTP "
                          "3.1, the default) or with libzmq (zmq); the wire is the same. $ZIPLOG_TRANSPORT=zmq "
                          "switches the default")
+    ap.add_argument("--sched", choices=["batch", "normal"], default="batch",
+                    help="the process's Linux scheduling policy: batch (the default) lets a client on the same "
+                         "machine keep its CPU when its INSERT wakes this replica, so that it sends the other "
+                         "replicas' copies at once (the replicas then work in parallel); normal lets the woken "
+                         "replica preempt it")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
@@ -551,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     check_address_arguments(ap, args)
     key = load_cluster_key(args.cluster_key_file)
     configure_logging(args, f"storage{args.shard}.{args.replica}")
+    set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
