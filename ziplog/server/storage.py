@@ -313,12 +313,17 @@ class StorageDriver:
         if self.disk is not None and (self._disk_buf or self.disk.error is not None):
             d = max(self._last_disk_ns + DISK_FLUSH_NS, self._disk_retry_at)
             t = d if t is None else min(t, d)
-        if t == self._wakeup_at:
+        armed = self._wakeup_at
+        if t is None or (armed is not None and armed <= t):
+            # A wake-up at or before the one needed is kept: it costs one early turn
+            # (which schedules again), where moving it would cost a cancelled timer in
+            # the runtime's heap every turn (most deadlines move later with every
+            # message: the peer was heard, a forward went out).
             return
         if self._wakeup is not None:
             self._wakeup.cancel()
         self._wakeup_at = t
-        self._wakeup = None if t is None else self.rt.call_at(t, self._on_wakeup)
+        self._wakeup = self.rt.call_at(t, self._on_wakeup)
 
     def _on_wakeup(self) -> None:
         self._wakeup = self._wakeup_at = None  # the turn that follows does the work
