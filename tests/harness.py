@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from failure_handler.recovery import RecoveryCore
-from ziplog.cores.effects import Peer, ReadHistory, ReplicaOf, ShardPrimary, WriteRecovery
+from ziplog.cores.effects import Peer, ReadHistory, ReplicaOf, ShardReplicas, WriteRecovery
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as wire
 from ziplog.protocol.events import DiskEvent
@@ -21,8 +21,8 @@ def request(core: ReplicaCore, route: bytes, msg: wire.Request, now: int) -> Non
     """``msg`` alone in a turn, as the core's driver hands it over: the request, then
     (an INSERT is held until the turn's input is read) the held inserts."""
     core.on_request(route, msg, now)
-    for r, held in core.take_inserts():
-        core.insert(r, held, now)
+    for r, held in core.take_ordered():
+        core.on_ordered(r, held, now)
 
 
 def backup_route(replica: int) -> bytes:
@@ -107,8 +107,8 @@ class ShardHarness:
         request as it is read, then the held inserts once the input is read)."""
         for msg in inserts:
             core.on_request(b"client", wire.decode_request(wire.encode(msg)), self.now)
-        for route, held in core.take_inserts():
-            core.insert(route, held, self.now)
+        for route, held in core.take_ordered():
+            core.on_ordered(route, held, self.now)
 
     def replies(self, req_id: int) -> list[tuple[int, wire.Reply]]:
         return [(i, m) for i, m in self.client if m.req_id == req_id]
@@ -149,7 +149,7 @@ class ShardHarness:
                     self.suspects.append(wire.decode_suspect(frame))
                 elif dest is Peer.MMS:
                     self.rates.append(wire.decode_rate(frame))
-                elif isinstance(dest, ShardPrimary):  # another shard's primary: only recorded here
+                elif isinstance(dest, ShardReplicas):  # another shard's replicas: only recorded here
                     self.notices.append((dest.shard, wire.decode_member_request(frame)))
                 elif isinstance(dest, bytes) and dest.startswith(b"backup"):
                     backup = self.cores.get(int(dest[6:] or 1))

@@ -3,12 +3,14 @@ shard 1's primary. A notice makes the primary pass the named gsn at once (its un
 slots become no-ops, replicated like any decision); one of a later epoch waits for it,
 one of an earlier epoch, of a shard that is no member, or naming a gsn outside its epoch
 changes nothing; a primary that does not decide ignores them; a member can burn at most
-the rest of one epoch. A primary that decided records announces them to the other
-members, once per turn, and not to a shard that announced a higher gsn itself."""
+the rest of one epoch. A backup guesses past a notice as its primary places past it (its
+log moves only by the primary's forwards). A primary that decided records announces them
+to the other members, once per turn, and not to a shard that announced a higher gsn
+itself."""
 
 from __future__ import annotations
 
-from tests.harness import ShardHarness
+from tests.harness import ShardHarness, request
 from ziplog.protocol import frames as wire
 from ziplog.protocol.gsna import EpochSchedule, epoch_base, epoch_end
 
@@ -25,8 +27,8 @@ class Harness(ShardHarness):
 
     def notice(self, gsn: int, epoch: int | None = None, shard: int = 1) -> None:
         msg = wire.Notice(shard=shard, epoch=self.epoch if epoch is None else epoch, gsn=gsn)
-        self.P.on_request(b"peer", wire.open_signed(KEY, wire.seal(KEY, wire.encode(msg)),
-                                                     wire.decode_member_request), self.now)
+        request(self.P, b"peer", wire.open_signed(KEY, wire.seal(KEY, wire.encode(msg)), wire.decode_member_request),
+                self.now)
         self.pump()
 
     def slot_gsn(self, shard: int, slot: int) -> int:
@@ -62,11 +64,12 @@ def test_notices_that_must_change_nothing() -> None:
     h.notice(h.slot_gsn(1, 5), shard=9)  # a shard that is no member
     h.notice(h.slot_gsn(1, 5), shard=0)  # ourselves
     assert h.P.frontier == frontier
-    # a backup takes no notice, and neither does a frozen or starting primary
+    # a backup's log does not move (it only guesses past the gsn), and a frozen or
+    # starting primary takes no notice
     msg = wire.Notice(shard=1, epoch=h.epoch, gsn=h.slot_gsn(1, 5))
-    h.B.on_request(b"peer", msg, h.now)
+    request(h.B, b"peer", msg, h.now)
     fresh = h.new_core(0)
-    fresh.on_request(b"peer", msg, h.now)
+    request(fresh, b"peer", msg, h.now)
     assert fresh.frontier == 0 and h.B.frontier == frontier
 
 
@@ -92,7 +95,7 @@ def test_a_primary_announces_its_records_once_per_turn_to_the_shards_not_past_th
     h.pump()
     sent = [(s, m) for s, m in h.notices if isinstance(m, wire.Notice)]
     top = max(h.P.log.gsns)
-    assert sent == [(1, wire.Notice(shard=0, epoch=h.epoch, gsn=top))], sent
+    assert sent == [(1, wire.Notice(shard=0, epoch=h.epoch, gsn=top, stamp=h.now))], sent
     # in one turn we decide a record, then shard 1 announces a gsn beyond it: at the
     # turn's end shard 1 is known to be past ours, and is not told
     h.notices.clear()
@@ -100,7 +103,7 @@ def test_a_primary_announces_its_records_once_per_turn_to_the_shards_not_past_th
     ours = max(h.P.log.gsns)
     theirs = h.slot_gsn(1, 500)
     assert ours < theirs
-    h.P.on_request(b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=theirs), h.now)
+    request(h.P, b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=theirs), h.now)
     h.pump()
     assert h.notices == []
 
@@ -113,7 +116,7 @@ def test_a_lone_backup_knows_the_no_ops_are_stable_when_it_applies_them() -> Non
     h = Harness()
     h.now += 1_000_000_000  # long after the first epoch's FORWARDs
     g = h.slot_gsn(1, 40)
-    h.P.on_request(b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=g), h.now)
+    request(h.P, b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=g), h.now)
     h.P.flush(h.now)
     forward = [m for d, m in h.P.ready().messages if isinstance(m, wire.Forward)]
     assert len(forward) == 1 and forward[0].stable < g, "the primary cannot know yet that the no-ops are stable"
@@ -144,3 +147,49 @@ def test_with_two_backups_the_primary_tells_them_the_no_ops_are_stable() -> None
     h.now = deadline
     h.pump()
     assert all(b is not None and b.log.stable >= g for b in backups), "a backup still does not know"
+
+
+def _insert_after_notice(to_backup: bool) -> tuple[Harness, bool]:
+    """Shard 1 announces a gsn well beyond shard 0's next slot; the notice reaches shard
+    0's primary (and its backup, when ``to_backup``), then an insert follows."""
+    from ziplog.cores.client.waits import InsertWait
+
+    h = Harness()
+    g = h.slot_gsn(1, 40)
+    note = wire.Notice(shard=1, epoch=h.epoch, gsn=g, stamp=5)
+    for core in (h.P, h.B) if to_backup else (h.P,):
+        request(core, b"peer", note, h.now)
+    h.insert(1, b"after the notice", stamp=6)
+    h.pump()
+    w = InsertWait(1, 2)
+    assert any(w.feed(i, m) for i, m in h.replies(1))
+    assert w.decided is not None and w.decided > g, "the primary placed it past the notice"
+    return h, w.fast
+
+
+def test_a_backup_guesses_past_a_notice_as_its_primary_places_past_it() -> None:
+    h, fast = _insert_after_notice(to_backup=True)
+    assert fast and h.B.stats["confirmed_guesses"] == 1
+    assert h.B.log.frontier == h.P.log.frontier, "its log moved only by the primary's forward"
+
+
+def test_without_the_notice_the_backup_guesses_a_passed_slot() -> None:
+    """What a notice to the backups is for (the test above would pass vacuously if
+    nothing went wrong without it)."""
+    h, fast = _insert_after_notice(to_backup=False)
+    assert not fast and h.B.stats["reacks"] == 1
+
+
+def test_a_backup_ignores_notices_of_other_epochs_and_outsiders() -> None:
+    h = Harness()
+    sp = h.B.role.spec  # type: ignore[union-attr]
+    assert sp is not None
+    before = sp.next_slot
+    for msg in (wire.Notice(shard=1, epoch=h.epoch + 1, gsn=epoch_base(h.epoch + 1) + 50),
+                wire.Notice(shard=1, epoch=h.epoch, gsn=epoch_end(h.epoch) + 7),
+                wire.Notice(shard=9, epoch=h.epoch, gsn=h.slot_gsn(1, 40)),
+                wire.Notice(shard=0, epoch=h.epoch, gsn=h.slot_gsn(1, 40))):
+        request(h.B, b"peer", msg, h.now)
+    assert sp.next_slot == before
+    request(h.B, b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=h.slot_gsn(1, 40)), h.now)
+    assert sp.next_slot > before

@@ -80,10 +80,10 @@ def test_a_flood_of_inserts_in_one_turn_is_taken_in_bounded_batches() -> None:
     msgs = [wire.Insert(req_id=i, client_id=i, seq=1, after=0, data=b"r", stamp=10 - i) for i in range(1, 7)]
     for m in msgs:
         P.on_request(b"client", wire.decode_request(wire.encode(m)), h.now)
-        assert len(P.held_inserts) < 4
+        assert len(P.held) < 4
     (batch,) = [m for _, m in P.ready().messages if isinstance(m, wire.Acks)]
     assert [a.req_id for a in batch.acks] == [4, 3, 2, 1], "the first four, by stamp, as the fourth arrived"
-    assert [m.req_id for _, m in P.take_inserts()] == [6, 5]
+    assert [m.req_id for _, m in P.take_ordered()] == [6, 5]
 
 
 def test_a_client_stamps_each_insert_with_its_send_time_on_the_wall_clock() -> None:
@@ -113,8 +113,8 @@ def test_a_turns_acks_to_one_client_leave_in_one_frame() -> None:
         for m in [*mine, other]:
             route = b"client" if m.client_id == 7 else b"other"
             core.on_request(route, wire.decode_request(wire.encode(m)), h.now)
-        for route, held in core.take_inserts():
-            core.insert(route, held, h.now)
+        for route, held in core.take_ordered():
+            core.on_ordered(route, held, h.now)
         sent = [(dest, wire.decode_reply(wire.encode(msg))) for dest, msg in core.ready().messages
                 if dest in (b"client", b"other")]
         assert [type(m) for _, m in sent] == [wire.Acks, wire.Ack], sent

@@ -9,7 +9,7 @@ shard):
   connection the core owns, :class:`Open` or :class:`Close` of it, in order with the
   frames around it;
 * a **destination** (:data:`Dest`) names whom, not how: a ROUTER route (bytes), a kind
-  of :class:`Peer`, another shard's primary (:class:`ShardPrimary`), a replica of a shard
+  of :class:`Peer`, every replica of another shard (:class:`ShardReplicas`), a replica of a shard
   at the address ZooKeeper holds for it now (:class:`ReplicaOf`), a subscription's stream
   from a shard (:class:`Stream`), or replica addresses (a tuple of str: a call's targets);
 * a **persist** item goes to the process's stable storage, in order (a replica's
@@ -47,8 +47,9 @@ class Peer(enum.Enum):
     HANDLER = "handler"
 
 
-class ShardPrimary(NamedTuple):
-    """The primary of another shard (a primary's NOTICE goes there)."""
+class ShardReplicas(NamedTuple):
+    """Every replica of another shard (a primary's NOTICE goes there: that shard's
+    primary passes the gsn, its backups move their guesses past it alike)."""
 
     shard: int
 
@@ -79,7 +80,7 @@ class Close(NamedTuple):
 
 
 #: whom a message is for (see the module's docstring)
-Dest = Union[bytes, Peer, ShardPrimary, ReplicaOf, Stream, tuple[str, ...]]
+Dest = Union[bytes, Peer, ShardReplicas, ReplicaOf, Stream, tuple[str, ...]]
 #: ``(destination, frame or Open/Close)``
 Message = tuple[Dest, Any]
 Messages = list[Message]

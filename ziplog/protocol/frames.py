@@ -350,11 +350,14 @@ class Prefix(Frame, kw_only=True):
 class Notice(Frame, kw_only=True):
     """Shard ``shard`` decided a record at ``gsn`` in ``epoch``: a receiving primary with
     nothing of its own below it passes ``gsn`` now (its unused slots up to it become
-    no-ops) rather than when its schedule's clock says so."""
+    no-ops) rather than when its schedule's clock says so, and a receiving backup guesses
+    past it as its primary will. ``stamp`` (optional): when it was sent, in wall-clock
+    nanoseconds; a replica takes it in stamp order with the turn's inserts."""
     op: int = NOTICE
     shard: U64
     epoch: U64
     gsn: U64
+    stamp: U64 = 0
 
 
 # -- failure handler <-> storage server ---------------------------------------------------

@@ -22,10 +22,11 @@ import functools
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardPrimary
+from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardReplicas
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.cores.replica.parking import Parked
 from ziplog.cores.replica.primary import PrimaryState
@@ -105,9 +106,9 @@ class StorageDriver:
         self.epoch_pubs: set[str] = set()
         self.mms_pushes: dict[str, Endpoint] = {}
         self.fh_pushes: dict[str, Endpoint] = {}
-        #: a primary's connections to the other shards' primaries (its NOTICEs): shard ->
-        #: (address, endpoint); one per member shard, made on the first notice to it
-        self.peer_primaries: dict[int, tuple[str, Endpoint]] = {}
+        #: a primary's connections to the other shards' replicas (its NOTICEs): (shard,
+        #: replica) -> (address, endpoint); made on the first notice to the shard
+        self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
         self._disk_buf: list[DiskEvent] = []
         self._last_disk_ns = rt.now()
         #: why the last write failed (None: writing works); the batch stays buffered
@@ -210,30 +211,37 @@ class StorageDriver:
             raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
                                   f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
 
-    def _peer_primary(self, shard: int) -> Endpoint | None:
-        """The connection to ``shard``'s primary at the address ZooKeeper holds now (None
-        while it has none: the notice is dropped; the epoch's close is the backstop)."""
-        addr = self.coord.topology.replicas.get(shard, {}).get(0)
-        cur = self.peer_primaries.get(shard)
-        if cur is not None and cur[0] == addr:
-            return cur[1]
-        if cur is not None:
-            cur[1].close()
-            del self.peer_primaries[shard]
-        if addr is None:
-            return None
-        ep = self.net.dealer(addr, self.guard.frames("a peer primary's link", self._on_peer_primary_frame), "notice",
-                             max_bytes=f.CONTROL_FRAME_LIMIT)
-        self.peer_primaries[shard] = (addr, ep)
-        return ep
+    def _peer_replicas(self, shard: int) -> list[Endpoint]:
+        """The connections to ``shard``'s replicas at the addresses ZooKeeper holds now
+        (a replica it has none for is skipped: its notice is dropped, and the epoch's
+        close is the backstop)."""
+        addrs = self.coord.topology.replicas.get(shard, {})
+        peers = self.peer_replicas
+        out: list[Endpoint] = []
+        for replica in range(self.coord.topology.replica_counts.get(shard, len(addrs))):
+            addr = addrs.get(replica)
+            cur = peers.get((shard, replica))
+            if cur is not None and cur[0] == addr:
+                out.append(cur[1])
+                continue
+            if cur is not None:
+                cur[1].close()
+                del peers[(shard, replica)]
+            if addr is None:
+                continue
+            ep = self.net.dealer(addr, self.guard.frames("a peer replica's link", self._on_peer_replica_frame),
+                                 "notice", max_bytes=f.CONTROL_FRAME_LIMIT)
+            peers[(shard, replica)] = (addr, ep)
+            out.append(ep)
+        return out
 
-    def _on_peer_primary_frame(self, frame: bytes) -> None:
+    def _on_peer_replica_frame(self, frame: bytes) -> None:
         """Nothing is answered to a NOTICE but a refusal: worth a line, not an action."""
         try:
             msg = f.decode_reply(frame)
         except f.ProtocolError as exc:
             msg = exc  # type: ignore[assignment]
-        self.trouble_log("a peer primary answered a notice", msg)
+        self.trouble_log("a peer replica answered a notice", msg)
 
     def _count_inbound_failure(self, edge: str) -> None:
         self.core.driver_stats["inbound_failures"] += 1
@@ -279,8 +287,8 @@ class StorageDriver:
             return
         core, rt = self.core, self.rt
         now = rt.now()
-        if core.held_inserts:
-            self._take_inserts(now)
+        if core.held:
+            self._take_ordered(now)
         if now >= self._next_tick:
             core.tick(now)
             self._next_tick = now + MIN_TICK_NS
@@ -295,17 +303,19 @@ class StorageDriver:
             self._disk_buf.clear()
         self._schedule(now)
 
-    def _take_inserts(self, now: int) -> None:
-        """The turn's input is read: the core takes the inserts it held, in stamp order,
-        and their ACKs leave before the turn's forwards and bookkeeping."""
+    def _take_ordered(self, now: int) -> None:
+        """The turn's input is read: the core takes the inserts and notices it held, in
+        stamp order, and their ACKs leave before the turn's forwards and bookkeeping."""
         core, guard = self.core, self.guard
-        for route, msg in core.take_inserts():
-            guard.call("its ROUTER", functools.partial(core.insert, route, msg, now),
-                       functools.partial(self._insert_failed, route, msg.req_id))
+        for route, msg in core.take_ordered():
+            guard.call("its ROUTER", functools.partial(core.on_ordered, route, msg, now),
+                       functools.partial(self._ordered_failed, route, msg))
         self._perform(core.ready())
 
-    def _insert_failed(self, route: bytes, req_id: int, exc: Exception) -> None:
-        self.router.send_to(route, f.error_frame(req_id, f.E_INTERNAL, f"{type(exc).__name__} while handling the request"))
+    def _ordered_failed(self, route: bytes, msg: f.Insert | f.Notice, exc: Exception) -> None:
+        if type(msg) is f.Insert:  # a NOTICE is answered by nothing
+            self.router.send_to(route, f.error_frame(msg.req_id, f.E_INTERNAL,
+                                                     f"{type(exc).__name__} while handling the request"))
 
     def _schedule(self, now: int) -> None:
         deadline = self.core.next_deadline(now)
@@ -339,10 +349,10 @@ class StorageDriver:
                 elif dest is Peer.PRIMARY:
                     if self.primary is not None:
                         self.primary.send(f.seal(self.key, encode(msg)))
-                elif type(dest) is ShardPrimary:
-                    ep = self._peer_primary(dest.shard)
-                    if ep is not None:
-                        ep.send(f.seal(self.key, encode(msg)))
+                elif type(dest) is ShardReplicas:
+                    frame = f.seal(self.key, encode(msg))
+                    for ep in self._peer_replicas(dest.shard):
+                        ep.send(frame)
                 else:
                     frame = f.seal(self.key, encode(msg))
                     for ep in (self.mms_pushes if dest is Peer.MMS else self.fh_pushes).values():
@@ -507,7 +517,7 @@ class StorageDriver:
             except OSError as exc:
                 log.error("closing the segment files: %s", exc)
         for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
-                   *self.fh_pushes.values(), *(ep for _, ep in self.peer_primaries.values())]:
+                   *self.fh_pushes.values(), *(ep for _, ep in self.peer_replicas.values())]:
             if ep is not None:
                 ep.close()
         if self._wakeup is not None:
@@ -591,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args, f"storage{args.shard}.{args.replica}")
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
+                               wall_offset_ns=time.time_ns() - time.monotonic_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                forward_interval_ns=args.forward_interval_us * 1000,

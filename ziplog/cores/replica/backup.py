@@ -314,6 +314,25 @@ class BackupFollower:
     def on_history(self, ranges: list[tuple[int, int, tuple[int, ...]]], now: int) -> bool:
         return False
 
+    def on_notice(self, msg: f.Notice, now: int) -> None:
+        """Another shard decided a record at ``msg.gsn``: our primary passes it when the
+        same NOTICE reaches it (``PrimarySequencer.on_notice``), so guess past it now,
+        as it will place what follows. Only in the epoch we guess in (a notice of
+        another epoch, of a shard that is no member of it, or naming a gsn outside it
+        changes nothing; the primary's forwards correct any guess this gets wrong)."""
+        sp = self.spec
+        if sp is None or sp.cursor is None:
+            return
+        cfg = sp.config
+        if (msg.epoch != cfg.epoch or msg.shard == self.shard or msg.shard not in cfg.shards
+                or not cfg.base <= msg.gsn <= cfg.end):
+            return
+        cur = sp.cursor
+        k = sp.next_slot
+        if k >= cur.count or cur.gsn(k) > msg.gsn:
+            return  # nothing of ours at or below it is left
+        sp.next_slot = cur.first_slot_after(msg.gsn)
+
     def on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
         pass  # only a primary takes HELLO
 

@@ -38,7 +38,11 @@ from ziplog.protocol.gsna import EpochConfig
 Role = Union[PrimarySequencer, BackupFollower]
 
 
-def _stamp_of(held: tuple[bytes, f.Insert]) -> int:
+#: what a replica takes in its senders' stamp order (``ReplicaCore.take_ordered``)
+Ordered = Union[f.Insert, f.Notice]
+
+
+def _stamp_of(held: tuple[bytes, Ordered]) -> int:
     return held[1].stamp
 
 
@@ -80,8 +84,8 @@ class ReplicaCore:
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
         self.driver_stats: dict[str, int] = {}
-        #: this turn's inserts, held until :meth:`take_inserts` (see there)
-        self.held_inserts: list[tuple[bytes, f.Insert]] = []
+        #: this turn's inserts and notices, held until :meth:`take_ordered` (see there)
+        self.held: list[tuple[bytes, Ordered]] = []
         self.log = DecidedLog(self.out)
         self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
         self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
@@ -101,7 +105,6 @@ class ReplicaCore:
             f.Status: self._on_status,
             f.Hello: self._on_hello,
             f.Prefix: self._on_prefix,
-            f.Notice: self._on_notice,
             f.Probe: self.recovery.on_op,
             f.Acquired: self.recovery.on_op,
             f.Fetch: self.recovery.on_op,
@@ -159,36 +162,41 @@ class ReplicaCore:
     # -- inputs ---------------------------------------------------------------------------------
     def on_request(self, route: bytes, msg: f.Request, now: int) -> None:
         """A frame on the replica's ROUTER (clients, backups, the failure handler). An
-        INSERT is held until the turn's input ends (:meth:`take_inserts`)."""
-        if type(msg) is f.Insert:
-            held = self.held_inserts
-            held.append((route, msg))
+        INSERT or a NOTICE is held until the turn's input ends (:meth:`take_ordered`)."""
+        t = type(msg)
+        if t is f.Insert or t is f.Notice:
+            held = self.held
+            held.append((route, msg))  # type: ignore[arg-type]
             if len(held) >= self.s.max_turn_inserts:  # a flood: take these now, in order
-                for r, m in self.take_inserts():
-                    self.insert(r, m, now)
+                for r, m in self.take_ordered():
+                    self.on_ordered(r, m, now)
             return
-        self._handlers[type(msg)](route, msg, now)
+        self._handlers[t](route, msg, now)
 
-    def take_inserts(self) -> list[tuple[bytes, f.Insert]]:
-        """The inserts held since the last call, in the order to take them (the driver
-        calls :meth:`insert` with each once it has read all its input for the turn): by
-        the clients' send stamps, arrival order among equal ones. A primary places
-        inserts in the order it takes them and a backup guesses in the order it takes
-        them; in arrival order the two differ whenever concurrent inserts reach them in
-        different orders (read from their sockets in different orders, or one client's
-        copies sent around another's), and each such pair is two slow-path inserts.
-        Sorting each turn's inserts by stamp makes both replicas take a turn's inserts
-        in the same order, and across turns it follows the order the clients sent them
-        in, which is the order their copies reach both replicas in, most of the time."""
-        held = self.held_inserts
+    def take_ordered(self) -> list[tuple[bytes, Ordered]]:
+        """The inserts and notices held since the last call, in the order to take them
+        (the driver calls :meth:`on_ordered` with each once it has read all its input
+        for the turn): by their senders' stamps, arrival order among equal ones. A
+        primary places inserts in the order it takes them, and passes slots on a NOTICE
+        when it takes it; a backup guesses in the order it takes them. In arrival order
+        the two differ whenever concurrent messages reach them in different orders (read
+        from their sockets in different orders, or one client's copies sent around
+        another's), and each such pair costs slow-path inserts. Sorting each turn's by
+        stamp makes both replicas take a turn's in the same order, and across turns it
+        follows the order they were sent in, which is the order their copies reach both
+        replicas in, most of the time."""
+        held = self.held
         if len(held) > 1:
             held.sort(key=_stamp_of)
-        self.held_inserts = []
+        self.held = []
         return held
 
-    def insert(self, route: bytes, msg: f.Insert, now: int) -> None:
-        """Take one INSERT (from :meth:`take_inserts`)."""
-        self._on_insert(route, msg, now)
+    def on_ordered(self, route: bytes, msg: Ordered, now: int) -> None:
+        """Take one INSERT or NOTICE (from :meth:`take_ordered`)."""
+        if type(msg) is f.Insert:
+            self._on_insert(route, msg, now)
+        else:
+            self._on_notice(route, msg, now)  # type: ignore[arg-type]
 
     def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
         self.stats["errors"] += 1
@@ -242,7 +250,12 @@ class ReplicaCore:
     def _on_notice(self, route: bytes, msg: f.Notice, now: int) -> None:
         # A primary that decides nothing now (starting, blocked, frozen for recovery)
         # has nothing to pass: the notice is dropped (the epoch's close is the backstop).
-        if self.is_primary and not self.recovery.frozen and self.role.deciding:
+        # A backup moves its guesses along (the primary it follows passes alike).
+        if self.recovery.frozen:
+            return
+        if not self.is_primary:
+            self.role.on_notice(msg, now)  # type: ignore[union-attr]
+        elif self.role.deciding:
             self.role.on_notice(msg, now)  # type: ignore[union-attr]
 
     def on_forward(self, msg: f.Forward, now: int) -> None:

@@ -19,7 +19,7 @@ import bisect
 import enum
 from typing import Callable
 
-from ziplog.cores.effects import Outbox, Peer, ReadHistory, ShardPrimary
+from ziplog.cores.effects import Outbox, Peer, ReadHistory, ShardReplicas
 from ziplog.cores.replica.log import DecidedLog, epoch_hint
 from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.parking import Parked, Parking
@@ -405,10 +405,11 @@ class PrimarySequencer:
             self.stable_changed()
 
     # -- progress on demand -----------------------------------------------------------------------
-    def _announce(self) -> None:
-        """End of a turn that decided records: tell the other member shards' primaries the
-        highest gsn (one NOTICE each, to those not known to have passed it), so that they
-        pass it now instead of when their schedule's clock says so."""
+    def _announce(self, now: int) -> None:
+        """End of a turn that decided records: tell the other member shards the highest
+        gsn (one NOTICE to each of their replicas, for shards not known to have passed
+        it), so that their primaries pass it now instead of when their schedule's clock
+        says so, and their backups guess past it as their primaries will."""
         g, self.to_announce = self.to_announce, 0
         cfg = self.cur_config
         if cfg is None or epoch_of(g) != cfg.epoch:
@@ -416,8 +417,9 @@ class PrimarySequencer:
         msg = None
         for s in cfg.shards:
             if s != self.shard and self.announced_by.get(s, 0) < g:
-                msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g)
-                self.out.send(ShardPrimary(s), msg)
+                msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g,
+                                      stamp=max(now + self.s.wall_offset_ns, 0))
+                self.out.send(ShardReplicas(s), msg)
 
     def on_notice(self, msg: f.Notice, now: int) -> None:
         """Another shard decided a record at ``msg.gsn``: pass it (unused slots up to it
@@ -517,7 +519,7 @@ class PrimarySequencer:
                 self.to_announce = 0
             elif now - self.last_notice_ns >= s.notice_interval_ns:
                 self.last_notice_ns = now
-                self._announce()
+                self._announce(now)
 
     def _forward(self, now: int) -> None:
         """Send the buffered decisions, ending with our frontier, to every backup."""

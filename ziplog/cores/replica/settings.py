@@ -24,6 +24,9 @@ class ReplicaSettings:
     #: announced at the end of its turn, a burst's records together (each NOTICE costs
     #: every other shard a no-op range and its replication round).
     notice_interval_ns: int = 1_000_000
+    #: The wall clock minus the monotonic clock the core is given (``now``), read by
+    #: the driver at start: a NOTICE's stamp is its send time on the wall clock.
+    wall_offset_ns: int = 0
     #: How long an InsertAfter or read may wait for a future epoch/position.
     park_timeout_ns: int = 2_000_000_000
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
