@@ -16,6 +16,7 @@ from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.waits import InsertWait
 from ziplog.cores.replica.core import coalesce_acks
 from ziplog.protocol import frames as wire
+from ziplog.protocol.gsna import epoch_of
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy
 
@@ -129,3 +130,30 @@ def test_coalescing_leaves_a_batch_with_one_ack_per_route_as_it_is() -> None:
             (b"b", wire.Ack(req_id=2, gsn=6, replica=0, stable=0, decided=True, final=False)),
             (b"a", wire.Error(req_id=3, code=wire.E_TOO_LARGE, message="no"))]
     assert coalesce_acks(list(msgs)) == msgs
+
+
+def test_an_epoch_broadcast_is_taken_in_stamp_order_with_the_turns_inserts() -> None:
+    """The primary reads the next epoch's broadcast before two inserts, the backup after
+    them (each in one turn); stamped between the two inserts, it ends the epoch after the
+    first on both replicas: the first is placed in the old epoch, the second in the new,
+    and both take the fast path. Taken as read, the replicas would differ on both."""
+    h = _serving()
+    old = h.epoch
+    nxt = h.config(old + 1, (0,))
+    a = wire.Insert(req_id=1, client_id=7, seq=1, after=0, data=b"a", stamp=100)
+    b = wire.Insert(req_id=2, client_id=8, seq=1, after=0, data=b"b", stamp=300)
+    for core, order in ((h.P, ["epoch", a, b]), (h.B, [a, b, "epoch"])):
+        for item in order:
+            if item == "epoch":
+                core.hold_epoch(nxt, 200, h.now)
+            else:
+                assert isinstance(item, wire.Insert)
+                core.on_request(b"client", wire.decode_request(wire.encode(item)), h.now)
+        for route, held in core.take_ordered():
+            core.on_ordered(route, held, h.now)
+    h.pump()
+    waits = [InsertWait(1, 2), InsertWait(2, 2)]
+    for w in waits:
+        assert any(w.feed(i, m) for i, m in h.replies(w.req_id))
+    assert all(w.fast for w in waits)
+    assert [epoch_of(w.decided) for w in waits if w.decided is not None] == [old, old + 1]

@@ -28,6 +28,7 @@ from typing import Any
 
 from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardReplicas
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
+from ziplog.cores.replica.core import Ordered
 from ziplog.cores.replica.parking import Parked
 from ziplog.cores.replica.primary import PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
@@ -276,8 +277,8 @@ class StorageDriver:
         except (f.ProtocolError, ValueError) as exc:
             self.trouble_log("bad epoch broadcast dropped", exc)
             return
-        self.core.on_epoch(cfg, self.rt.now())
-        self._perform(self.core.ready())
+        now = self.rt.now()
+        self.core.hold_epoch(cfg, now + self.settings.wall_offset_ns, now)  # the turn's end takes it
 
     def end_turn(self) -> None:
         """After every turn: the core's timers (at most every MIN_TICK_NS), its batched
@@ -304,16 +305,17 @@ class StorageDriver:
         self._schedule(now)
 
     def _take_ordered(self, now: int) -> None:
-        """The turn's input is read: the core takes the inserts and notices it held, in
-        stamp order, and their ACKs leave before the turn's forwards and bookkeeping."""
+        """The turn's input is read: the core takes the inserts, notices and epochs it
+        held, in stamp order, and the ACKs leave before the turn's forwards and
+        bookkeeping."""
         core, guard = self.core, self.guard
         for route, msg in core.take_ordered():
             guard.call("its ROUTER", functools.partial(core.on_ordered, route, msg, now),
                        functools.partial(self._ordered_failed, route, msg))
         self._perform(core.ready())
 
-    def _ordered_failed(self, route: bytes, msg: f.Insert | f.Notice, exc: Exception) -> None:
-        if type(msg) is f.Insert:  # a NOTICE is answered by nothing
+    def _ordered_failed(self, route: bytes, msg: Ordered, exc: Exception) -> None:
+        if type(msg) is f.Insert:  # a NOTICE or an epoch is answered by nothing
             self.router.send_to(route, f.error_frame(msg.req_id, f.E_INTERNAL,
                                                      f"{type(exc).__name__} while handling the request"))
 

@@ -20,7 +20,7 @@ same driver in simulation.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, NamedTuple, Union
 
 from ziplog.cores.effects import Messages, Outbox, Ready
 from ziplog.cores.replica.backup import BackupFollower
@@ -38,8 +38,16 @@ from ziplog.protocol.gsna import EpochConfig
 Role = Union[PrimarySequencer, BackupFollower]
 
 
-#: what a replica takes in its senders' stamp order (``ReplicaCore.take_ordered``)
-Ordered = Union[f.Insert, f.Notice]
+class HeldEpoch(NamedTuple):
+    """An epoch broadcast held for the turn's order, stamped with the wall-clock time
+    it reached this replica (``ReplicaCore.hold_epoch``)."""
+
+    config: EpochConfig
+    stamp: int
+
+
+#: what a replica takes in stamp order (``ReplicaCore.take_ordered``)
+Ordered = Union[f.Insert, f.Notice, HeldEpoch]
 
 
 def _stamp_of(held: tuple[bytes, Ordered]) -> int:
@@ -174,7 +182,7 @@ class ReplicaCore:
         self._handlers[t](route, msg, now)
 
     def take_ordered(self) -> list[tuple[bytes, Ordered]]:
-        """The inserts and notices held since the last call, in the order to take them
+        """The inserts, notices and epochs held since the last call, in the order to take them
         (the driver calls :meth:`on_ordered` with each once it has read all its input
         for the turn): by their senders' stamps, arrival order among equal ones. A
         primary places inserts in the order it takes them, and passes slots on a NOTICE
@@ -191,12 +199,26 @@ class ReplicaCore:
         self.held = []
         return held
 
+    def hold_epoch(self, config: EpochConfig, stamp: int, now: int) -> None:
+        """An epoch broadcast that reached this replica at wall-clock ``stamp``: taken in
+        stamp order with the turn's inserts (:meth:`take_ordered`). Both replicas of a
+        shard get the broadcast at about the same moment; each then places or guesses
+        the inserts its clients sent before that moment in the epoch that ends, and
+        those sent after in the next, rather than whichever way its sockets were read."""
+        self.held.append((b"", HeldEpoch(config, stamp)))
+        if len(self.held) >= self.s.max_turn_inserts:
+            for r, m in self.take_ordered():
+                self.on_ordered(r, m, now)
+
     def on_ordered(self, route: bytes, msg: Ordered, now: int) -> None:
-        """Take one INSERT or NOTICE (from :meth:`take_ordered`)."""
-        if type(msg) is f.Insert:
-            self._on_insert(route, msg, now)
-        else:
+        """Take one INSERT, NOTICE or held epoch (from :meth:`take_ordered`)."""
+        t = type(msg)
+        if t is f.Insert:
+            self._on_insert(route, msg, now)  # type: ignore[arg-type]
+        elif t is f.Notice:
             self._on_notice(route, msg, now)  # type: ignore[arg-type]
+        else:
+            self.on_epoch(msg.config, now)  # type: ignore[union-attr]
 
     def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
         self.stats["errors"] += 1
