@@ -35,6 +35,11 @@ STOP_MID_BATCH = textwrap.dedent("""
         tracker = spark.sparkContext.statusTracker()
         while tracker.getActiveJobsIds():  # the cancelled job ends before the session stops
             q.awaitTermination(0.1)
+        # ... and so does its killed task, whose last status update would otherwise reach a
+        # scheduler that spark.stop() already shut (Spark then logs a rejected execution)
+        executors = spark.sparkContext._jsc.sc().statusTracker()
+        while any(e.numRunningTasks() for e in executors.getExecutorInfos()):
+            q.awaitTermination(0.1)
     finally:
         spark.stop()
 """)
