@@ -23,9 +23,10 @@ t == s it is exactly k.  ``gsn(s, k) = base + sum_t before(t; s, k)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 EPOCH_BITS = 32
 EPOCH_SPAN = 1 << EPOCH_BITS
@@ -113,12 +114,16 @@ class EpochSchedule:
     def _rates(self) -> np.ndarray:  # built on first use: small configs never need it
         r = self.__dict__.get("_rates_arr")
         if r is None:
+            import numpy as np  # only configurations of more than SMALL shards use it
+
             r = self.__dict__["_rates_arr"] = np.asarray(self.config.rates, dtype=np.int64)
         return r
 
     # -- gsn of slots -----------------------------------------------------------------
     def _offsets(self, i: int, ks: np.ndarray) -> np.ndarray:
         """Offsets from base of slots ``ks`` (int64 array) of shard index ``i``."""
+        import numpy as np
+
         rates = self._rates
         tie = (np.arange(rates.shape[0]) >= i).astype(np.int64)
         num = (ks[:, None] + 1) * rates[None, :] - tie[None, :]
@@ -136,6 +141,8 @@ class EpochSchedule:
             terms = [(r_t, 1 if t >= i else 0) for t, r_t in enumerate(rates)]
             return [base + sum((k1 * r_t - tie) // r_s for r_t, tie in terms)
                     for k1 in range(first_slot + 1, first_slot + count + 1)]
+        import numpy as np  # a process that never sees a large configuration never loads it
+
         ks = np.arange(first_slot, first_slot + count, dtype=np.int64)
         return [base + int(o) for o in self._offsets(i, ks)]
 
@@ -160,6 +167,8 @@ class EpochSchedule:
         [(k+1)R/r_s - n, (k+1)R/r_s] (R the rate sum, n the shard count), so the
         search window per shard is only about n slots wide.
         """
+        import numpy as np
+
         rates = self._rates
         n = rates.shape[0]
         base = self.config.base
