@@ -52,6 +52,15 @@ def stop_processes(procs: list[Any], grace_s: float) -> None:
             p.join(timeout=1.0)
 
 
+def fast_path_ratio(counts: dict[str, int]) -> float | None:
+    """ziplog's clients' fast-path inserts over all their settled inserts (None for a
+    system whose clients count no paths)."""
+    fast, slow = counts.get("fast_path"), counts.get("slow_path")
+    if fast is None or slow is None or fast + slow == 0:
+        return None
+    return fast / (fast + slow)
+
+
 def _merge_counts(into: dict[str, int], more: dict[str, int]) -> None:
     for k, v in more.items():
         into[k] = into.get(k, 0) + int(v)

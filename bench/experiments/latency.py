@@ -29,7 +29,7 @@ from typing import Any
 from ziplog.tools.stats import summarize
 
 from .. import systems as sysreg
-from ..loadgen import ClientPool, ClosedLoopClient
+from ..loadgen import ClientPool, ClosedLoopClient, fast_path_ratio
 from ..report import Results, histogram, progress
 from ..systems.base import System, Unavailable
 
@@ -63,13 +63,6 @@ def params_for(quick: bool) -> dict[str, Any]:
         "point_warmup_s": 0.5 if quick else 1.0,
         "max_workers": 4,
     }
-
-
-def _fast_path_ratio(counts: dict[str, int]) -> float | None:
-    fast, slow = counts.get("fast_path"), counts.get("slow_path")
-    if fast is None or slow is None or fast + slow == 0:
-        return None
-    return fast / (fast + slow)
 
 
 def _start_systems(keys: list[str], p: dict[str, Any], res: Results, stack: contextlib.ExitStack) -> dict[str, System]:
@@ -140,7 +133,7 @@ def _one_client(started: dict[str, System], p: dict[str, Any], res: Results,
         rows.append({"system": entries[key][0], "kind": "closed-loop", "clients": 1,
                      "offered_load": "closed-loop", **summary,
                      "ratio_to_floor": summary["p50_us"] / floor_p50 if floor_p50 else None,
-                     "fast_path_ratio": _fast_path_ratio(counts[key]), "counters": counts[key],
+                     "fast_path_ratio": fast_path_ratio(counts[key]), "counters": counts[key],
                      "rounds_p50_us": rounds_p50[key], "histogram": histogram(samples[key]),
                      **entries[key][1].describe()})
     rows.sort(key=lambda r: r["p50_us"])
@@ -170,7 +163,7 @@ def _sweep(started: dict[str, System], p: dict[str, Any], res: Results) -> list[
                 s = summarize(r.samples_ns)
                 row = {"system": system.name, "kind": "open-loop", "clients": n, "offered_load": load,
                        "achieved_rate": round(r.rate, 1), **s,
-                       "fast_path_ratio": _fast_path_ratio(r.counters), "counters": r.counters,
+                       "fast_path_ratio": fast_path_ratio(r.counters), "counters": r.counters,
                        "lag_p50_us": summarize(r.lag_ns)["p50_us"], "lag_p99_us": summarize(r.lag_ns)["p99_us"],
                        "errors": r.errors, "unfinished": r.unfinished, "error_examples": r.error_examples,
                        "histogram": histogram(r.samples_ns)}
