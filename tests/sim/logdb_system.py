@@ -55,7 +55,7 @@ from ziplog.logdb.core.transaction import Steps, Transaction
 from ziplog.logdb.core.validator import Validator
 from ziplog.logdb.driver import ClientLog, TransactionDriver
 from ziplog.logdb.kvshard import KvShardDriver
-from ziplog.logdb.process import serve_requests
+from ziplog.logdb.process import feed, serve_requests
 from ziplog.logdb.store import SqliteStore
 from ziplog.protocol.errors import ZiplogError
 from ziplog.protocol.types import Policy, RecordId
@@ -95,8 +95,8 @@ class Directory:
 
 class Replayer:
     """What the coordinator and KV shard processes do with their subscription
-    (``ziplog.logdb.process.replay`` on asyncio): every record, then the position, then
-    the turn's end, per batch the subscription hands over."""
+    (``ziplog.logdb.process.replay`` on asyncio): each batch the subscription hands over,
+    fed with the same ``feed``."""
 
     def __init__(self, proc: SimProcess, client: ClientDriver, first_gsn: int, target: Any,
                  turn_end: Callable[[], object] = lambda: None) -> None:
@@ -108,10 +108,7 @@ class Replayer:
     def drain(self) -> None:
         sub = self.sub
         sub.core.raise_error()
-        while (rec := sub.pop()) is not None:
-            self.target.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
-        self.target.on_position(sub.core.position)
-        self.turn_end()
+        feed(self.target, iter(sub.pop, None), sub.core.position, self.turn_end)
 
 
 def _client_driver(sim: "LogDbSim", proc: SimProcess, cid: int) -> ClientDriver:

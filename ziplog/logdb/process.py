@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Protocol
 
 from ziplog.io.ports import Router
 from ziplog.shell.inbound import InboundGuard
 from ziplog.logdb.core import frames as f
 from ziplog.protocol.errors import TrimmedError
 from ziplog.protocol.types import RecordId
+
+if TYPE_CHECKING:
+    from ziplog.client.driver import Record
 
 log = logging.getLogger("ziplog.logdb")
 
@@ -65,12 +68,23 @@ async def replay(log_client: Any, first_gsn: int, driver: Replayer, idle_s: floa
             while paused():
                 await asyncio.sleep(retry_s)
                 turn_end()
+            batch: list[Record] = []
             rec = await sub.next(timeout=idle_s)
-            while rec is not None:
-                driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
+            while rec is not None:  # what the subscription holds now: at most its credit's worth
+                batch.append(rec)
                 rec = await sub.next(timeout=0)
-            driver.on_position(sub.position)
-            turn_end()
+            feed(driver, batch, sub.position, turn_end)
+
+
+def feed(driver: Replayer, records: Iterable[Record], position: int, turn_end: Callable[[], object]) -> None:
+    """One batch of the log to ``driver``: every record in gsn order, then the
+    subscription's position (every gsn up to it is delivered), then the turn's end (where
+    the driver writes and answers). The processes' replay and the simulation's both feed
+    their drivers with it."""
+    for rec in records:
+        driver.on_record(rec.rid.gsn, rec.rid.shard, rec.data)
+    driver.on_position(position)
+    turn_end()
 
 
 async def run_until_stopped(stop: asyncio.Event, bodies: list[Coroutine[Any, Any, None]],
