@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import logging
 import os
 import sys
@@ -310,11 +309,10 @@ class StorageDriver:
         bookkeeping."""
         core, guard = self.core, self.guard
         for route, msg in core.take_ordered():
-            guard.call("its ROUTER", functools.partial(core.on_ordered, route, msg, now),
-                       functools.partial(self._ordered_failed, route, msg))
+            guard.call("its ROUTER", core.on_ordered, route, msg, now, reply=self._ordered_failed)
         self._perform(core.ready())
 
-    def _ordered_failed(self, route: bytes, msg: Ordered, exc: Exception) -> None:
+    def _ordered_failed(self, exc: Exception, route: bytes, msg: Ordered, now: int) -> None:
         if type(msg) is f.Insert:  # a NOTICE or an epoch is answered by nothing
             self.router.send_to(route, f.error_frame(msg.req_id, f.E_INTERNAL,
                                                      f"{type(exc).__name__} while handling the request"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 from ziplog.io.ports import Clock, FrameHandler, RoutedHandler
 from ziplog.shell.throttled_log import ThrottledLog
@@ -44,20 +44,27 @@ class InboundGuard:
             self._on_failure(edge)
         self._log(f"handling a message on {edge} failed (message dropped, still serving)", where(exc))
 
-    def call(self, edge: str, fn: Callable[[], None], reply: Callable[[Exception], None] | None = None) -> None:
-        """``fn()``, the handling of one inbound message taken later than it arrived,
-        contained the same way; ``reply(exc)`` answers its sender."""
+    def _failed_answering(self, edge: str, exc: Exception, answer: Callable[[], None]) -> None:
+        """A message's handling failed and its sender is to hear so."""
+        self.failed(edge, exc)
         try:
-            fn()
+            answer()
+        except Exception as again:  # the answer itself failed: the line above says why
+            self.failed(edge, again)
+
+    def call(self, edge: str, fn: Callable[..., None], *args: Any,
+             reply: Callable[..., None] | None = None) -> None:
+        """``fn(*args)``, the handling of one inbound message taken later than it
+        arrived, contained the same way; ``reply(exc, *args)`` answers its sender."""
+        try:
+            fn(*args)
         except AssertionError:
             raise
         except Exception as exc:
-            self.failed(edge, exc)
-            if reply is not None:
-                try:
-                    reply(exc)
-                except Exception as again:
-                    self.failed(edge, again)
+            if reply is None:
+                self.failed(edge, exc)
+            else:
+                self._failed_answering(edge, exc, lambda: reply(exc, *args))
 
     def frames(self, edge: str, handler: FrameHandler) -> FrameHandler:
         """``handler`` for one frame at a time, contained."""
@@ -80,10 +87,8 @@ class InboundGuard:
             except AssertionError:
                 raise
             except Exception as exc:
-                self.failed(edge, exc)
-                if reply is not None:
-                    try:
-                        reply(route, frame, exc)
-                    except Exception as again:  # the answer itself failed: the line above says why
-                        self.failed(edge, again)
+                if reply is None:
+                    self.failed(edge, exc)
+                else:
+                    self._failed_answering(edge, exc, lambda: reply(route, frame, exc))
         return handle
