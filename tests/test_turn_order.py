@@ -140,12 +140,13 @@ def test_an_epoch_broadcast_is_taken_in_stamp_order_with_the_turns_inserts() -> 
     h = _serving()
     old = h.epoch
     nxt = h.config(old + 1, (0,))
-    a = wire.Insert(req_id=1, client_id=7, seq=1, after=0, data=b"a", stamp=100)
-    b = wire.Insert(req_id=2, client_id=8, seq=1, after=0, data=b"b", stamp=300)
+    h.now += 1_000  # the broadcast arrives now: its stamp (the harness's wall clock is its own)
+    a = wire.Insert(req_id=1, client_id=7, seq=1, after=0, data=b"a", stamp=h.now - 100)
+    b = wire.Insert(req_id=2, client_id=8, seq=1, after=0, data=b"b", stamp=h.now + 100)
     for core, order in ((h.P, ["epoch", a, b]), (h.B, [a, b, "epoch"])):
         for item in order:
             if item == "epoch":
-                core.hold_epoch(nxt, 200, h.now)
+                core.hold_epoch(nxt, h.now)
             else:
                 assert isinstance(item, wire.Insert)
                 core.on_request(b"client", wire.decode_request(wire.encode(item)), h.now)

@@ -28,7 +28,6 @@ from ziplog.client.common import (
     SubscriptionBase,
     new_client_id,
     payloads_of,
-    wall_offset_ns,
 )
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
@@ -37,6 +36,7 @@ from ziplog.cores.client.subscription import SubState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
+from ziplog.io.ports import wall_offset_ns
 from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import (

@@ -23,13 +23,13 @@ from ziplog.client.common import (
     SubscriptionBase,
     new_client_id,
     payloads_of,
-    wall_offset_ns,
 )
 from ziplog.client.driver import ClientDriver, Record, SubscriptionDriver
 from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
+from ziplog.io.ports import wall_offset_ns
 from ziplog.io.zmq_runtime import ZmqRuntime
 from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire

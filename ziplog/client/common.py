@@ -4,7 +4,6 @@ counters, and what a client learned of the shards' stable watermarks."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable, Sequence
 
 from ziplog.client.driver import ClientDriver, SubscriptionDriver
@@ -24,12 +23,6 @@ def payloads_of(records: Sequence[bytes]) -> list[bytes]:
             raise TypeError("every record must be bytes")
         out.append(bytes(data))
     return out
-
-
-def wall_offset_ns() -> int:
-    """The wall clock minus the monotonic clock the runtimes give the client core (the
-    stamps of inserts are wall-clock times: see ``ClientState.wall_offset_ns``)."""
-    return time.time_ns() - time.monotonic_ns()
 
 
 def new_client_id() -> int:

@@ -26,6 +26,13 @@ from ziplog.protocol.events import DiskEvent, SnapshotEvent
 from ziplog.protocol.topology import TopologyView
 
 
+def wall_offset_ns() -> int:
+    """The wall clock minus the monotonic clock the runtimes give cores as ``now``, read
+    once by a driver: a core adds it to ``now`` for a stamp other hosts can compare
+    (``frames.wall_stamp``)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
 class Timer(Protocol):
     def cancel(self) -> None: ...
 

@@ -483,6 +483,12 @@ class ProtocolError(Exception):
         self.req_id = req_id
 
 
+def wall_stamp(now: int, wall_offset_ns: int) -> int:
+    """The ``stamp`` of an INSERT, NOTICE or held epoch taken at monotonic ``now``: that
+    moment on the wall clock (``ports.wall_offset_ns`` gives the offset), never below 0."""
+    return max(now + wall_offset_ns, 0)
+
+
 _encoder = msgspec.msgpack.Encoder()
 #: A typed message as its frame.
 encode = _encoder.encode

@@ -21,7 +21,6 @@ import errno
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from ziplog.io.ports import (
     Network,
     Runtime,
     StorageCoordination,
+    wall_offset_ns,
 )
 from ziplog.io.segments import SEGMENT_BYTES, SegmentLog, replica_dir
 from ziplog.protocol import frames as f
@@ -276,8 +276,7 @@ class StorageDriver:
         except (f.ProtocolError, ValueError) as exc:
             self.trouble_log("bad epoch broadcast dropped", exc)
             return
-        now = self.rt.now()
-        self.core.hold_epoch(cfg, now + self.settings.wall_offset_ns, now)  # the turn's end takes it
+        self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
 
     def end_turn(self) -> None:
         """After every turn: the core's timers (at most every MIN_TICK_NS), its batched
@@ -601,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args, f"storage{args.shard}.{args.replica}")
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
-                               wall_offset_ns=time.time_ns() - time.monotonic_ns(),
+                               wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                forward_interval_ns=args.forward_interval_us * 1000,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from ziplog.protocol.frames import wall_stamp
 from ziplog.protocol.types import Policy
 
 NS_PER_S = 1_000_000_000
@@ -56,7 +57,7 @@ class ClientState:
 
     def stamp(self, now: int) -> int:
         """An insert's stamp (``frames.Insert.stamp``) when sent at ``now``."""
-        return max(now + self.wall_offset_ns, 0)
+        return wall_stamp(now, self.wall_offset_ns)
 
     def next_req(self) -> int:
         self._req += 1

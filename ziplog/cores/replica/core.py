@@ -199,13 +199,13 @@ class ReplicaCore:
         self.held = []
         return held
 
-    def hold_epoch(self, config: EpochConfig, stamp: int, now: int) -> None:
-        """An epoch broadcast that reached this replica at wall-clock ``stamp``: taken in
-        stamp order with the turn's inserts (:meth:`take_ordered`). Both replicas of a
+    def hold_epoch(self, config: EpochConfig, now: int) -> None:
+        """An epoch broadcast that reached this replica at ``now``: taken in stamp order
+        (its arrival on the wall clock) with the turn's inserts (:meth:`take_ordered`). Both replicas of a
         shard get the broadcast at about the same moment; each then places or guesses
         the inserts its clients sent before that moment in the epoch that ends, and
         those sent after in the next, rather than whichever way its sockets were read."""
-        self.held.append((b"", HeldEpoch(config, stamp)))
+        self.held.append((b"", HeldEpoch(config, f.wall_stamp(now, self.s.wall_offset_ns))))
         if len(self.held) >= self.s.max_turn_inserts:
             for r, m in self.take_ordered():
                 self.on_ordered(r, m, now)

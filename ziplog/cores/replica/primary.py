@@ -418,7 +418,7 @@ class PrimarySequencer:
         for s in cfg.shards:
             if s != self.shard and self.announced_by.get(s, 0) < g:
                 msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g,
-                                      stamp=max(now + self.s.wall_offset_ns, 0))
+                                      stamp=f.wall_stamp(now, self.s.wall_offset_ns))
                 self.out.send(ShardReplicas(s), msg)
 
     def on_notice(self, msg: f.Notice, now: int) -> None:
