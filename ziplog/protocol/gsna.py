@@ -273,6 +273,13 @@ class SlotCursor:
     def first_slot_after(self, gsn: int) -> int:
         return min(self.schedule.first_slot_after(self.shard, gsn), self.count)
 
+    def passed(self, next_slot: int, gsn: int) -> int:
+        """The next slot once every slot from ``next_slot`` up to ``gsn`` is passed (a
+        no-op): ``next_slot`` itself when none of them is at or below ``gsn``."""
+        if next_slot >= self.count or self.gsn(next_slot) > gsn:
+            return next_slot
+        return self.first_slot_after(min(gsn, self.schedule.config.end))
+
 
 def partition_check(config: EpochConfig, upto: int) -> Sequence[int]:
     """Every gsn in [base, base+upto) with the shard that owns it, computed by brute force

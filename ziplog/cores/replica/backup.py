@@ -327,11 +327,7 @@ class BackupFollower:
         if (msg.epoch != cfg.epoch or msg.shard == self.shard or msg.shard not in cfg.shards
                 or not cfg.base <= msg.gsn <= cfg.end):
             return
-        cur = sp.cursor
-        k = sp.next_slot
-        if k >= cur.count or cur.gsn(k) > msg.gsn:
-            return  # nothing of ours at or below it is left
-        sp.next_slot = cur.first_slot_after(msg.gsn)
+        sp.next_slot = sp.cursor.passed(sp.next_slot, msg.gsn)  # as the primary's _pass moves its own
 
     def on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
         pass  # only a primary takes HELLO

@@ -173,13 +173,16 @@ class ReplicaCore:
         INSERT or a NOTICE is held until the turn's input ends (:meth:`take_ordered`)."""
         t = type(msg)
         if t is f.Insert or t is f.Notice:
-            held = self.held
-            held.append((route, msg))  # type: ignore[arg-type]
-            if len(held) >= self.s.max_turn_inserts:  # a flood: take these now, in order
-                for r, m in self.take_ordered():
-                    self.on_ordered(r, m, now)
+            self._hold(route, msg, now)  # type: ignore[arg-type]
             return
         self._handlers[t](route, msg, now)
+
+    def _hold(self, route: bytes, item: Ordered, now: int) -> None:
+        held = self.held
+        held.append((route, item))
+        if len(held) >= self.s.max_turn_inserts:  # a flood: take these now, in order
+            for r, m in self.take_ordered():
+                self.on_ordered(r, m, now)
 
     def take_ordered(self) -> list[tuple[bytes, Ordered]]:
         """The inserts, notices and epochs held since the last call, in the order to take them
@@ -205,10 +208,7 @@ class ReplicaCore:
         shard get the broadcast at about the same moment; each then places or guesses
         the inserts its clients sent before that moment in the epoch that ends, and
         those sent after in the next, rather than whichever way its sockets were read."""
-        self.held.append((b"", HeldEpoch(config, f.wall_stamp(now, self.s.wall_offset_ns))))
-        if len(self.held) >= self.s.max_turn_inserts:
-            for r, m in self.take_ordered():
-                self.on_ordered(r, m, now)
+        self._hold(b"", HeldEpoch(config, f.wall_stamp(now, self.s.wall_offset_ns)), now)
 
     def on_ordered(self, route: bytes, msg: Ordered, now: int) -> None:
         """Take one INSERT, NOTICE or held epoch (from :meth:`take_ordered`)."""

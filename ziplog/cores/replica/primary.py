@@ -447,10 +447,9 @@ class PrimarySequencer:
         cur, cfg = self.cursor, self.cur_config
         if cur is None or cfg is None:
             return  # no slot of ours in this epoch
-        k = self.next_slot
-        if k >= cur.count or cur.gsn(k) > gsn:
+        k = cur.passed(self.next_slot, gsn)
+        if k == self.next_slot:
             return  # nothing of ours at or below it is left
-        k = cur.first_slot_after(min(gsn, cfg.end))
         self.next_slot = k
         self.log.advance_frontier(cur.gsn(k) - 1 if k < cur.count else cfg.end)
         self.fwd_events.append(FrontierEvent(self.log.frontier, self.log.last_epoch, self.next_slot))
