@@ -228,6 +228,94 @@ def test_answers_to_one_chunk_leave_together_and_a_nested_turn_is_not_starved() 
         ctx.term()
 
 
+def test_a_native_sub_hears_every_pyzmq_publisher_and_one_that_restarts() -> None:
+    """``ZmqRuntime(native=True)``'s SUB (the storage server's epoch broadcasts): it
+    subscribes to everything on each publisher it is given, hears both, and hears a
+    publisher bound again at the same address after the first one closed (its link
+    reconnects and subscribes again). No libzmq socket is left in the poll set, so the
+    loop waits in one ``poll`` system call."""
+    import zmq
+
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    rt = ZmqRuntime(native=True, wake=False)
+    ctx = zmq.Context()
+    pubs: list[zmq.Socket] = []
+
+    def publisher(port: int = 0) -> tuple[zmq.Socket, str]:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        if port:
+            pub.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+        pubs.append(pub)
+        return pub, f"tcp://127.0.0.1:{port}"
+
+    got: list[bytes] = []
+
+    def hear(pub: zmq.Socket, tag: bytes) -> None:
+        # a PUB drops what it sends before the subscription arrives: send until heard
+        for i in range(1000):
+            pub.send(tag + b"%d" % i)
+            if rt.run_until(lambda: any(g.startswith(tag) for g in got), 20_000_000):
+                return
+        raise AssertionError(f"nothing from publisher {tag!r}")
+
+    try:
+        first, first_addr = publisher()
+        second, second_addr = publisher()
+        sub = rt.subscriber(first_addr, got.append)
+        sub.connect(second_addr)
+        sub.connect(second_addr)  # once per address
+        assert len(sub.links) == 2
+        assert rt._zmq_polled == 0
+        hear(first, b"a")
+        hear(second, b"b")
+        first.close(0)
+        again, _ = publisher(int(first_addr.rsplit(":", 1)[1]))
+        hear(again, b"c")
+        with pytest.raises(NotImplementedError):
+            sub.send(b"x")
+        sub.close()
+        assert not rt._fds  # every link's socket left the loop
+    finally:
+        rt.close()
+        for pub in pubs:
+            pub.close(0)
+        ctx.term()
+
+
+def test_another_threads_call_wakes_a_loop_waiting_on_file_descriptors_only() -> None:
+    """A loop whose poll set holds no libzmq socket waits in ``select.poll``; a call
+    handed over by another thread ends that wait (through the wake-up pipe) and runs
+    in the loop's thread."""
+    import threading
+    import time
+
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    rt = ZmqRuntime(native=True)
+    ran: list[int] = []
+    loop_thread = threading.get_native_id()
+
+    def hand_over() -> None:
+        # once the loop's thread is blocked in a system call (its poll), not before
+        while open(f"/proc/self/task/{loop_thread}/syscall").read().startswith("running"):
+            time.sleep(0.001)
+        rt.call_soon_threadsafe(lambda: ran.append(threading.get_ident()))
+
+    try:
+        assert rt._zmq_polled == 0
+        t = threading.Thread(target=hand_over)
+        t.start()
+        rt.run_once(3_600_000)  # an hour's wait: only the pipe's byte ends it
+        t.join()
+        assert ran == [threading.get_ident()]
+    finally:
+        rt.close()
+
+
 def test_a_native_blocking_client_against_native_servers(cluster: ziplog.LocalCluster,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Both ends native (``ZIPLOG_TRANSPORT=native`` for the client too): no libzmq socket

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import select
 import signal
 import socket
 import threading
@@ -184,18 +185,20 @@ class ZmqRuntime:
         #: answer to a request still held)
         self._before_poll: list[Callable[[], None]] = []
         self._calls: deque[Callable[[], None]] = deque()
-        # Other threads only poke this PAIR (under a lock: a socket is not thread-safe).
-        # Without it (``wake=False``: a client's runtime, which runs only while a call
-        # waits), calls from other threads wait for the next turn, at most MAX_WAIT_MS.
-        self._wake_lock = threading.Lock()
-        self._wake_rx: zmq.Socket | None = None
-        self._wake_tx: zmq.Socket | None = None
+        #: the same poll set's file descriptors in a ``select.poll`` (events in its own
+        #: flags), used while no libzmq socket is in the set: one system call per wait,
+        #: where ``zmq_poll`` makes two (a first pass with no timeout, then the wait) and
+        #: asks each libzmq socket for its events on both
+        self._fd_poller = select.poll()
+        #: libzmq sockets in the poll set (0: the fd poller serves the turn)
+        self._zmq_polled = 0
+        # Other threads wake the loop with a byte on this socket pair. Without it
+        # (``wake=False``: a client's runtime, which runs only while a call waits), calls
+        # from other threads wait for the next turn, at most MAX_WAIT_MS.
+        self._wake_rx: socket.socket | None = None
+        self._wake_tx: socket.socket | None = None
         if wake:
-            self._wake_rx = self.ctx.socket(zmq.PAIR)
-            self._wake_rx.bind(f"inproc://wake-{id(self)}")
-            self._wake_tx = self.ctx.socket(zmq.PAIR)
-            self._wake_tx.connect(f"inproc://wake-{id(self)}")
-            self._poll_items.append((self._wake_rx, POLLIN))
+            self._wake_rx, self._wake_tx = self._pipe(self._drain_wake)
         #: the read end of the pipe Python writes a byte to when a signal arrives (see
         #: :meth:`wake_on_signals`), and the write end
         self._signal_rx: socket.socket | None = None
@@ -216,12 +219,23 @@ class ZmqRuntime:
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self._calls.append(fn)
-        if self._wake_tx is not None:
-            with self._wake_lock:
-                try:
-                    self._wake_tx.send(b"", NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # full (a wake-up is pending anyway) or closed
+        tx = self._wake_tx  # (read once: close() may run in the loop's thread meanwhile)
+        if tx is not None:
+            try:
+                tx.send(b"\0")
+            except OSError:
+                pass  # full (a wake-up is pending anyway) or closed
+
+    def _pipe(self, drain: Callable[[], None]) -> tuple[socket.socket, socket.socket]:
+        """A socket pair whose read end the loop polls (``drain`` empties it)."""
+        rx, tx = socket.socketpair()
+        rx.setblocking(False)
+        tx.setblocking(False)
+        self.watch_fd(rx.fileno(), drain, None)
+        return rx, tx
+
+    def _drain_wake(self) -> None:
+        _drain(self._wake_rx)
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)
@@ -232,12 +246,14 @@ class ZmqRuntime:
         self._all.add(s)
         if drain is not None:
             self._sockets[s.sock] = s
-            self._poll_items.append((s.sock, POLLIN))
+            self._poll_items = [*self._poll_items, (s.sock, POLLIN)]
+            self._zmq_polled += 1
 
     def _forget(self, s: _Socket) -> None:
         self._all.discard(s)
         if self._sockets.pop(s.sock, None) is not None:
             self._poll_items = [item for item in self._poll_items if item[0] is not s.sock]
+            self._zmq_polled -= 1
 
     # -- native endpoints' file descriptors ---------------------------------------------------------
     def watch_fd(self, fd: int, on_read: Callable[[], None] | None, on_write: Callable[[], None] | None) -> None:
@@ -257,6 +273,13 @@ class ZmqRuntime:
         items = [item for item in self._poll_items if item[0] != fd]
         if events:
             items.append((fd, events))
+            self._fd_poller.register(fd, (select.POLLIN if events & POLLIN else 0)
+                                     | (select.POLLOUT if events & POLLOUT else 0))
+        else:
+            try:
+                self._fd_poller.unregister(fd)
+            except KeyError:
+                pass
         self._poll_items = items
 
     def router(self, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str = "127.0.0.1",
@@ -328,9 +351,12 @@ class ZmqRuntime:
         s.sock.setsockopt(zmq.RCVHWM, HWM)
         return s
 
-    def subscriber(self, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> _Socket:
+    def subscriber(self, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> Any:
         """A SUB socket; ``connect`` adds publishers to it (one socket for all of them
         keeps the poll set small)."""
+        if self.native:
+            from ziplog.io.zmtp_poll import NativeSubscriber
+            return NativeSubscriber(self, addr, on_frame, max_bytes)
         return self._connected(zmq.SUB, addr, on_frame, 1000, max_bytes)
 
     def pusher(self, addr: str) -> _Socket:
@@ -384,37 +410,32 @@ class ZmqRuntime:
                     wait_ms, sleep_ns = 0, left
                 else:
                     wait_ms = min(wait_ms, left // 1_000_000)
+        out = POLLOUT  # the writable bit in ``ready``'s flags
         if focus is None or self.native:  # a native endpoint's socket comes and goes: poll all
-            items = self._poll_items
-        elif focus is self._focus:
-            items = self._focus_items  # the caller's list is unchanged: so is the poll set
+            if self._zmq_polled:
+                ready = zmq_poll(self._poll_items, wait_ms)
+            else:
+                ready = self._fd_poller.poll(wait_ms)
+                out = select.POLLOUT
         else:
-            self._focus = focus
-            items = self._focus_items = [(ep.sock, POLLIN) for ep in focus]
-        ready = zmq_poll(items, wait_ms)
+            if focus is not self._focus:  # else the caller's list is unchanged: so is the poll set
+                self._focus = focus
+                self._focus_items = [(ep.sock, POLLIN) for ep in focus]
+            ready = zmq_poll(self._focus_items, wait_ms)
         if sleep_ns and not ready:
             time.sleep(sleep_ns / 1e9)
         sockets = self._sockets
-        wake = self._wake_rx
+        fds = self._fds
         for sock, revents in ready:
-            if type(sock) is int:  # the signal pipe, or a native endpoint's socket
-                handlers = self._fds.get(sock)
+            if type(sock) is int:  # a native endpoint's socket, or a wake-up pipe
+                handlers = fds.get(sock)
                 if handlers is None:
-                    if self._signal_rx is not None and sock == self._signal_rx.fileno():
-                        self._drain_signal_pipe()
-                    continue  # else a native socket closed earlier in this turn
+                    continue  # closed earlier in this turn
                 on_read, on_write = handlers
-                if revents & POLLOUT and on_write is not None:
+                if revents & out and on_write is not None:
                     on_write()
-                if revents & ~POLLOUT and on_read is not None and sock in self._fds:
+                if revents & ~out and on_read is not None and sock in fds:
                     on_read()
-                continue
-            if sock is wake and wake is not None:
-                while True:
-                    try:
-                        wake.recv(NOBLOCK)
-                    except zmq.Again:
-                        break
                 continue
             s = sockets.get(sock)
             if s is not None and s.drain is not None:
@@ -437,20 +458,11 @@ class ZmqRuntime:
         once), so that :meth:`run_forever` can wait up to IDLE_WAIT_MS. Main thread only."""
         if self._signal_rx is not None:
             return
-        rx, tx = socket.socketpair()
-        rx.setblocking(False)
-        tx.setblocking(False)
-        signal.set_wakeup_fd(tx.fileno(), warn_on_full_buffer=False)
-        self._signal_rx, self._signal_tx = rx, tx
-        self._poll_items.append((rx.fileno(), POLLIN))
+        self._signal_rx, self._signal_tx = self._pipe(self._drain_signal_pipe)
+        signal.set_wakeup_fd(self._signal_tx.fileno(), warn_on_full_buffer=False)
 
     def _drain_signal_pipe(self) -> None:
-        assert self._signal_rx is not None
-        try:
-            while self._signal_rx.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        _drain(self._signal_rx)
 
     def run_forever(self) -> None:
         # Without both wake-ups (other threads', signals') a longer poll would delay them.
@@ -487,17 +499,29 @@ class ZmqRuntime:
             s.sock.close(0)
         self._sockets.clear()
         self._all.clear()
-        self._poll_items = []
-        for w in (self._wake_rx, self._wake_tx):
-            if w is not None:
-                w.close(0)
-        if self._signal_rx is not None and self._signal_tx is not None:
+        if self._signal_rx is not None:
             signal.set_wakeup_fd(-1)
-            self._signal_rx.close()
-            self._signal_tx.close()
-            self._signal_rx = self._signal_tx = None
+        for pipe_end in (self._wake_rx, self._wake_tx, self._signal_rx, self._signal_tx):
+            if pipe_end is not None:
+                pipe_end.close()
+        self._wake_rx = self._wake_tx = self._signal_rx = self._signal_tx = None
+        self._poll_items = []
+        self._fds.clear()
+        self._fd_poller = select.poll()
+        self._zmq_polled = 0
         if self._own_ctx:
             self.ctx.destroy(linger=0)
+
+
+def _drain(pipe_rx: socket.socket | None) -> None:
+    """Empty a wake-up pipe's read end (the bytes only woke the poll)."""
+    if pipe_rx is None:
+        return
+    try:
+        while pipe_rx.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def round_trip(addr: str, frame: bytes, timeout_ns: int, max_bytes: int = -1) -> bytes | None:

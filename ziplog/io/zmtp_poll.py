@@ -1,4 +1,4 @@
-"""ZeroMQ's ROUTER and DEALER served natively inside a :class:`ZmqRuntime`'s poll loop:
+"""ZeroMQ's ROUTER, DEALER and SUB served natively inside a :class:`ZmqRuntime`'s poll loop:
 plain non-blocking TCP sockets whose file descriptors the loop polls beside its libzmq
 sockets, speaking ZMTP 3.1/NULL through the sans-I/O codec
 (:mod:`ziplog.protocol.zmtp`). A frame read or written here never crosses a libzmq I/O
@@ -16,6 +16,10 @@ Semantics kept from libzmq's sockets:
   1 s); messages sent before the handshake wait in a bounded queue (``QUEUE_LIMIT``
   messages; beyond it ``send`` returns False); messages written to a connection that
   then breaks are lost, as with libzmq.
+* **SUB**: one DEALER-like link per publisher (each connecting and reconnecting as
+  above), subscribed to every message; it sends nothing else. The subscription is a
+  SUBSCRIBE command to a ZMTP 3.1 publisher and a message starting 0x01 to a 3.0 one,
+  as libzmq's SUB does.
 * Frames above ``max_bytes`` are refused from their header: the connection is closed
   (libzmq's ZMQ_MAXMSGSIZE).
 """
@@ -34,6 +38,7 @@ from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 from ziplog.protocol.addresses import tcp_addr
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
+    SUBSCRIBE_ALL,
     Handshaken,
     Message,
     PeerError,
@@ -307,6 +312,9 @@ class NativeRouter:
 class NativeDealer:
     """A DEALER connected to ``addr`` in the background (see the module's docstring)."""
 
+    #: the socket type named in the handshake
+    SOCKET_TYPE = "DEALER"
+
     def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> None:
         self.rt = rt
         self.addr = addr
@@ -357,7 +365,7 @@ class NativeDealer:
             sock.close()
             self._retry()
             return
-        self.conn = _Conn(self.rt, sock, ZmtpConnection("DEALER", max_frame=self.max_bytes,
+        self.conn = _Conn(self.rt, sock, ZmtpConnection(self.SOCKET_TYPE, max_frame=self.max_bytes,
                                                         max_message=self.max_bytes), self)
         self.conn.start()
 
@@ -410,6 +418,43 @@ class NativeDealer:
         if self.conn is not None:
             self.conn.close()
         self.rt._native.discard(self)
+
+
+class _PublisherLink(NativeDealer):
+    """A SUB's connection to one publisher: subscribes to everything once the handshake
+    is done (again after each reconnect), then only receives."""
+
+    SOCKET_TYPE = "SUB"
+
+    def on_handshaken(self, conn: _Conn, ev: Handshaken) -> None:
+        super().on_handshaken(conn, ev)
+        conn.write(SUBSCRIBE_ALL[ev.peer_version >= (3, 1)])
+
+
+class NativeSubscriber:
+    """A SUB (see the module's docstring): ``connect`` adds a publisher."""
+
+    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> None:
+        self.rt = rt
+        self.addr = addr
+        self.on_frame = on_frame
+        self.max_bytes = max_bytes
+        self.links: dict[str, _PublisherLink] = {}
+        self.closed = False
+        self.connect(addr)
+
+    def connect(self, addr: str) -> None:
+        if not self.closed and addr not in self.links:
+            self.links[addr] = _PublisherLink(self.rt, addr, self.on_frame, self.max_bytes)
+
+    def send(self, frame: bytes) -> bool:
+        raise NotImplementedError("a SUB sends nothing")
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.closed = True
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
 
 
 def native_transport_wanted() -> bool:

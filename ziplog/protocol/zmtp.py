@@ -246,6 +246,11 @@ def _encode_property(name: bytes, value: bytes) -> bytes:
 
 # -- the connection -------------------------------------------------------------------------------------
 
+#: A SUB's subscription to every message, indexed by "the peer speaks 3.1": a SUBSCRIBE
+#: command with an empty topic (3.1), or a message of the one octet 0x01 (3.0: "a
+#: subscription message begins with a 1").
+SUBSCRIBE_ALL: tuple[bytes, bytes] = (encode_message((b"\x01",)), _encode_command(b"SUBSCRIBE", b""))
+
 _GREETING_STATE = 0
 _HANDSHAKE = 1
 _TRAFFIC = 2
