@@ -49,6 +49,19 @@ def test_floor_clients_measure_what_they_were_asked() -> None:
             assert s.acked > 0 and s.errors == 0
 
 
+def test_a_systems_server_processes_each_run_on_a_cpu_of_their_own() -> None:
+    """The floor's echo processes are placed as the local ziplog cluster places a
+    shard's replicas (``bench.systems.cpus.CpuSpread``): one CPU each, not the same one."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to spread the servers over")
+    with make("floor") as floor:
+        placed = [os.sched_getaffinity(pid) for pid in floor.server_pids()]
+    assert placed == [{cpus[0]}, {cpus[1]}]
+
+
 def test_a_client_that_cannot_open_says_why() -> None:
     with pytest.raises(Unavailable, match="no-such-module|ModuleNotFoundError"):
         ClosedLoopClient(ClientSpec("bench.systems.no-such-module", {}), "nothing")

@@ -190,3 +190,36 @@ def test_storage_replicas_run_under_sched_batch(cluster: ziplog.LocalCluster) ->
         assert len(tids) > 1, "the replica runs its ZooKeeper session's threads"
         policies = {os.sched_getscheduler(int(tid)) for tid in tids}
         assert policies == {os.SCHED_BATCH}, (shard, replica, policies)
+
+
+def test_the_local_cluster_gives_each_replica_of_a_shard_a_cpu_of_its_own(cluster: ziplog.LocalCluster) -> None:
+    """``--cpus`` holds every thread of a replica (those started after it too) on the
+    CPU the local cluster gave it: a shard's replicas on different CPUs, and the
+    shards' primaries too (``ziplog.server.storage.set_cpus``)."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to spread the replicas over")
+    placed: dict[tuple[int, int], int] = {}
+    for (shard, replica), proc in cluster.servers.items():
+        affinities = {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{proc.pid}/task")}
+        assert len(affinities) == 1, (shard, replica, affinities)
+        (only,) = affinities
+        assert len(only) == 1, (shard, replica, only)
+        placed[(shard, replica)] = next(iter(only))
+    for shard in {s for s, _ in placed}:
+        mine = [cpu for (s, _), cpu in placed.items() if s == shard]
+        assert len(set(mine)) == min(len(mine), len(cpus)), (shard, placed)
+    primaries = [cpu for (_, r), cpu in placed.items() if r == 0]
+    assert len(set(primaries)) == min(len(primaries), len(cpus)), placed
+
+
+def test_a_cpu_list_is_parsed_as_taskset_reads_it() -> None:
+    from ziplog.server.storage import parse_cpu_list
+
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("0,2-4, 7") == {0, 2, 3, 4, 7}
+    for bad in ("", "a", "3-1", "-1", "1-", "0,,1"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)

@@ -22,15 +22,19 @@ import msgpack
 import zmq
 
 from .base import ClientSpec, System, Unavailable
+from .cpus import CpuSpread
 
 _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the ``bench`` package
 
 
-def start_echo_server(timeout: float = 15.0, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], int]:
-    """Start ``python -m bench.echo_server --port 0 *extra_args``; the process and its port."""
+def start_echo_server(timeout: float = 15.0, extra_args: tuple[str, ...] = (),
+                      spread: CpuSpread | None = None) -> tuple[subprocess.Popen[str], int]:
+    """Start ``python -m bench.echo_server --port 0 *extra_args`` (on ``spread``'s next
+    CPU, if given); the process and its port."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.echo_server", "--port", "0", *extra_args],
+    argv = [sys.executable, "-m", "bench.echo_server", "--port", "0", *extra_args]
+    proc = subprocess.Popen(spread.argv(argv) if spread is not None else argv,
                             stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, cwd=str(_ROOT), env=env, text=True)
     try:
@@ -76,8 +80,9 @@ class FloorSystem(System):
     def start(self) -> None:
         if self.needs_uvloop and importlib.util.find_spec("uvloop") is None:
             raise Unavailable("uvloop is not importable: pip install uvloop (make setup installs the fast extra)")
+        spread = CpuSpread()
         for _ in range(self.n_servers):
-            proc, port = start_echo_server(extra_args=self.echo_args)
+            proc, port = start_echo_server(extra_args=self.echo_args, spread=spread)
             self.procs.append(proc)
             self.ports.append(port)
 

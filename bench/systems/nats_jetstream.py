@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .base import ClientSpec, System, Unavailable
+from .cpus import CpuSpread
 from .servers import (
     DEFAULT_START_TIMEOUT_S,
     ServerProcess,
@@ -218,13 +219,14 @@ class NatsJetStreamSystem(System):
         self.client_ports = ports[:count]
         route_ports = ports[count:2 * count]
         self.monitor_ports = ports[2 * count:]
+        spread = CpuSpread()
         for i, port in enumerate(self.client_ports):
             node_dir = self._dir / f"n{i}"
             node_dir.mkdir()
             conf = node_dir / "nats-server.conf"
             monitor = self.monitor_ports[i] if self.monitor_ports else None
             conf.write_text(self.server_config(i, port, route_ports, node_dir / "jetstream", monitor))
-            server = ServerProcess(f"nats-server {i}", [binary, "-c", str(conf)], node_dir / "nats-server.log",
+            server = ServerProcess(f"nats-server {i}", spread.argv([binary, "-c", str(conf)]), node_dir / "nats-server.log",
                                    cwd=node_dir)  # fmt: skip
             self.servers.append(server)
             server.start()

@@ -27,6 +27,7 @@ from bench.baselines.nopaxos import HELLO, HELLO_REQ_ID
 from ziplog.tools import procs
 
 from .base import ClientSpec, System, read_replies
+from .cpus import CpuSpread
 from .servers import make_temp_dir, remove_temp_dir
 
 
@@ -49,14 +50,15 @@ class NOPaxosSystem(System):
         argvs = {f"replica {i}": python_module_argv("bench.baselines.nopaxos", "replica", "--index", str(i),
                                                     "--data", str(self.dir / f"replica{i}.log"))
                  for i in range(self.replicas)}
+        spread = CpuSpread()
         for label, argv in argvs.items():  # start them all, then wait: start-ups overlap
             log = self.dir / f"{label.replace(' ', '')}.out"
-            self.procs[label] = (start_server(argv, log), log)
+            self.procs[label] = (start_server(spread.argv(argv), log), log)
         self.replica_addrs = [f"tcp://127.0.0.1:{wait_ready(*self.procs[label], label)[0]}" for label in argvs]
         argv = python_module_argv("bench.baselines.nopaxos", "sequencer",
                                   *[x for a in self.replica_addrs for x in ("--replica", a)])
         log = self.dir / "sequencer.out"
-        self.procs["sequencer"] = (start_server(argv, log), log)
+        self.procs["sequencer"] = (start_server(spread.argv(argv), log), log)
         self.sequencer_addr = f"tcp://127.0.0.1:{wait_ready(*self.procs['sequencer'], 'sequencer')[0]}"
 
     def stop(self) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import ClientSpec, System, Unavailable
+from .cpus import CpuSpread
 from .servers import (
     DEFAULT_START_TIMEOUT_S,
     ServerProcess,
@@ -151,6 +152,7 @@ class RedisStreamsSystem(System):
         self.port: int | None = None
         self.server: ServerProcess | None = None
         self._dir: Path | None = None
+        self._cpus = CpuSpread()
         self._version = "unknown"
 
     def server_argv(self, binary: str, port: int, data_dir: Path) -> list[str]:
@@ -172,7 +174,8 @@ class RedisStreamsSystem(System):
         self._version = binary_version([binary, "--version"], r"v=(\S+)")
         self._dir = make_temp_dir("bench-redis-", self.data_parent)
         self.port = free_ports(1)[0]
-        self.server = ServerProcess("redis-server", self.server_argv(binary, self.port, self._dir),
+        self._cpus = CpuSpread()
+        self.server = ServerProcess("redis-server", self._cpus.argv(self.server_argv(binary, self.port, self._dir)),
                                     self._dir / "redis.log", cwd=self._dir)  # fmt: skip
         self.server.start()
         self._await_ping(self.server, self.port)
@@ -256,7 +259,8 @@ class RedisReplicaStreamsSystem(RedisStreamsSystem):
         replica_dir.mkdir()
         self.replica_port = free_ports(1)[0]
         argv = self.server_argv(binary, self.replica_port, replica_dir) + ["--replicaof", "127.0.0.1", str(self.port)]
-        self.replica = ServerProcess("redis-server (replica)", argv, replica_dir / "redis.log", cwd=replica_dir)
+        self.replica = ServerProcess("redis-server (replica)", self._cpus.argv(argv), replica_dir / "redis.log",
+                                     cwd=replica_dir)
         self.replica.start()
         self._await_ping(self.replica, self.replica_port)
         self._await_in_sync(self.server, self.replica, self.port, self.replica_port)

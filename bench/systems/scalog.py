@@ -22,6 +22,7 @@ from bench.baselines.scalog import APPEND, STATS
 from ziplog.tools import procs
 
 from .base import ClientSpec, System, read_replies
+from .cpus import CpuSpread
 from .servers import make_temp_dir, remove_temp_dir
 
 
@@ -45,8 +46,9 @@ class ScalogSystem(System):
         self.dir = make_temp_dir("scalog-", self.data_parent)
         shape = ",".join([str(self.replicas)] * self.shards)
         log = self.dir / "ordering.out"
-        self.procs["ordering"] = (start_server(python_module_argv("bench.baselines.scalog", "ordering",
-                                                                  "--shape", shape), log), log)
+        spread = CpuSpread()
+        self.procs["ordering"] = (start_server(spread.argv(python_module_argv("bench.baselines.scalog", "ordering",
+                                                                               "--shape", shape)), log), log)
         ordering = f"tcp://127.0.0.1:{wait_ready(*self.procs['ordering'], 'ordering process')[0]}"
         labels: list[list[str]] = []
         for s in range(self.shards):
@@ -58,7 +60,7 @@ class ScalogSystem(System):
                                           "--shape", shape, "--shard", str(s), "--server", str(i),
                                           "--interval-us", str(self.interval_us),
                                           "--data", str(self.dir / f"server{s}.{i}.log"))
-                self.procs[label] = (start_server(argv, log), log)
+                self.procs[label] = (start_server(spread.argv(argv), log), log)
                 labels[-1].append(label)
         # All started before waiting: a server is READY only once every one said HELLO.
         self.addrs = [[f"tcp://127.0.0.1:{wait_ready(*self.procs[label], label)[0]}" for label in row]

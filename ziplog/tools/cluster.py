@@ -9,6 +9,7 @@ with the parent: see ``ziplog.tools.procs``).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ class LocalCluster:
                  epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
                  supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, spread_cpus: bool = True) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,10 @@ class LocalCluster:
         self.fh_replicas = fh_replicas
         #: which host each process runs on (loopback unless a test bed says otherwise)
         self.placement = placement or Placement()
+        #: Give each replica of a shard a CPU of its own (``--cpus``), the shards' primaries
+        #: on different ones, when this process may run on more than one: replicas left
+        #: to the scheduler often share a CPU and serve an insert one after the other.
+        self.spread_cpus = spread_cpus
         #: Restart a storage replica that died, as an operator (or systemd) would.
         self.supervise = supervise
         #: How long the supervisor waits before restarting a dead replica (an operator's
@@ -98,8 +103,14 @@ class LocalCluster:
         argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
                 "--replica", str(replica), "--replicas", str(self.replicas),
                 "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *host.bind_args(),
-                *self.member_args, *self.server_args]
+                *self.member_args, *self._cpu_args(shard, replica), *self.server_args]
         self.servers[(shard, replica)] = procs.spawn(host.wrap(argv), self.logs / f"shard{shard}-replica{replica}.log")
+
+    def _cpu_args(self, shard: int, replica: int) -> list[str]:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if not self.spread_cpus or len(cpus) < 2:
+            return []
+        return ["--cpus", str(cpus[(shard + replica) % len(cpus)])]
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()
