@@ -37,6 +37,7 @@ from ziplog.protocol.zmtp import (
     Pong,
     ProtocolViolation,
     ZmtpConnection,
+    encode_frame,
     encode_message,
 )
 
@@ -174,6 +175,69 @@ def test_any_bytes_after_a_valid_greeting(data: bytes, at: list[int], with_ready
         check_total(events, conn)
         results.append(events)
     assert results[0] == results[1]
+
+
+class _StepByStep(ZmtpConnection):
+    """The codec without its one-step case for whole one-frame messages: the
+    reference :meth:`ZmtpConnection.next_event` must agree with."""
+
+    __slots__ = ()
+
+    def next_event(self) -> Event | None:
+        return self._next_event_any()
+
+
+@PROPS
+@given(junk, cuts, st.booleans(), st.sampled_from([(300, 300), (5000, 40), (1 << 20, 1 << 20)]))
+def test_the_one_step_case_agrees_with_the_state_machine(data: bytes, at: list[int], with_ready: bool,
+                                                         limits: tuple[int, int]) -> None:
+    """Any bytes after a greeting (valid messages, commands, MORE frames, frames over
+    a limit, junk), in any chunking: the same events, the same state after each chunk."""
+    peer = ZmtpConnection("DEALER")
+    prefix = peer.start() if with_ready else peer.send_greeting()
+    max_message, max_frame = limits
+    fast = ZmtpConnection("ROUTER", max_message=max_message, max_frame=max_frame, max_parts=5, max_command=100)
+    ref = _StepByStep("ROUTER", max_message=max_message, max_frame=max_frame, max_parts=5, max_command=100)
+    for chunk in split(prefix + data, at):
+        assert fast.receive(chunk) == ref.receive(chunk)
+        assert (fast.buffered, fast.closed, fast.handshaken) == (ref.buffered, ref.closed, ref.handshaken)
+
+
+@PROPS
+@given(messages, cuts)
+def test_the_one_step_case_agrees_on_valid_traffic(msgs: list[list[bytes]], at: list[int]) -> None:
+    sender = ZmtpConnection("DEALER")
+    stream = sender.start() + b"".join(sender.send_message(m) for m in msgs)
+    fast, ref = ZmtpConnection("ROUTER", max_message=600), _StepByStep("ROUTER", max_message=600)
+    for chunk in split(stream, at):
+        assert fast.receive(chunk) == ref.receive(chunk)
+        assert fast.buffered == ref.buffered
+
+
+@PROPS
+@given(st.sampled_from([40, 255, 256, 300]), st.lists(st.tuples(st.integers(-2, 2), st.integers(0, 5)), min_size=1,
+                                                   max_size=6), cuts)
+def test_the_one_step_case_agrees_at_the_size_limits(limit: int, frames: list[tuple[int, int]], at: list[int]) -> None:
+    """Frames of a few bytes either side of the frame limit, short and long headers,
+    with and without MORE or reserved bits set: refused or taken alike."""
+    stream = ZmtpConnection("DEALER").start()
+    for delta, kind in frames:
+        size = max(0, limit + delta)
+        flags = (0, 0x01, 0x02, 0x03, 0x08, 0x02)[kind]
+        if flags & 0x02 or size > 255:
+            stream += bytes([flags | 0x02]) + size.to_bytes(8, "big") + bytes(size)
+        else:
+            stream += bytes([flags, size]) + bytes(size)
+    fast = ZmtpConnection("ROUTER", max_message=limit + 1, max_frame=limit)
+    ref = _StepByStep("ROUTER", max_message=limit + 1, max_frame=limit)
+    for chunk in split(stream, at):
+        assert fast.receive(chunk) == ref.receive(chunk)
+        assert (fast.buffered, fast.closed) == (ref.buffered, ref.closed)
+
+
+@given(st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(bytes)))
+def test_a_one_frame_message_is_encoded_as_encode_message_does(body: bytes) -> None:
+    assert encode_frame(body) == encode_message((body,)) == ZmtpConnection("DEALER").send_message([body])
 
 
 @PROPS

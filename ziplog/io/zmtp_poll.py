@@ -45,7 +45,7 @@ from ziplog.protocol.zmtp import (
     Ping,
     ProtocolViolation,
     ZmtpConnection,
-    encode_message,
+    encode_frame,
     parse_endpoint,
 )
 
@@ -296,7 +296,7 @@ class NativeRouter:
         conn = self.routes.get(route)
         if conn is None:
             return False
-        return conn.write(conn.codec.send_message((frame,)))
+        return conn.write(encode_frame(frame))
 
     def close(self, linger_ms: int = 0) -> None:
         if self.closed:
@@ -396,10 +396,10 @@ class NativeDealer:
             return False
         conn = self.conn
         if conn is not None and self.ready:
-            return conn.write(conn.codec.send_message((frame,)))
+            return conn.write(encode_frame(frame))
         if len(self.queue) >= QUEUE_LIMIT:
             return False
-        self.queue.append(encode_message((frame,)))
+        self.queue.append(encode_frame(frame))
         return True
 
     def connect(self, addr: str) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "Pong",
     "ProtocolViolation",
     "ZmtpConnection",
+    "encode_frame",
     "encode_message",
     "parse_endpoint",
     "valid_peer",
@@ -86,6 +87,7 @@ _MAX_IDENTITY = 255
 _MAX_PING_CONTEXT = 16
 
 _U64 = struct.Struct(">Q")
+_LONG_HEADER = bytes((_LONG,))
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 
@@ -212,6 +214,15 @@ def _frame_header(flags: int, size: int) -> bytes:
     if size < 256:
         return bytes((flags, size))
     return bytes((flags | _LONG,)) + _U64.pack(size)
+
+
+def encode_frame(body: bytes) -> bytes:
+    """A one-frame message (what :func:`encode_message` makes of ``(body,)``, built
+    without its loop: most of ziplog's messages are one frame)."""
+    size = len(body)
+    if size < 256:
+        return bytes((0, size)) + body
+    return _LONG_HEADER + _U64.pack(size) + body
 
 
 def encode_message(parts: Sequence[bytes]) -> bytes:
@@ -350,7 +361,7 @@ class ZmtpConnection:
 
     def send_message(self, parts: Sequence[bytes]) -> bytes:
         """One multipart message's frames (write only once :attr:`handshaken`)."""
-        return encode_message(parts)
+        return encode_frame(parts[0]) if len(parts) == 1 else encode_message(parts)
 
     def send_ping(self, ttl: int = 0, context: bytes = b"") -> bytes:
         """A PING (ZMTP 3.1 only): ``ttl`` in tenths of a second, ``context`` <= 16 bytes."""
@@ -401,6 +412,41 @@ class ZmtpConnection:
 
     def next_event(self) -> Event | None:
         """The next event, or None until more bytes are fed (and forever once closed)."""
+        if self._state == _TRAFFIC and not self._chunks and not self._parts:
+            # The common case in one step: a whole one-frame message (flags 0, or LONG
+            # alone) within the limits, or nothing buffered. Anything else (a command, a
+            # MORE frame, a frame still arriving, one over a limit) takes the general
+            # path below, which the result of this one always equals.
+            buf = self._buf
+            pos = self._pos
+            avail = len(buf) - pos
+            if avail == 0:
+                return None
+            if avail >= 2:
+                flags = buf[pos]
+                if flags == 0:
+                    size = buf[pos + 1]
+                    start = pos + 2
+                elif flags == _LONG and avail >= 9:
+                    size = _U64.unpack_from(buf, pos + 1)[0]
+                    start = pos + 9
+                else:
+                    size = -1
+                    start = 0
+                end = start + size
+                if 0 <= size <= self.max_frame and size <= self.max_message and end <= len(buf):
+                    body = buf[start:end]
+                    if end == len(buf):
+                        self._buf = b""
+                        self._pos = 0
+                    else:
+                        self._pos = end
+                    return Message([body])
+        return self._next_event_any()
+
+    def _next_event_any(self) -> Event | None:
+        """:meth:`next_event` for any input, one state step after the other (the
+        reference the one-step case must agree with)."""
         while True:
             st = self._state
             if st == _TRAFFIC:
