@@ -116,7 +116,9 @@ class Client(ClientBase):
     def _wait(self, call: Call) -> Any:
         """Turn the runtime until ``call`` is done, listening to the replicas it waits on."""
         driver = self._driver
-        self._rt.run_until(lambda: call.done, None, lambda: driver.endpoints_of(call))
+        rt = self._rt
+        # A native runtime polls every connection whatever it is told (no focus to build).
+        rt.run_until(lambda: call.done, None, None if rt.native else lambda: driver.endpoints_of(call))
         return call.result()
 
     # -- the calls --------------------------------------------------------------------------------
