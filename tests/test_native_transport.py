@@ -244,13 +244,22 @@ def test_a_native_sub_hears_every_pyzmq_publisher_and_one_that_restarts() -> Non
 
     def publisher(port: int = 0) -> tuple[zmq.Socket, str]:
         pub = ctx.socket(zmq.PUB)
+        pubs.append(pub)  # closed at the end whatever happens (else ctx.term() waits for it)
         pub.setsockopt(zmq.LINGER, 0)
-        if port:
-            pub.bind(f"tcp://127.0.0.1:{port}")
-        else:
+        if not port:
             port = pub.bind_to_random_port("tcp://127.0.0.1")
-        pubs.append(pub)
-        return pub, f"tcp://127.0.0.1:{port}"
+            return pub, f"tcp://127.0.0.1:{port}"
+        # libzmq releases a closed socket's listener in its own thread, some time after
+        # close(): bind again until the port is free, turning the loop in between
+        for _ in range(1000):
+            try:
+                pub.bind(f"tcp://127.0.0.1:{port}")
+                return pub, f"tcp://127.0.0.1:{port}"
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                rt.run_once(10)
+        raise AssertionError(f"port {port} stayed in use")
 
     got: list[bytes] = []
 
