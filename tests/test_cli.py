@@ -243,3 +243,71 @@ def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(tmp_path) -> None:
+    """``ziplog cluster restart --rolling --data-dir D`` asks the ``cluster up`` on D to
+    restart every process one at a time and follows it to the end; inserts go on during
+    it, nothing acknowledged is lost, and the restarted processes are new ones."""
+    import threading
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    data = tmp_path / "data"
+    missing = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
+                              "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert missing.returncode == 2 and "no `ziplog cluster up` runs on" in missing.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "1",
+                             "--data-dir", str(data)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "press Ctrl-C" in line:
+                break
+        text = "".join(seen)
+        assert "cluster restart --rolling" in text, text
+        hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
+        before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        acked: list[ziplog.RecordId] = []
+        stop = threading.Event()
+
+        def write() -> None:
+            with ziplog.Client(hosts) as c:
+                while not stop.is_set():
+                    acked.append(c.insert_after(b"r-%d" % len(acked)))
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            done = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
+                                   "--data-dir", str(data), "--timeout", "240"],
+                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        finally:
+            stop.set()
+            writer.join()
+        assert done.returncode == 0, done.stdout + done.stderr
+        for name in ("zk0", "zk1", "zk2", "mms0", "mms1", "mms2", "failure_handler0", "shard0-replica0",
+                     "shard0-replica1"):
+            assert f"  {name}: back after" in done.stdout, done.stdout
+        after = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert not (before & after) - {proc.pid}, "a process was not restarted"
+        with ziplog.Client(hosts) as c, c.subscribe(ziplog.RID_GENESIS, end=max(r.gsn for r in acked)) as sub:
+            got = [rec.data for rec in sub]
+        assert sorted(got) == sorted(b"r-%d" % i for i in range(len(acked)))  # every acknowledged one, once
+        assert len(acked) > 10, "the writer wrote during the restart"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "rolling restart 1 done" in rest and not (data / "cluster-up.pid").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

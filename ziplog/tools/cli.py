@@ -1,6 +1,7 @@
 """The ``ziplog`` command line.
 
     ziplog cluster up [--shards N] [--replicas N] [--data-dir D] [--netns]
+    ziplog cluster restart --rolling --data-dir D
     ziplog insert  --zk HOSTS [--after GSN:SHARD] [--shard S] DATA... | -
     ziplog tail    --zk HOSTS [--from GSN|genesis|recent] [-n COUNT]
     ziplog read    --zk HOSTS GSN:SHARD
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -30,6 +32,16 @@ ENV_ZK = "ZIPLOG_ZK"
 
 class _UsageError(Exception):
     """A usage problem found after parsing (exit status 2)."""
+
+
+#: ``cluster up`` keeps its process id here, in its data directory, while it runs ...
+UP_PID_FILE = "cluster-up.pid"
+#: ... and the outcome of its latest rolling restart (``cluster restart --rolling``)
+ROLLING_RESULT_FILE = "rolling-restart.json"
+
+
+class _RollingRequested(Exception):
+    """SIGUSR1 reached ``cluster up`` while it waited: restart every process, one by one."""
 
 
 # -- argument types -------------------------------------------------------------------------------
@@ -128,6 +140,9 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
     from ziplog.tools.cluster import local_cluster
 
     stopping: list[int] = []
+    #: rolling restarts asked for (SIGUSR1) and not begun; True while the loop waits
+    rolling_asked: list[int] = []
+    waiting = [False]
 
     def on_signal(signum: int, _frame: Any) -> None:
         # The first Ctrl-C/SIGTERM unwinds into local_cluster's cleanup; later ones must not interrupt it.
@@ -136,7 +151,14 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         stopping.append(signum)
         raise KeyboardInterrupt
 
+    def on_rolling(signum: int, _frame: Any) -> None:
+        # Only the waiting loop is interrupted; one asked for during a restart runs after it.
+        rolling_asked.append(signum)
+        if waiting[0]:
+            raise _RollingRequested
+
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_rolling)
     try:
         _out(f"starting ZooKeeper x3, membership service x3 and {args.shards} shard(s) x "
              f"{args.replicas} replica(s) ...")
@@ -179,9 +201,25 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                 _out("        rid = log.insert_after(b\"hello\")")
                 _out("        print(rid, log.read_record(rid))")
                 _out("")
-                _out("press Ctrl-C to stop")
+                _out("press Ctrl-C to stop; `ziplog cluster restart --rolling --data-dir "
+                     f"{c.data_dir}` restarts every process, one at a time")
+                pid_file = c.data_dir / UP_PID_FILE
+                pid_file.write_text(f"{os.getpid()}\n")
+                stack.callback(pid_file.unlink, missing_ok=True)
+                rolls = 0
                 while True:
-                    time.sleep(3600)
+                    waiting[0] = True
+                    try:
+                        if not rolling_asked:
+                            time.sleep(3600)
+                    except _RollingRequested:
+                        pass
+                    finally:
+                        waiting[0] = False
+                    if rolling_asked:
+                        rolling_asked.clear()
+                        rolls += 1
+                        _rolling_restart(c, rolls)
         except KeyboardInterrupt:
             pass
         _out("stopped every process")
@@ -189,6 +227,78 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _rolling_restart(cluster: Any, seq: int) -> None:
+    """Restart every process of ``cluster`` one at a time (``rolling_restart``, from this,
+    the main thread: the processes die with the thread that starts them), and leave the
+    outcome where ``cluster restart --rolling`` looks for it."""
+    from ziplog.tools.rolling import Restart, rolling_restart
+
+    restarts: list[dict[str, Any]] = []
+
+    def done(r: Restart) -> None:
+        ms = round((r.back_at - r.stopped_at) * 1000)
+        restarts.append({"kind": r.kind, "name": r.name, "ms": ms})
+        _out(f"  restarted {r.name}: back after {ms} ms")
+
+    _out(f"rolling restart {seq}: every process, one at a time")
+    error = None
+    try:
+        rolling_restart(cluster, on_restart=done)
+    except Exception as exc:  # reported, and the cluster goes on serving (a crash here would stop it all)
+        error = f"{type(exc).__name__}: {exc}"
+        _out(f"rolling restart {seq} stopped: {error}")
+    else:
+        _out(f"rolling restart {seq} done: {len(restarts)} processes")
+    result = cluster.data_dir / ROLLING_RESULT_FILE
+    tmp = result.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"seq": seq, "ok": error is None, "error": error, "restarts": restarts}))
+    tmp.replace(result)  # whole or not at all for a reader
+
+
+def _read_rolling_result(path: Any) -> dict[str, Any] | None:
+    try:
+        got: dict[str, Any] = json.loads(path.read_text())
+        return got
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_cluster_restart(args: argparse.Namespace) -> int:
+    """Ask the ``cluster up`` running on ``--data-dir`` for a rolling restart and follow it."""
+    from pathlib import Path
+
+    data = Path(args.data_dir)
+    try:
+        pid = int((data / UP_PID_FILE).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        raise _UsageError(f"no `ziplog cluster up` runs on {data} (no live process in {data / UP_PID_FILE})") from None
+    result_path = data / ROLLING_RESULT_FILE
+    before = _read_rolling_result(result_path)
+    last_seq = before["seq"] if before else 0
+    os.kill(pid, signal.SIGUSR1)
+    _out(f"asked cluster up (pid {pid}) for a rolling restart ...")
+    deadline = time.monotonic() + args.timeout
+    while True:
+        got = _read_rolling_result(result_path)
+        if got is not None and got["seq"] > last_seq:
+            break
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            raise ZiplogError(f"cluster up (pid {pid}) ended before the rolling restart did") from None
+        if time.monotonic() >= deadline:
+            raise ZiplogError(f"the rolling restart did not end within {args.timeout:g} s (it goes on; "
+                              f"see {result_path} later)")
+        time.sleep(0.2)  # the result is a file: nothing to wait on but its appearance
+    for r in got["restarts"]:
+        _out(f"  {r['name']}: back after {r['ms']} ms")
+    if not got["ok"]:
+        raise ZiplogError(f"the rolling restart stopped: {got['error']}")
+    _out(f"every process restarted ({len(got['restarts'])}), one at a time")
+    return 0
 
 
 def _insert_payloads(args: argparse.Namespace) -> Iterable[bytes]:
@@ -526,6 +636,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run each process on a host of its own: Linux network namespaces with their own addresses "
                          "on a bridge (three control hosts, one per storage replica, one for clients; root only)")
     up.set_defaults(func=cmd_cluster_up)
+    rs = clsub.add_parser("restart", help="restart every process of a running `cluster up`, one at a time",
+                          description="Ask the `ziplog cluster up` running on DATA_DIR to restart every process "
+                                      "gracefully, one at a time, the next only once the last is back at work: "
+                                      "ZooKeeper nodes, MMS and failure handler replicas (leaders last), then "
+                                      "storage replicas shard by shard (primaries last). Inserts go on meanwhile.")
+    rs.add_argument("--rolling", action="store_true", required=True,
+                    help="one process at a time (the only way: a cluster restarted all at once is a new start)")
+    rs.add_argument("--data-dir", required=True, metavar="D", help="the data directory `cluster up` was given")
+    rs.add_argument("--timeout", type=float, default=600.0, metavar="S", help="how long to follow it")
+    rs.set_defaults(func=cmd_cluster_restart)
 
     rpsub = command_group("replica", "operate on storage replicas", "Operate on storage replicas.")
     rr = rpsub.add_parser("replace", help="run a new replica in place of one whose machine is gone",
