@@ -178,6 +178,37 @@ def test_a_trim_above_the_cut_changes_no_answer_at_it() -> None:
         node.next(7, 1, 0, 3)
 
 
+def test_a_node_remembers_the_highest_seqnum_a_trim_took_of_each_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replay needs to know it lost records (``read_next(..., gapless=True)``):
+    the same before the watermark passes the trim (entries still held) and after (the
+    entries dropped, the number kept); a tag the trim took nothing of says 0; beyond
+    the bound, the oldest tags fold into their book's number (a replay may then be told
+    of a loss that is not its own: refused, never silently wrong)."""
+    import ziplog.logbook.core.index as ix
+
+    node = IndexNode(0, Assignment([(0, 1)]))
+    for g, tag in ((1, 1), (2, 2), (3, 1), (4, 5)):
+        node.on_entry(g, 0, 7, [tag])
+    node.on_watermark(4)
+    node.on_trim(5, 7, 4)  # book 7 below seqnum 4 is gone from gsn 5 on
+    assert node.trimmed_top(7, 1, 4) == 0  # at cut 4 the trim is not in force
+    at_5 = [node.trimmed_top(7, t, 5) for t in (1, 2, 5, ALL)]
+    node.on_watermark(5)  # the entries below 4 are dropped now
+    assert [node.trimmed_top(7, t, 5) for t in (1, 2, 5, ALL)] == at_5 == [3, 2, 0, 3]
+    assert node.trimmed_top(8, 1, 5) == 0
+
+    monkeypatch.setattr(ix, "MAX_TRIMMED_ROWS", 2)
+    small = IndexNode(0, Assignment([(0, 1)]))
+    for g, tag in ((1, 1), (2, 2), (3, 3), (4, 4)):
+        small.on_entry(g, 0, 7, [tag])
+    small.on_watermark(4)
+    small.on_trim(5, 7, 4)
+    small.on_watermark(5)  # four rows trimmed (the book's and tags 1-3): the oldest fold into book 7's
+    tops = {t: small.trimmed_top(7, t, 5) for t in (ALL, 1, 2, 3, 4)}
+    assert all(tops[t] >= true for t, true in ((ALL, 3), (1, 1), (2, 2), (3, 3), (4, 0)))  # never below the truth
+    assert len(small._trimmed) <= 2
+
+
 def test_a_node_refuses_a_cut_it_has_not_reached_and_a_feed_that_goes_back() -> None:
     node = IndexNode(0, Assignment([(0, 1)]))
     node.on_entry(5, 0, 1, [9])

@@ -107,3 +107,47 @@ def test_an_update_no_replay_would_read_is_refused_before_it_is_appended() -> No
         with pytest.raises(ValueError):
             o.encode(bad)
     assert o.decode(o.encode(o.Write(obj="x", field="f", value=[1, {"a": None}]))) is not None
+
+
+def test_a_replay_whose_records_a_trim_took_is_refused_not_rebuilt_wrong(cluster: ziplog.LocalCluster) -> None:
+    """A view replays an object's updates from where it last stopped. If a trim took
+    one it needs, a view built from what is left would be wrong without a word: the
+    read says so (``TrimmedError``). A view the trim took nothing from (it had read
+    past it, or the object had no update there) goes on as before."""
+    with LogBook(cluster.zk_hosts, 101) as lb:
+        store = BokiStore(lb)
+        store.set("acct", "balance", 100)
+        store.set("acct", "owner", "ann")  # a field only this early update sets
+        store.set("other", "v", 1)
+        assert store.get("acct") == {"balance": 100, "owner": "ann"}  # this store's view is past both
+        keep = store.set("acct", "balance", 90)
+        store.set("quiet", "v", 1)  # an object with no update below the trim point ...
+        lb.trim(keep)  # ... while the first updates of acct and other are gone
+        store.set("acct", "balance", 80)
+        assert store.get("acct") == {"balance": 80, "owner": "ann"}  # its view needed nothing the trim took
+        with LogBook(cluster.zk_hosts, 101) as other:
+            other.observe(lb.position)
+            fresh = BokiStore(other)
+            with pytest.raises(ziplog.TrimmedError, match="trim"):
+                fresh.get("acct")  # a fresh view would miss "owner": refused
+            with pytest.raises(ziplog.TrimmedError):
+                fresh.get("other")
+            with pytest.raises(ziplog.TrimmedError):
+                fresh.begin(read_only=True).get("acct")
+            assert fresh.get("quiet") == {"v": 1}  # the trim took none of its records
+            rec = other.read_next(0)  # a plain read_next (Boki's) skips to the first record past the trim
+            assert rec is not None and rec.seqnum >= keep
+
+
+def test_a_queue_replay_past_a_trim_that_took_its_records_is_refused(cluster: ziplog.LocalCluster) -> None:
+    from ziplog.logbook.queue import BokiQueue
+
+    with LogBook(cluster.zk_hosts, 102) as lb:
+        q = BokiQueue(lb, "jobs")
+        q.push(b"one")
+        keep = q.push(b"two")
+        lb.trim(keep)  # the push of "one" is gone
+        with LogBook(cluster.zk_hosts, 102) as other:
+            other.observe(lb.position)  # reads from cuts the trim is in force at (a session at 0 may read below it)
+            with pytest.raises(ziplog.TrimmedError):
+                BokiQueue(other, "jobs").pop()  # would hand out "two" as the oldest element

@@ -108,6 +108,16 @@ def test_a_node_drops_what_a_trim_hides(tier: Any) -> None:
         first = lb.read_next(0)
         assert first is not None and first.seqnum == seqnums[-1]
         assert lb.read_prev(seqnums[-2]) is None
+        # a replay's read (gapless) hears, through the aggregator, what the trim took of
+        # its tag from either node, though the entries themselves are gone
+        for tag in range(3):
+            taken = max(s for i, s in enumerate(seqnums[:-1]) if i % 3 == tag)
+            with pytest.raises(ziplog.TrimmedError, match=str(taken)):
+                lb.read_next(0, tag=tag, gapless=True)
+            with pytest.raises(ziplog.TrimmedError):
+                lb.read_next(taken, tag=tag, gapless=True)
+            got = lb.read_next(taken + 1, tag=tag, gapless=True)  # from past what it took: no gap
+            assert got == lb.read_next(taken + 1, tag=tag)
 
 
 def test_a_node_takes_a_feed_only_sealed_by_a_member_and_serves_on_after_junk(tier: Any) -> None:

@@ -62,7 +62,7 @@ class AggregatorFrontend:
         hit = res.hit
         self.send(route, f.encode(f.Found(req=req, cut=res.cut, found=hit is not None, gsn=hit.gsn if hit else 0,
                                           shard=hit.shard if hit else 0, trim_point=res.trim_point,
-                                          watermark=res.cut)))
+                                          watermark=res.cut, trimmed_top=res.trimmed_top)))
 
 
 async def serve(args: argparse.Namespace) -> int:

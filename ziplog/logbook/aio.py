@@ -144,8 +144,10 @@ class AsyncLogBook(SessionBase):
         result: int = await self._drive(s.append(self._pos, self.book_id, data, tags))
         return result
 
-    async def read_next(self, min_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
-        return self._engine.with_aux(await self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum)))
+    async def read_next(self, min_seqnum: int, tag: int | str | None = None, *,
+                        gapless: bool = False) -> LogRecord | None:
+        return self._engine.with_aux(await self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum,
+                                                                gapless)))
 
     async def read_prev(self, max_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
         return self._engine.with_aux(await self._drive(s.read(self._pos, "prev", self.book_id, tag, max_seqnum)))

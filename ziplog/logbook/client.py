@@ -102,15 +102,25 @@ class EngineState:
         else:
             self.index.on_watermark(gsn)
 
-    def answer(self, op: s.Lookup) -> tuple[int, Hit | None] | None:
+    def answer(self, op: s.Lookup) -> tuple[Any, ...] | None:
         """The lookup at the engine's watermark (the caller caught it up to
         ``op.min_cut``), or None: the tier must answer it."""
         assert self.watermark >= op.min_cut
-        if self.cache is not None:
-            return self.cache.answer(op.how, op.book, op.tag, op.seqnum)
+        cache = self.cache
+        if cache is not None:
+            if not op.gapless:
+                return cache.answer(op.how, op.book, op.tag, op.seqnum)
+            # A trim point at or below the replay's start took nothing it needs (0: no
+            # gap); above it, only the index nodes know what the trim took of the tag.
+            point = cache.trim_point(op.book)
+            if point is None or point > op.seqnum:
+                return None
+            got = cache.answer(op.how, op.book, op.tag, op.seqnum)
+            return None if got is None else (*got, 0)
         cut = self.index.watermark
         find = self.index.next if op.how == "next" else self.index.prev
-        return cut, find(op.book, op.tag, op.seqnum, cut)
+        hit = find(op.book, op.tag, op.seqnum, cut)
+        return (cut, hit, self.index.trimmed_top(op.book, op.tag, cut)) if op.gapless else (cut, hit)
 
     def caught_up(self, rec: Any, sub_position: int, position: int) -> bool:
         """One step of catching the index up to ``position`` from the engine's
@@ -133,7 +143,7 @@ class EngineState:
     def on_result(self, res: Result) -> None:
         self.results[res.key] = res  # type: ignore[index]
 
-    def take(self, key: int, op: s.Lookup) -> tuple[int, Hit | None]:
+    def take(self, key: int, op: s.Lookup) -> tuple[Any, ...]:
         """The tier's result for lookup ``key`` (learned by the cache), or its error."""
         res = self.results.pop(key)
         if res.error is not None:
@@ -143,7 +153,7 @@ class EngineState:
         assert res.cut >= op.min_cut, ("the tier answered below the asked cut", res.cut, op.min_cut)
         assert self.cache is not None
         self.cache.learn(op.book, op.tag, op.how, op.seqnum, res.cut, res.hit, res.trim_point)
-        return res.cut, res.hit
+        return (res.cut, res.hit, res.trimmed_top) if op.gapless else (res.cut, res.hit)
 
     def set_aux(self, seqnum: int, aux: bytes) -> None:
         self.aux[seqnum] = aux
@@ -292,9 +302,11 @@ class LogBook(SessionBase):
         result: int = self._drive(s.append(self._pos, self.book_id, data, tags))
         return result
 
-    def read_next(self, min_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
-        """The first record of the book with ``tag`` (None: any) and seqnum >= ``min_seqnum``."""
-        return self._with_aux(self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum)))
+    def read_next(self, min_seqnum: int, tag: int | str | None = None, *, gapless: bool = False) -> LogRecord | None:
+        """The first record of the book with ``tag`` (None: any) and seqnum >= ``min_seqnum``.
+        ``gapless``: ``TrimmedError`` if a trim took a record of the tag at or above
+        ``min_seqnum`` (a replay must not skip what it needed)."""
+        return self._with_aux(self._drive(s.read(self._pos, "next", self.book_id, tag, min_seqnum, gapless)))
 
     def read_prev(self, max_seqnum: int, tag: int | str | None = None) -> LogRecord | None:
         """The last record of the book with ``tag`` (None: any) and seqnum <= ``max_seqnum``."""

@@ -9,7 +9,8 @@ is popped at most once, and exactly once by a consumer that keeps popping (the p
 
 A queue object keeps its replay's cursor and the queue's live elements, so a pop replays
 only the queue's records since its previous one. Nothing is trimmed: the book keeps the
-queue's whole history (trimming the book below the queue's live records breaks replay).
+queue's whole history. A trim of the book that took a record a replay needs makes the
+pop raise ``TrimmedError`` (its reads are gapless) rather than hand out a wrong element.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class BokiQueue:
         """One operation of the replay, through the LogBook (so at cuts at or above its
         position, which every append and read moves up)."""
         if type(op) is q.ReadNext:
-            rec = self.lb.read_next(op.seqnum, tag=op.tag)
+            # gapless: a push or pop a trim took would otherwise be skipped without a word
+            rec = self.lb.read_next(op.seqnum, tag=op.tag, gapless=True)
             return None if rec is None else (rec.seqnum, rec.data)
         if type(op) is q.ReadTail:
             rec = self.lb.check_tail(op.tag)

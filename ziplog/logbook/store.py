@@ -10,7 +10,9 @@ with snapshot-isolated transactions whose commits are speculative records in the
     ok = t.commit()              # False: a write to alice or bob took effect in between
 
 A store remembers commit outcomes and object views (Boki keeps views in aux data): a
-read replays only the updates since the view it last built.
+read replays only the updates since the view it last built. Its reads are gapless: if a
+trim of the book took an update a view needs, the read raises ``TrimmedError`` rather
+than build the object without it; a view the trim took nothing from goes on.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class BokiStore:
         out: list[tuple[int, o.Update]] = []
         s = op.lo
         while s <= op.hi:
-            rec = self.lb.read_next(s, tag=op.tag)
+            # gapless: an update a trim took would otherwise be skipped without a word
+            rec = self.lb.read_next(s, tag=op.tag, gapless=True)
             if rec is None or rec.seqnum > op.hi:
                 break
             update = o.decode(rec.data)

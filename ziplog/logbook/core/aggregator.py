@@ -29,11 +29,13 @@ MAX_PENDING = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A lookup's outcome: ``(cut, hit, trim_point)``, or ``error`` (a frames' code)."""
+    """A lookup's outcome: ``(cut, hit, trim_point, trimmed_top)``, or ``error`` (a
+    frames' code); ``trimmed_top``: see ``Found``."""
     key: Hashable
     cut: int = 0
     hit: Hit | None = None
     trim_point: int = 0
+    trimmed_top: int = 0
     error: str | None = None
     message: str = ""
 
@@ -148,7 +150,7 @@ class AggregatorCore:
             return [], []
         if len(self.sources) == 1:
             hit = Hit(ans.gsn, ans.shard) if ans.found else None
-            return [], [self._end(p, Result(p.key, ans.cut, hit, ans.trim_point))]
+            return [], [self._end(p, Result(p.key, ans.cut, hit, ans.trim_point, ans.trimmed_top))]
         if ans.cut != p.cut:
             return [], []  # not this round's cut (cannot happen with exact lookups): ignore
         p.answers[source] = ans
@@ -165,7 +167,8 @@ class AggregatorCore:
         hits = [Hit(a.gsn, a.shard) if a.found else None for a in p.answers.values()]
         hit = first(hits) if p.q.how == f.NEXT else last(hits)
         point = max(a.trim_point for a in p.answers.values())
-        return [self._end(p, Result(p.key, p.cut, hit, point))]
+        top = max(a.trimmed_top for a in p.answers.values())  # each entry is on one node
+        return [self._end(p, Result(p.key, p.cut, hit, point, top))]
 
     def _end(self, p: _Pending, result: Result) -> Result:
         self._pending.pop(p.round, None)

@@ -111,7 +111,9 @@ class Found(_Frame, tag=17):
     book's trim point at that cut; ``watermark``: the answerer's (a lower bound of what
     it can answer at next); ``nodes``: an index node's count of nodes in the assignment
     at the cut (an aggregate at that cut needs that many nodes' answers; 0 from an
-    aggregator)."""
+    aggregator); ``trimmed_top`` (optional): the highest seqnum of an entry of the
+    lookup's (book, tag) that a trim in force at the cut took (0: none), so that a
+    replay can tell it lost records."""
     req: U64
     cut: U64
     found: bool
@@ -120,6 +122,7 @@ class Found(_Frame, tag=17):
     trim_point: U64
     watermark: U64
     nodes: U64 = 0
+    trimmed_top: U64 = 0
 
 
 class NodeState(_Frame, tag=18):

@@ -34,6 +34,10 @@ from ziplog.protocol.gsna import epoch_of
 
 #: the book-wide row (``tag=None``: every entry of the book)
 ALL = None
+#: (book, tag) rows whose highest trimmed seqnum a node remembers one by one; beyond
+#: it the oldest are folded into their book's (a replay of those tags may then be told
+#: of a trim that took none of its records: refused, never silently wrong)
+MAX_TRIMMED_ROWS = 1 << 20
 
 
 class Hit(NamedTuple):
@@ -94,6 +98,10 @@ class IndexNode:
         #: (gsn, book) of trims fed and not yet passed by the watermark, gsn order
         self._unapplied: list[tuple[int, int]] = []
         self._applied = 0
+        #: (book, tag) -> the highest seqnum of its entries a trim dropped (at most
+        #: MAX_TRIMMED_ROWS; older ones folded into ``_trimmed_books``)
+        self._trimmed: dict[tuple[int, int | None], int] = {}
+        self._trimmed_books: dict[int, int] = {}
 
     # -- the feed ---------------------------------------------------------------------------------
     def on_entry(self, gsn: int, shard: int, book: int, tags: Iterable[int]) -> None:
@@ -136,6 +144,7 @@ class IndexNode:
                 row = self._rows[(book, tag)]
                 i = bisect.bisect_left(row.gsns, point)
                 if i:
+                    self._note_trimmed(book, tag, row.gsns[i - 1])
                     del row.gsns[:i]
                     del row.shards[:i]
                 if not row.gsns:
@@ -154,6 +163,19 @@ class IndexNode:
             del todo[:self._applied]
             self._applied = 0
 
+    def _note_trimmed(self, book: int, tag: int | None, top: int) -> None:
+        trimmed = self._trimmed
+        key = (book, tag)
+        if key in trimmed:
+            trimmed[key] = max(trimmed[key], top)
+            return
+        trimmed[key] = top
+        if len(trimmed) > MAX_TRIMMED_ROWS:
+            oldest = next(iter(trimmed))
+            old_top = trimmed.pop(oldest)
+            old_book = oldest[0]
+            self._trimmed_books[old_book] = max(self._trimmed_books.get(old_book, 0), old_top)
+
     def _advance(self, gsn: int) -> None:
         assert gsn > self._fed, ("the feed went back", gsn, self._fed)
         self._fed = gsn
@@ -166,6 +188,19 @@ class IndexNode:
             return 0
         i = bisect.bisect_right(trims[0], cut)
         return trims[1][i - 1] if i else 0
+
+    def trimmed_top(self, book: int, tag: int | None, cut: int) -> int:
+        """The highest seqnum of an entry of ``(book, tag)`` that a trim in force at
+        ``cut`` took from this node (0: none). A replay reading the tag from a seqnum at
+        or below it would skip records it needed (``read_next(..., gapless=True)``)."""
+        top = max(self._trimmed.get((book, tag), 0), self._trimmed_books.get(book, 0))
+        point = self.trim_point(book, cut)
+        row = self._rows.get((book, tag))
+        if point and row is not None:  # entries under a trim the watermark has not passed yet
+            i = bisect.bisect_left(row.gsns, point)
+            if i:
+                top = max(top, row.gsns[i - 1])
+        return top
 
     def next(self, book: int, tag: int | None, min_seqnum: int, cut: int) -> Hit | None:
         """The first entry of ``book`` with ``tag`` (None: any) and a seqnum at or above

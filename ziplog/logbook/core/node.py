@@ -132,7 +132,8 @@ class NodeCore:
         return f.Found(req=q.req, cut=cut, found=hit is not None, gsn=hit.gsn if hit else 0,
                        shard=hit.shard if hit else 0, trim_point=index.trim_point(q.book, cut),
                        watermark=index.watermark,
-                       nodes=index.assignment.nodes_at(epoch_of(cut)) if self.history else 0)
+                       nodes=index.assignment.nodes_at(epoch_of(cut)) if self.history else 0,
+                       trimmed_top=index.trimmed_top(q.book, q.tag, cut))
 
     def _release(self, now: int) -> Messages:
         out: Messages = []

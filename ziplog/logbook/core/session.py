@@ -21,7 +21,7 @@ from typing import Any, Callable, Generator
 
 from ziplog.logbook.core import records as r
 from ziplog.logbook.core.index import Hit
-from ziplog.protocol.errors import ZiplogError
+from ziplog.protocol.errors import TrimmedError, ZiplogError
 
 #: the largest seqnum (check_tail reads back from it)
 MAX_SEQNUM = (1 << 64) - 1
@@ -38,12 +38,15 @@ class Insert:
 class Lookup:
     """Ask the index, at a cut at or above ``min_cut``, for the first (``"next"``: seqnum
     at or above ``seqnum``) or last (``"prev"``: at or below) entry of ``book`` with
-    ``tag`` (None: any); ``(cut, Hit | None)`` is sent back."""
+    ``tag`` (None: any); ``(cut, Hit | None)`` is sent back, or with ``gapless``
+    ``(cut, Hit | None, trimmed_top)``: the highest seqnum of an entry of the (book,
+    tag) a trim in force at the cut took (0: none)."""
     how: str
     book: int
     tag: int | None
     seqnum: int
     min_cut: int
+    gapless: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +112,27 @@ def trim(pos: Position, book: int, seqnum: int) -> Steps:
     return None
 
 
-def read(pos: Position, how: str, book: int, tag: int | str | None, seqnum: int) -> Steps:
-    """``read_next`` (``how="next"``) or ``read_prev`` (``"prev"``): the record, or None."""
+def read(pos: Position, how: str, book: int, tag: int | str | None, seqnum: int, gapless: bool = False) -> Steps:
+    """``read_next`` (``how="next"``) or ``read_prev`` (``"prev"``): the record, or None.
+
+    ``gapless`` (a ``read_next`` that replays a tag's history, as BokiStore and
+    BokiQueue do): ``TrimmedError`` if a trim took a record of the tag at or above
+    ``seqnum``, rather than the first record past it: a replay that skipped what the
+    trim took would build a wrong state without a word. (A trim that took only records
+    below ``seqnum``, or none of the tag's, is no gap.)"""
     if not 0 <= seqnum <= MAX_SEQNUM:
         raise ValueError("a seqnum is in 0..2**64-1")
     key = None if tag is None else r.tag_of(tag)
-    cut, hit = yield Lookup(how, book, key, seqnum, pos.gsn)
+    gapless = gapless and how == "next"
+    if gapless:
+        cut, hit, trimmed_top = yield Lookup(how, book, key, seqnum, pos.gsn, True)
+    else:
+        cut, hit = yield Lookup(how, book, key, seqnum, pos.gsn)
     assert cut >= pos.gsn, ("the index answered below the session's position", cut, pos.gsn)
     pos.reached(cut)
+    if gapless and 0 < trimmed_top and trimmed_top >= seqnum:  # 0: the trim took none of the tag
+        raise TrimmedError(f"a trim of book {book} took its record at seqnum {trimmed_top}, which a replay from "
+                           f"{seqnum} needs: what was built from the records before it cannot be rebuilt")
     if hit is None:
         return None
     data = yield ReadRecord(hit)
