@@ -190,15 +190,13 @@ class ZmqRuntime:
         #: where ``zmq_poll`` makes two (a first pass with no timeout, then the wait) and
         #: asks each libzmq socket for its events on both
         self._fd_poller = select.poll()
-        #: libzmq sockets in the poll set (0: the fd poller serves the turn)
-        self._zmq_polled = 0
         # Other threads wake the loop with a byte on this socket pair. Without it
         # (``wake=False``: a client's runtime, which runs only while a call waits), calls
         # from other threads wait for the next turn, at most MAX_WAIT_MS.
         self._wake_rx: socket.socket | None = None
         self._wake_tx: socket.socket | None = None
         if wake:
-            self._wake_rx, self._wake_tx = self._pipe(self._drain_wake)
+            self._wake_rx, self._wake_tx = self._pipe()
         #: the read end of the pipe Python writes a byte to when a signal arrives (see
         #: :meth:`wake_on_signals`), and the write end
         self._signal_rx: socket.socket | None = None
@@ -226,16 +224,27 @@ class ZmqRuntime:
             except OSError:
                 pass  # full (a wake-up is pending anyway) or closed
 
-    def _pipe(self, drain: Callable[[], None]) -> tuple[socket.socket, socket.socket]:
-        """A socket pair whose read end the loop polls (``drain`` empties it)."""
+    def _pipe(self) -> tuple[socket.socket, socket.socket]:
+        """A socket pair whose read end the loop polls and empties (its bytes only wake
+        the poll)."""
         rx, tx = socket.socketpair()
         rx.setblocking(False)
         tx.setblocking(False)
+
+        def drain() -> None:
+            try:
+                while rx.recv(4096):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                pass
+
         self.watch_fd(rx.fileno(), drain, None)
         return rx, tx
 
-    def _drain_wake(self) -> None:
-        _drain(self._wake_rx)
+    @property
+    def _zmq_polled(self) -> int:
+        """libzmq sockets in the poll set (0: the fd poller serves the turn)."""
+        return len(self._sockets)
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)
@@ -247,13 +256,11 @@ class ZmqRuntime:
         if drain is not None:
             self._sockets[s.sock] = s
             self._poll_items = [*self._poll_items, (s.sock, POLLIN)]
-            self._zmq_polled += 1
 
     def _forget(self, s: _Socket) -> None:
         self._all.discard(s)
         if self._sockets.pop(s.sock, None) is not None:
             self._poll_items = [item for item in self._poll_items if item[0] is not s.sock]
-            self._zmq_polled -= 1
 
     # -- native endpoints' file descriptors ---------------------------------------------------------
     def watch_fd(self, fd: int, on_read: Callable[[], None] | None, on_write: Callable[[], None] | None) -> None:
@@ -412,7 +419,7 @@ class ZmqRuntime:
                     wait_ms = min(wait_ms, left // 1_000_000)
         out = POLLOUT  # the writable bit in ``ready``'s flags
         if focus is None or self.native:  # a native endpoint's socket comes and goes: poll all
-            if self._zmq_polled:
+            if self._sockets:  # a libzmq socket to poll
                 ready = zmq_poll(self._poll_items, wait_ms)
             else:
                 ready = self._fd_poller.poll(wait_ms)
@@ -458,11 +465,8 @@ class ZmqRuntime:
         once), so that :meth:`run_forever` can wait up to IDLE_WAIT_MS. Main thread only."""
         if self._signal_rx is not None:
             return
-        self._signal_rx, self._signal_tx = self._pipe(self._drain_signal_pipe)
+        self._signal_rx, self._signal_tx = self._pipe()
         signal.set_wakeup_fd(self._signal_tx.fileno(), warn_on_full_buffer=False)
-
-    def _drain_signal_pipe(self) -> None:
-        _drain(self._signal_rx)
 
     def run_forever(self) -> None:
         # Without both wake-ups (other threads', signals') a longer poll would delay them.
@@ -508,20 +512,8 @@ class ZmqRuntime:
         self._poll_items = []
         self._fds.clear()
         self._fd_poller = select.poll()
-        self._zmq_polled = 0
         if self._own_ctx:
             self.ctx.destroy(linger=0)
-
-
-def _drain(pipe_rx: socket.socket | None) -> None:
-    """Empty a wake-up pipe's read end (the bytes only woke the poll)."""
-    if pipe_rx is None:
-        return
-    try:
-        while pipe_rx.recv(4096):
-            pass
-    except (BlockingIOError, InterruptedError):
-        pass
 
 
 def round_trip(addr: str, frame: bytes, timeout_ns: int, max_bytes: int = -1) -> bytes | None:

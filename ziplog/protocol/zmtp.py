@@ -87,7 +87,6 @@ _MAX_IDENTITY = 255
 _MAX_PING_CONTEXT = 16
 
 _U64 = struct.Struct(">Q")
-_LONG_HEADER = bytes((_LONG,))
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 
@@ -219,10 +218,7 @@ def _frame_header(flags: int, size: int) -> bytes:
 def encode_frame(body: bytes) -> bytes:
     """A one-frame message (what :func:`encode_message` makes of ``(body,)``, built
     without its loop: most of ziplog's messages are one frame)."""
-    size = len(body)
-    if size < 256:
-        return bytes((0, size)) + body
-    return _LONG_HEADER + _U64.pack(size) + body
+    return _frame_header(0, len(body)) + body
 
 
 def encode_message(parts: Sequence[bytes]) -> bytes:
