@@ -538,17 +538,21 @@ def set_scheduling(policy: str) -> None:
     Policy needs no privilege to set; where the platform has none, this does nothing."""
     if policy != "batch" or not hasattr(os, "SCHED_BATCH"):
         return
-    # Every thread there is (a library may have started some at import: numpy's BLAS
-    # pool), and threads started later inherit it.
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
+    for tid in _own_threads():
         try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
         except OSError as exc:
             log.warning("could not run thread %d under SCHED_BATCH (%s): its scheduling left as it is", tid, exc)
+
+
+def _own_threads() -> list[int]:
+    """Every thread of this process (a library may have started some at import:
+    numpy's BLAS pool; threads started later inherit what is set on these), or [0]
+    (the calling thread) where /proc does not say."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def parse_cpu_list(spec: str) -> set[int]:
@@ -566,8 +570,15 @@ def parse_cpu_list(spec: str) -> set[int]:
     return cpus
 
 
-def set_cpus(spec: str | None) -> None:
-    """Keep every thread of this process on the CPUs ``spec`` lists (None: anywhere).
+def _cpu_list_argument(spec: str) -> set[int]:
+    try:
+        return parse_cpu_list(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def set_cpus(cpus: set[int] | None) -> None:
+    """Keep every thread of this process on ``cpus`` (None: anywhere).
 
     Why: on a machine that runs several replicas of a shard beside their clients (the
     local cluster, a test bed), the scheduler often wakes a backup on the CPU its
@@ -576,18 +587,13 @@ def set_cpus(spec: str | None) -> None:
     works beside its peer. Measured on a 2-core machine, one pinned client, the two
     replicas' affinity switched every 800 inserts between one CPU each and both: the
     block's p50 lower in 12 of 12 pairs, by about 20 %."""
-    if spec is None:
+    if cpus is None:
         return
-    cpus = parse_cpu_list(spec)
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
+    for tid in _own_threads():
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError as exc:
-            log.warning("could not keep thread %d on CPUs %s (%s): it runs anywhere", tid, spec, exc)
+            log.warning("could not keep thread %d on CPUs %s (%s): it runs anywhere", tid, sorted(cpus), exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                          "machine keep its CPU when its INSERT wakes this replica, so that it sends the other "
                          "replicas' copies at once (the replicas then work in parallel); normal lets the woken "
                          "replica preempt it")
-    ap.add_argument("--cpus", default=None, metavar="LIST",
+    ap.add_argument("--cpus", type=_cpu_list_argument, default=None, metavar="LIST",
                     help="keep the process on these CPUs (taskset -c's list: 0 or 0,2-3; default: anywhere); "
                          "the local cluster gives each replica of a shard a CPU of its own")
     add_cluster_key_argument(ap)
@@ -640,11 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     check_address_arguments(ap, args)
     key = load_cluster_key(args.cluster_key_file)
     configure_logging(args, f"storage{args.shard}.{args.replica}")
-    if args.cpus is not None:
-        try:
-            parse_cpu_list(args.cpus)
-        except ValueError as exc:
-            ap.error(str(exc))
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     set_cpus(args.cpus)
     settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,

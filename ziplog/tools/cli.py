@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ziplog.protocol.errors import ZiplogError
@@ -257,7 +258,7 @@ def _rolling_restart(cluster: Any, seq: int) -> None:
     tmp.replace(result)  # whole or not at all for a reader
 
 
-def _read_rolling_result(path: Any) -> dict[str, Any] | None:
+def _read_rolling_result(path: Path) -> dict[str, Any] | None:
     try:
         got: dict[str, Any] = json.loads(path.read_text())
         return got
@@ -267,8 +268,6 @@ def _read_rolling_result(path: Any) -> dict[str, Any] | None:
 
 def cmd_cluster_restart(args: argparse.Namespace) -> int:
     """Ask the ``cluster up`` running on ``--data-dir`` for a rolling restart and follow it."""
-    from pathlib import Path
-
     data = Path(args.data_dir)
     try:
         pid = int((data / UP_PID_FILE).read_text())
@@ -432,8 +431,6 @@ def cmd_replica_replace(args: argparse.Namespace) -> int:
     """Become the replacement of a storage replica whose machine is gone: check that the
     shard exists and the old replica is not answering, then run the storage server in
     this process on an empty data directory (failure recovery fills it)."""
-    from pathlib import Path
-
     from ziplog.io import zk as discovery
     from ziplog.io.segments import replica_dir
     from ziplog.protocol import layout
@@ -504,8 +501,6 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ziplog.shell.process import write_cluster_key
 
     try:
