@@ -174,7 +174,6 @@ class RedisStreamsSystem(System):
         self._version = binary_version([binary, "--version"], r"v=(\S+)")
         self._dir = make_temp_dir("bench-redis-", self.data_parent)
         self.port = free_ports(1)[0]
-        self._cpus = CpuSpread()
         self.server = ServerProcess("redis-server", self._cpus.argv(self.server_argv(binary, self.port, self._dir)),
                                     self._dir / "redis.log", cwd=self._dir)  # fmt: skip
         self.server.start()
