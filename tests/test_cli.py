@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -210,23 +211,32 @@ def test_demo_module_is_importable() -> None:
     assert callable(mod.main) and callable(mod.run_demo)
 
 
-def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _cli_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _cluster_up(data: Path) -> tuple[subprocess.Popen[str], str]:
+    """``ziplog cluster up --shards 1 --data-dir data`` started, and what it printed up
+    to its "press Ctrl-C" line (or until it stopped printing, within 90 s)."""
     proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "1",
-                             "--data-dir", str(tmp_path / "data")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                             "--data-dir", str(data)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(), cwd=ROOT)
+    seen = []
+    deadline = time.monotonic() + 90
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if "press Ctrl-C" in line:
+            break
+    return proc, "".join(seen)
+
+
+def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
+    proc, text = _cluster_up(tmp_path / "data")
     try:
-        seen = []
-        deadline = time.monotonic() + 90
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if "press Ctrl-C" in line:
-                break
-        text = "".join(seen)
         assert "press Ctrl-C" in text, text
         m = re.search(r"ZooKeeper hosts:\s+(\S+)", text)
         assert m, text
@@ -253,26 +263,13 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
 
     import psutil
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _cli_env()
     data = tmp_path / "data"
     missing = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
                               "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert missing.returncode == 2 and "no `ziplog cluster up` runs on" in missing.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "1",
-                             "--data-dir", str(data)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    proc, text = _cluster_up(data)
     try:
-        assert proc.stdout is not None
-        seen = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if "press Ctrl-C" in line:
-                break
-        text = "".join(seen)
         assert "cluster restart --rolling" in text, text
         hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
         before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}

@@ -236,6 +236,7 @@ def test_a_native_sub_hears_every_pyzmq_publisher_and_one_that_restarts() -> Non
     loop waits in one ``poll`` system call."""
     import zmq
 
+    from tests.zmq_ports import bind_again
     from ziplog.io.zmq_runtime import ZmqRuntime
 
     rt = ZmqRuntime(native=True, wake=False)
@@ -246,20 +247,11 @@ def test_a_native_sub_hears_every_pyzmq_publisher_and_one_that_restarts() -> Non
         pub = ctx.socket(zmq.PUB)
         pubs.append(pub)  # closed at the end whatever happens (else ctx.term() waits for it)
         pub.setsockopt(zmq.LINGER, 0)
-        if not port:
+        if port:
+            bind_again(pub, port, between=lambda: rt.run_once(10))
+        else:
             port = pub.bind_to_random_port("tcp://127.0.0.1")
-            return pub, f"tcp://127.0.0.1:{port}"
-        # libzmq releases a closed socket's listener in its own thread, some time after
-        # close(): bind again until the port is free, turning the loop in between
-        for _ in range(1000):
-            try:
-                pub.bind(f"tcp://127.0.0.1:{port}")
-                return pub, f"tcp://127.0.0.1:{port}"
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE:
-                    raise
-                rt.run_once(10)
-        raise AssertionError(f"port {port} stayed in use")
+        return pub, f"tcp://127.0.0.1:{port}"
 
     got: list[bytes] = []
 

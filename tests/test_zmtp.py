@@ -24,6 +24,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.zmq_ports import bind_again
 import ziplog.aio
 from ziplog.io.zmtp_asyncio import ZmtpDealer, ZmtpRouter, parse_endpoint
 from ziplog.io.zmtp_blocking import BlockingDealer
@@ -585,7 +586,7 @@ def test_zmtp_dealer_reconnects_after_the_pyzmq_router_restarts() -> None:
             assert dealer.send([b"2"])
             r2 = ctx.socket(zmq.ROUTER)
             r2.setsockopt(zmq.LINGER, 0)
-            r2.bind(f"tcp://127.0.0.1:{port}")
+            bind_again(r2, port)
             await waitfor(dealer.wait_connected())
             assert await waitfor(r2.recv_multipart()) == [b"zd", b"2"]
             await r2.send_multipart([b"zd", b"reply"])
@@ -731,7 +732,7 @@ def test_blocking_dealer_with_a_pyzmq_router() -> None:
         r2 = ctx.socket(zmq.ROUTER)
         r2.setsockopt(zmq.LINGER, 0)
         r2.setsockopt(zmq.RCVTIMEO, 200)
-        r2.bind(f"tcp://127.0.0.1:{port}")
+        bind_again(r2, port)
         got = None
         for i in range(100):
             d.send([b"again", b"%d" % i])  # one written to the dead connection is lost
