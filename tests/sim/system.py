@@ -125,6 +125,8 @@ class Outcome:
     install_parts: int = 0  # INSTALLs that were one part of several (ending at their last record)
     notices: int = 0  # NOTICEs a primary received from another shard's primary
     killed_after_notice: int = 0  # primaries killed after a notice moved them, before they forwarded it
+    stops: int = 0  # replicas stopped gracefully (SIGTERM) and started again
+    clean_restarts: int = 0  # primaries that restarted on a clean-close marker matching their disk
     trace: list[str] = field(default_factory=list)
     #: what a simulation on top of the log counts (``tests/sim/logdb_system.py``)
     logdb: dict[str, int] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class Outcome:
               "crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
               "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events",
               "disks_filled", "disk_refusals", "disk_full_errors", "forward_parts", "install_parts", "notices",
-              "killed_after_notice")
+              "killed_after_notice", "stops", "clean_restarts")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -361,7 +363,8 @@ class Reader:
 class SystemSim:
     def __init__(self, seed: int, trace: bool = False, shards: int | None = None, clients: int | None = None,
                  inserts: int | None = None, faults: int | None = None, net: NetParams | None = None,
-                 add_shard: bool | None = None, remove_shard: bool | None = None, limit_ms: int = 10_000) -> None:
+                 add_shard: bool | None = None, remove_shard: bool | None = None, limit_ms: int = 10_000,
+                 stops: int | None = None) -> None:
         self.seed = seed
         rng = random.Random(seed)
         if net is None:
@@ -434,6 +437,15 @@ class SystemSim:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "add"))
         if remove_shard if remove_shard is not None else rng.random() < 0.25:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "remove"))
+        # Graceful stops (a rolling restart's SIGTERM), drawn apart so that a seed without
+        # any keeps the world it had before they existed.
+        self.stopper = random.Random(seed * 7919 + 2)
+        nstops = stops if stops is not None else self.stopper.choice([0, 0, 1, 2])
+        for _ in range(nstops):
+            self.fault_plan.append((self.stopper.randint(5 * MS, self.fault_end), "stop"))
+        #: also stop some primaries while they are blocked (one must not vouch for a log
+        #: it knows lacks records a backup holds)
+        self.stop_blocked = nstops > 0
 
     @property
     def now(self) -> int:
@@ -465,7 +477,9 @@ class SystemSim:
         self.by_proc[proc] = r
         proc.at_turn_end(lambda: self._rep_turn(r))
         core = r.driver.core
-        self.tr(f"rep {r.shard}.{r.idx}: up as {name} (replayed {len(r.disk.written)} events: frontier {core.frontier} "
+        if core.restarted_clean:
+            self.outcome.clean_restarts += 1
+        self.tr(f"rep {r.shard}.{r.idx}: up as {name} (clean: {core.restarted_clean}; replayed {len(r.disk.written)} events: frontier {core.frontier} "
                 f"records {len(core.log.gsns)} last epoch {core.last_epoch})")
         proc.run(r.driver.start)
 
@@ -475,6 +489,8 @@ class SystemSim:
             r.blocked_seen = True
             self.outcome.blocked += 1
             self.tr(f"rep {r.shard}.{r.idx}: BLOCKED: {core.blocked}")
+            if self.stop_blocked and self.stopper.random() < 0.5:
+                self.at(self.now + self.stopper.randint(0, 5) * MS, self._stop_if_up, r, r.proc)
 
     def crash_rep(self, r: Rep) -> None:
         """SIGKILL: memory is gone; the disk keeps what was written, minus sometimes a few
@@ -494,6 +510,25 @@ class SystemSim:
         session = r.session
         self.at(self.now + rng.choice([20, 60, 150]) * MS, self.expire, session)
         self.at(self.now + rng.randint(10, 120) * MS, self.start_rep, r)
+
+    def stop_rep(self, r: Rep) -> None:
+        """SIGTERM: the driver writes everything it holds (a primary that may vouches for
+        it with the clean-close marker), the process ends and its ZooKeeper session closes
+        at once; it starts again a while later on the same disk."""
+        driver, proc, session = r.driver, r.proc, r.session
+        assert driver is not None and proc is not None and session is not None
+        self.outcome.stops += 1
+        driver.stop_requested()
+        driver.close()
+        self.tr(f"STOP rep {r.shard}.{r.idx} (frontier {driver.core.frontier}; clean-close marker: "
+                f"{r.disk.clean_frontier})")
+        proc.kill()
+        self.zk.expire(session)
+        self.at(self.now + self.rng.randint(10, 120) * MS, self.start_rep, r)
+
+    def _stop_if_up(self, r: Rep, proc: SimProcess) -> None:
+        if r.proc is proc and r.up:
+            self.stop_rep(r)
 
     def expire(self, session: Session) -> None:
         self.tr(f"zk: session {session.name} expired")
@@ -687,6 +722,18 @@ class SystemSim:
             for i in range(REPLICAS):
                 self.reps[(shard, i)].disk.full = True
             self.at(self.now + rng.choice([20, 80, 250]) * MS, self.free_disk, shard)
+        elif kind == "stop":
+            cands = [r for r in self.reps.values() if self.shard_whole(r.shard)]
+            primaries = [r for r in cands if r.idx == 0]
+            pick = primaries if primaries and rng.random() < 0.7 else cands
+            if pick:
+                r = pick[rng.randrange(len(pick))]
+                if r.proc is not None and self.stopper.random() < 0.5:
+                    # Mid-turn: after its input was handled, before anything of it was sent
+                    # (decisions whose ACKs never left are written and vouched for).
+                    r.proc.doomed = lambda: self.stop_rep(r)
+                else:
+                    self.stop_rep(r)
         elif kind == "handler":
             self.crash_control("fh")
         elif kind == "mms":

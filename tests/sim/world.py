@@ -444,10 +444,13 @@ class SimPusher:
 
 class SimDisk:
     """A replica's disk: what its incarnations wrote. A SIGKILL keeps what was written,
-    minus sometimes a few events at the tail (what the OS had not written out)."""
+    minus sometimes a few events at the tail (what the OS had not written out); a
+    graceful stop keeps all of it, and the clean-close marker it may write."""
 
     def __init__(self) -> None:
         self.written: list[DiskEvent] = []
+        #: the clean-close marker: the frontier the last incarnation vouched for
+        self.clean_frontier: int | None = None
         self.error: BaseException | None = None
         #: the disk is full: every append fails (nothing written) until it is not
         self.full = False
@@ -468,8 +471,12 @@ class SimDisk:
     def drop_below(self, gsn: int) -> int:
         return 0
 
-    def close(self) -> None:
-        pass
+    def take_clean_close(self) -> int | None:
+        frontier, self.clean_frontier = self.clean_frontier, None
+        return frontier
+
+    def close(self, clean_frontier: int | None = None) -> None:
+        self.clean_frontier = clean_frontier
 
     def lose_tail(self, n: int) -> None:
         if n > 0:

@@ -158,7 +158,14 @@ class Disk(Protocol):
     def drop_below(self, gsn: int) -> int:
         """Delete whole segments whose records all lie below ``gsn``."""
 
-    def close(self) -> None: ...
+    def take_clean_close(self) -> int | None:
+        """The frontier the last incarnation vouched for when it stopped gracefully (None:
+        it did not); the vouching is gone from the disk before this returns, so it counts
+        for one start only."""
+
+    def close(self, clean_frontier: int | None = None) -> None:
+        """Stop writing; with ``clean_frontier``, vouch (after syncing everything) that
+        every event this incarnation decided is written and the log ends there."""
 
 
 class CoordinationUnavailable(Exception):

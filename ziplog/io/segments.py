@@ -24,6 +24,13 @@ released to make the room, and made again once there is space. The directory
 always holds a snapshot: a crash at any point of a rotation loses nothing that was
 not trimmed. A torn write at the tail (crash mid-append) is detected on load and cut
 off.
+
+A replica stopped gracefully may leave a **clean-close marker** beside the segments
+(:meth:`SegmentLog.close` with a frontier): the files synced first, then the marker,
+synced, naming the frontier they end at. The next start takes it
+(:meth:`SegmentLog.take_clean_close`) and deletes it, durably, before the replica does
+anything: the marker vouches for one start only, so a crash of that incarnation is never
+taken for a clean stop.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ SEGMENT_BYTES = 64 << 20
 #: the reserve file's size, at least (and four times a segment's opening snapshot)
 RESERVE_BYTES = 64 << 10
 RESERVE_NAME = "reserve"
+#: the clean-close marker's file (its text: the frontier the segments end at)
+CLEAN_CLOSE_NAME = "clean-close"
 
 
 def replica_dir(data_dir: Path, shard: int, replica: int) -> Path:
@@ -218,11 +227,19 @@ class SegmentLog:
         os.fsync(self._fd)
         self._last_sync = time.monotonic()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, clean_frontier: int | None = None, timeout: float = 10.0) -> None:
+        """Stop writing. With ``clean_frontier`` (the caller's promise: every event it
+        decided is appended, and the log ends at this frontier) the segments are fsynced,
+        whatever the policy, and then the clean-close marker is written and fsynced, so
+        that a marker on disk always has the events it vouches for before it."""
         if self._thread is None:
             return
         try:
             self.sync()
+            if clean_frontier is not None:
+                if self._fd is not None:
+                    os.fsync(self._fd)
+                self._write_clean_close(clean_frontier)
         finally:
             self._stopping = True
             self._sync_wanted.set()
@@ -232,6 +249,46 @@ class SegmentLog:
                 os.close(self._fd)
                 self._fd = None
                 self._open_seq = None
+
+    def _write_clean_close(self, frontier: int) -> None:
+        tmp = self.dir / (CLEAN_CLOSE_NAME + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, str(frontier).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / CLEAN_CLOSE_NAME)
+        self._sync_dir()
+
+    def take_clean_close(self) -> int | None:
+        """The frontier the last incarnation vouched for when it stopped gracefully, or
+        None (no marker: it crashed, or could not write everything). The marker is gone
+        from the disk, durably, before this returns a frontier: None if it cannot be."""
+        path = self.dir / CLEAN_CLOSE_NAME
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            text = b""
+        try:
+            path.unlink()
+            self._sync_dir()
+        except OSError:
+            return None
+        try:
+            frontier = int(text.decode("ascii"))
+        except ValueError:
+            return None
+        return frontier if frontier >= 0 else None
+
+    def _sync_dir(self) -> None:
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def drop_below(self, gsn: int) -> int:
         """Delete whole segments whose records all lie below ``gsn`` (also while writes
@@ -278,11 +335,7 @@ class SegmentLog:
         if self._fd is None or self.fsync == "never":
             return
         os.fsync(self._fd)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        self._sync_dir()
 
     # -- the reserve -----------------------------------------------------------------------------
     def _release_reserve(self) -> bool:

@@ -348,6 +348,18 @@ class StorageCoordination(Session):
             pass
         self.keep_registered(f"{shard_path}/{replica}", {"addr": addr})
 
+    def registered_pid(self, shard: int, replica: int) -> int | None:
+        """The pid in the replica's registration (None: not registered, or no pid)."""
+        path = f"{SHARDS}/{shard}/{replica}"
+        try:
+            self.zk.sync(path)
+            data, _ = self.zk.get(path)
+        except NoNodeError:
+            return None
+        info = dec(data)
+        pid = info.get("pid") if isinstance(info, dict) else None
+        return pid if type(pid) is int else None
+
     def membership_history(self) -> list[list[Any]]:
         try:
             self.zk.sync(MEMBERSHIP_PATH)

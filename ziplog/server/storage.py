@@ -52,6 +52,7 @@ from ziplog.protocol.gsna import EpochConfig, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.shell.config import parse_args
 from ziplog.shell.logs import add_log_arguments, configure_logging
+from ziplog.server.takeover import TakeOverRefused, take_over
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
@@ -120,8 +121,16 @@ class StorageDriver:
         self._wakeup: Any = None
         self._wakeup_at: int | None = None
         self.closed = False
+        #: the process is stopping on request (a signal), not on a failure: its close may
+        #: vouch for what it wrote
+        self.stopping_on_request = False
         if disk is not None:
-            self.core.replay(disk.load())
+            # The marker is taken (and gone from the disk) before this replica decides
+            # anything: it vouches for one start only.
+            self.core.replay(disk.load(), clean_frontier=disk.take_clean_close())
+            if self.core.restarted_clean:
+                log.info("restarted clean at frontier %d: the last incarnation wrote every record it decided",
+                         self.core.frontier)
             disk.start(self.core.snapshot())
         rt.at_turn_end(self.end_turn)
 
@@ -500,19 +509,33 @@ class StorageDriver:
                              directory_bytes(directory), lb))
         return out
 
+    def stop_requested(self) -> None:
+        """The process was asked to stop (SIGTERM, SIGINT): :meth:`close` may vouch for
+        what it writes. Not called when the loop ends by a failure."""
+        self.stopping_on_request = True
+
     def close(self) -> None:
-        """Write what is buffered and let go of every endpoint (not the runtime's own)."""
+        """Write what is buffered and let go of every endpoint (not the runtime's own).
+
+        On a requested stop a primary that holds every record any replica acknowledged
+        also vouches, once all of it is written, that its segments are all it decided
+        (the clean-close marker): its next incarnation then need not take a backup's
+        guesses above its frontier for records it lost, and serves again without a
+        failure recovery."""
         if self.closed:
             return
         self.closed = True
         if self.disk is not None:
             self._disk_buf.extend(self.core.ready().persist)
             self._flush_disk(self.rt.now())
+            clean = None
             if self.disk_fault is not None:
                 log.error("stopping with %d events not written (%s): this replica restarts behind its "
                           "peer, which holds them", len(self._disk_buf), self.disk_fault)
+            elif self.stopping_on_request and not self._disk_buf:
+                clean = self.core.clean_close_frontier()
             try:
-                self.disk.close()
+                self.disk.close(clean_frontier=clean)
             except OSError as exc:
                 log.error("closing the segment files: %s", exc)
         for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
@@ -639,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", type=_cpu_list_argument, default=None, metavar="LIST",
                     help="keep the process on these CPUs (taskset -c's list: 0 or 0,2-3; default: anywhere); "
                          "the local cluster gives each replica of a shard a CPU of its own")
+    ap.add_argument("--take-over", type=int, default=None, metavar="PID",
+                    help="replace the storage server PID of this shard and replica on this machine: start up while "
+                         "it serves, then stop it (SIGTERM) and take its data directory once it has exited (a "
+                         "restart whose gap is the old process's stop, not this one's start)")
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
@@ -657,6 +684,16 @@ def main(argv: list[str] | None = None) -> int:
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
     rt = ZmqRuntime(native=args.transport == "native")
     coord = zk.StorageCoordination(args.zk, key)
+    if args.take_over is not None:
+        # Everything above ran while the old process served; what follows needs its
+        # data directory and its place in ZooKeeper.
+        try:
+            take_over(args.take_over, coord.registered_pid(settings.shard, settings.replica))
+        except TakeOverRefused as exc:
+            log.error("not taking over: %s", exc)
+            coord.close()
+            rt.close()
+            return 2
     disk = None
     if args.data_dir is not None:
         disk = SegmentLog(replica_dir(args.data_dir, settings.shard, settings.replica), fsync=args.fsync,
@@ -666,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
 
     driver.start()
     metrics = serve_metrics(args, driver.metrics)
-    return serve_forever(rt, metrics, driver, coord)
+    return serve_forever(rt, metrics, driver, coord, on_stop=driver.stop_requested)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import os
 import secrets
 import signal
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ziplog.protocol.auth import ClusterKey
 
@@ -26,9 +26,10 @@ class _Loop(_Closable, Protocol):
     def wake_on_signals(self) -> None: ...
 
 
-def serve_forever(rt: _Loop, *parts: _Closable) -> int:
+def serve_forever(rt: _Loop, *parts: _Closable, on_stop: Callable[[], None] | None = None) -> int:
     """A process ``main``'s body: run ``rt`` until SIGTERM/SIGINT, then close ``parts`` (in
-    order) and the runtime."""
+    order) and the runtime. ``on_stop`` is called first when the loop ended on a stop
+    signal (not when it ended by an exception)."""
 
     def on_signal(signum: int, frame: Any) -> None:
         rt.stop()
@@ -38,6 +39,8 @@ def serve_forever(rt: _Loop, *parts: _Closable) -> int:
     rt.wake_on_signals()  # a stop signal ends the wait at once, however long the loop sleeps
     try:
         rt.run_forever()
+        if on_stop is not None:
+            on_stop()
     finally:
         for part in parts:
             part.close()

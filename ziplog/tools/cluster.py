@@ -98,12 +98,14 @@ class LocalCluster:
                 *host.bind_args(), *self.member_args, *self.fh_args]
         self.fh[i] = procs.spawn(host.wrap(argv), self.logs / f"fh{i}.log")
 
-    def _spawn_server(self, shard: int, replica: int) -> None:
+    def _spawn_server(self, shard: int, replica: int, take_over: int | None = None) -> None:
         host = self.placement.server(shard, replica)
         argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
                 "--replica", str(replica), "--replicas", str(self.replicas),
                 "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *host.bind_args(),
                 *self.member_args, *self._cpu_args(shard, replica), *self.server_args]
+        if take_over is not None:
+            argv += ["--take-over", str(take_over)]
         self.servers[(shard, replica)] = procs.spawn(host.wrap(argv), self.logs / f"shard{shard}-replica{replica}.log")
 
     def _cpu_args(self, shard: int, replica: int) -> list[str]:
@@ -195,13 +197,29 @@ class LocalCluster:
         """SIGKILL one storage replica (the supervisor, if on, starts it again)."""
         procs.kill(self.servers[(shard, replica)])
 
-    def restart_replica(self, shard: int, replica: int) -> None:
-        """Stop (if running) and start a replica again on its data directory."""
+    def restart_replica(self, shard: int, replica: int, timeout: float = 60.0) -> None:
+        """Start a replica again on its data directory. A running one is replaced: the new
+        process starts up while it serves and then stops it (``ziplog.server
+        --take-over``), so the replica is away only for the old one's stop and the new
+        one's recovery; this returns once the old one has exited."""
         with self._lock:
-            p = self.servers.get((shard, replica))
-            if p is not None and p.poll() is None:
-                procs.stop(p)
-            self._spawn_server(shard, replica)
+            old = self.servers.get((shard, replica))
+            if old is None or old.poll() is not None:
+                self._spawn_server(shard, replica)
+                return
+            self._spawn_server(shard, replica, take_over=old.pid)
+            new = self.servers[(shard, replica)]
+            deadline = time.monotonic() + timeout
+            while old.poll() is None:
+                if new.poll() is not None or time.monotonic() > deadline:
+                    # The successor failed before it stopped the old one: restart plainly.
+                    procs.stop(old)
+                    self._spawn_server(shard, replica)
+                    return
+                try:
+                    old.wait(0.05)  # no event joins "either of two children exited"
+                except subprocess.TimeoutExpired:
+                    pass
 
     def replica_dir(self, shard: int, replica: int) -> Path:
         """Where a storage replica keeps its segment files."""

@@ -80,6 +80,9 @@ class PrimarySequencer:
         self.awaiting: set[int] = backups
         #: why this primary refuses to decide (BLOCKED only)
         self.blocked_reason: str | None = None
+        #: the last incarnation stopped gracefully holding every record any replica
+        #: acknowledged, and the disk this one replayed is all of it (:meth:`restart_clean`)
+        self.restarted_clean = False
         # -- the current epoch ------------------------------------------------------------
         self.cur_config: EpochConfig | None = None
         self.cursor: SlotCursor | None = None  # None when not a member of the current epoch
@@ -143,6 +146,21 @@ class PrimarySequencer:
     @property
     def blocked(self) -> str | None:
         return self.blocked_reason
+
+    @property
+    def holds_everything_acked(self) -> bool:
+        """Every record any replica acknowledged is in this primary's log: it serves
+        (every backup showed it is not ahead, or a recovery made the replicas one), or it
+        restarted clean and decided nothing since. What a graceful stop may vouch for."""
+        return self.state is PrimaryState.SERVING or (self.state is PrimaryState.STARTING and self.restarted_clean)
+
+    def restart_clean(self) -> None:
+        """The replayed disk is every record the previous incarnation decided, and that
+        one held every record any replica acknowledged: a backup's guess above our
+        frontier was then never decided by any primary, so no client holds it
+        acknowledged, and a backup showing one does not mean this primary lost state."""
+        assert self.state is PrimaryState.STARTING or not self.awaiting, self.state
+        self.restarted_clean = True
 
     def current_epoch(self) -> int:
         return self.cur_config.epoch if self.cur_config is not None else -1
@@ -347,10 +365,11 @@ class PrimarySequencer:
         log = self.log
         replica, frontier = msg.replica, msg.frontier
         # Guesses above our frontier are normal while we run (inserts in flight); right
-        # after our (re)start they may be acknowledged records we no longer have.
+        # after our (re)start they may be acknowledged records we no longer have, unless
+        # the last incarnation vouched at a graceful stop that it wrote every one.
         starting = replica in self.awaiting
         if (self.state is PrimaryState.BLOCKED or frontier > log.frontier
-                or (starting and msg.guessed_top > log.frontier)):
+                or (starting and msg.guessed_top > log.frontier and not self.restarted_clean)):
             # The backup holds decisions (or acked guesses) above everything this primary
             # knows: the primary lost state (it restarted from a disk that lagged its
             # memory). A record acknowledged to a client may live only there. Going on
