@@ -7,7 +7,10 @@ handlers, then each shard's backup then primary), while writer threads insert
 InsertAfter chains (default policy) and a subscriber follows the log. Per process kind:
 how many were restarted, the longest time no insert was acknowledged and no record was
 delivered while one of that kind was down or coming back, and the longest time one took
-to be back; and the check: every acknowledged record delivered exactly once.
+to be back (a storage replica's successor starts up while the old one still serves:
+``--take-over``); how many failure recoveries the restarts started (none is the aim: a
+primary stopped gracefully vouches for its log); and the check: every acknowledged record
+delivered exactly once.
 
     python -m bench rolling [--quick] [--out DIR]
 """
@@ -27,6 +30,17 @@ COLUMNS = ["kind", "restarts", "write_stall_ms", "subscriber_stall_ms", "back_in
 def _gap(times: list[float], start: float, end: float) -> float:
     inside = [start] + [t for t in times if start < t < end] + [end]
     return max(b - a for a, b in zip(inside, inside[1:]))
+
+
+def _recovery_generations(cluster: Any) -> dict[int, int]:
+    """Each shard's latest failure recovery generation in ZooKeeper (-1: none yet)."""
+    from ziplog.io.zk_recovery import read_record
+
+    out = {}
+    for shard in cluster.shard_ids:
+        rec = read_record(cluster._zkc, shard)[0]
+        out[shard] = int(rec["gen"]) if rec else -1
+    return out
 
 
 def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
@@ -70,6 +84,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
         for t in threads:
             t.start()
         steps = []
+        gens_before = _recovery_generations(cluster)
         try:
             time.sleep(1.0)  # the load runs before the first restart
             for r in range(p["rounds"]):
@@ -80,6 +95,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             stop.set()
             for t in threads:
                 t.join(120)
+        recoveries = sum(g - gens_before[s] for s, g in _recovery_generations(cluster).items())
     ack_times = [t for t, _ in acked]
     got = [d for _, d in delivered]
     missing = len({d for _, d in acked} - set(got))
@@ -93,6 +109,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                      "back_in_s": round(max(s.back_at - s.stopped_at for s in mine), 2)})
     res.note(f"{len(acked)} inserts acknowledged, {len(got)} delivered; acknowledged but not delivered: "
              f"{missing}; delivered twice: {twice}")
+    res.note(f"failure recoveries the restarts started: {recoveries}")
     res.write(rows, COLUMNS, "Rolling restart under load: longest stall per process kind",
               intro=f"{p['shards']} shards x {p['replicas']} replicas, 3 ZooKeeper, 3 MMS, 3 failure handlers; "
                     f"{p['writers']} writers (InsertAfter chains, default policy) and a subscriber; "
