@@ -7,7 +7,10 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup run test bench clean
 
+# The hot path compiled with mypyc (ziplog/native.py), again whenever a source changed;
+# ZIPLOG_PURE=1 runs the sources.
 setup: $(STAMP)
+	@$(PY) -m ziplog.tools.build_native
 
 # System packages from Debian (ZooKeeper and a JRE for it; nats-server and
 # redis-server, the benchmark's real rivals; nftables, for the partition tests' firewall
@@ -40,3 +43,4 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
+	find ziplog -name '*.so' -delete

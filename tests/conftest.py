@@ -12,6 +12,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The tests run the compiled hot path (``ziplog/native.py``) as ``make setup`` built
+    it: a source edited since is compiled again first, never tested stale. With
+    ZIPLOG_PURE=1 they run the sources."""
+    if os.environ.get("ZIPLOG_PURE") != "1":
+        from ziplog.tools.build_native import main as build_native
+        build_native([])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_zookeeper_session_outlives_its_module():
     """Every kazoo client a test module starts is stopped by the end of the module (its

@@ -9,7 +9,11 @@ in two message delays.
             print(rec.rid, rec.data)
 """
 
-from ziplog.protocol.errors import (
+from ziplog.native import run_interpreted_if_asked
+
+run_interpreted_if_asked()  # ZIPLOG_PURE=1: the compiled modules' sources, before any is imported
+
+from ziplog.protocol.errors import (  # noqa: E402
     ClientClosedError,
     DiskFullError,
     NoShardAvailableError,
@@ -21,7 +25,7 @@ from ziplog.protocol.errors import (
     ZiplogError,
     ZiplogTimeoutError,
 )
-from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
+from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId  # noqa: E402
 
 
 # The package root is the facade, above every layer: it names what users import, lazily

@@ -159,6 +159,9 @@ class ZmqRuntime:
         #: ROUTERs and DEALERs served natively (:mod:`ziplog.io.zmtp_poll`: plain sockets in
         #: this loop, ZMTP spoken by ziplog's codec) instead of by libzmq
         self.native = native
+        #: the native endpoints' shared per-loop state (:mod:`ziplog.io.zmtp_poll`), made by
+        #: the first of them (a declared attribute: the loop may run compiled, with slots)
+        self._zmtp_loop_state: Any = None
         #: file descriptor -> (on readable, on writable) of the native endpoints' sockets
         self._fds: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
         self._native: set[Any] = set()

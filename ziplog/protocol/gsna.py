@@ -23,7 +23,7 @@ t == s it is exactly k.  ``gsn(s, k) = base + sum_t before(t; s, k)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -79,7 +79,7 @@ class EpochConfig:
         assert epoch >= 0, epoch
         if epoch == self.epoch:
             return self
-        cfg = object.__new__(EpochConfig)
+        cfg = EpochConfig.__new__(EpochConfig)  # the class's own (it may run compiled)
         # frozen: fields are set the way the generated __init__ sets them
         object.__setattr__(cfg, "epoch", epoch)
         object.__setattr__(cfg, "shards", self.shards)
@@ -105,19 +105,22 @@ class EpochSchedule:
     config: EpochConfig
     _index: dict[int, int] = field(init=False, repr=False)
     _slot_counts: dict[int, int] = field(init=False, repr=False)
+    #: the rates as an array, built on first use: small configs never need it
+    _rates_arr: Any = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self._index = {s: i for i, s in enumerate(self.config.shards)}
         self._slot_counts = {}
+        self._rates_arr = None  # set here too: compiled, a field's default is not
 
     @property
-    def _rates(self) -> np.ndarray:  # built on first use: small configs never need it
-        r = self.__dict__.get("_rates_arr")
+    def _rates(self) -> np.ndarray:
+        r = self._rates_arr
         if r is None:
             import numpy as np  # only configurations of more than SMALL shards use it
 
-            r = self.__dict__["_rates_arr"] = np.asarray(self.config.rates, dtype=np.int64)
-        return r
+            r = self._rates_arr = np.asarray(self.config.rates, dtype=np.int64)
+        return r  # type: ignore[no-any-return]
 
     # -- gsn of slots -----------------------------------------------------------------
     def _offsets(self, i: int, ks: np.ndarray) -> np.ndarray:
