@@ -40,9 +40,9 @@ def build() -> None:
         script = os.path.join(temp, "setup_native.py")
         with open(script, "w") as fh:
             fh.write(_SETUP.format(paths=paths, group=GROUP, temp=os.path.join(temp, "obj")))
-        # mypyc writes its C beside the working directory (build/); the checkout's root
-        env = {**os.environ, "ZIPLOG_PURE": "1"}
-        proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True)
+        # Run from the checkout's root: mypyc names the modules by their paths from there,
+        # and writes its C under build/ there (removed below).
+        proc = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True)
     shutil.rmtree(ROOT / "build", ignore_errors=True)
     if proc.returncode != 0:
         for path in compiled_files():
