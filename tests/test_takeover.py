@@ -13,19 +13,22 @@ import ziplog
 from ziplog.server.takeover import TakeOverRefused, looks_like_storage_server, take_over
 
 # A stand-in whose command line names ziplog.server (as ``python -m ziplog.server`` does).
-SLEEPER = [sys.executable, "-c", "import sys, time; time.sleep(60)", "ziplog.server"]
-# ... and one that ignores SIGTERM.
+SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)", "ziplog.server"]
+# ... and one that ignores SIGTERM (from when it says it is ready).
 STUBBORN = [sys.executable, "-c",
             "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "print('ready', flush=True); time.sleep(60)", "ziplog.server"]
 
 
 def _start(argv: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=subprocess.PIPE)
+    """Once it runs its program: until then its command line is still its parent's."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+    return p
 
 
 def test_a_process_not_registered_or_not_a_server_is_never_signalled() -> None:
-    plain = _start([sys.executable, "-c", "import time; time.sleep(60)"])
+    plain = _start([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"])
     server = _start(SLEEPER)
     try:
         with pytest.raises(TakeOverRefused, match="not this replica's registered server"):
@@ -57,7 +60,6 @@ def test_the_registered_server_is_stopped_and_waited_for() -> None:
 def test_one_that_does_not_stop_is_killed_after_the_timeout() -> None:
     server = _start(STUBBORN)
     try:
-        assert server.stdout is not None and server.stdout.readline() == b"ready\n"  # SIGTERM ignored from here
         take_over(server.pid, registered_pid=server.pid, timeout_s=0.2)
         assert server.wait(0) == -9
     finally:
