@@ -12,7 +12,8 @@ equal seed by seed).
 
 Left interpreted: modules whose classes are msgspec Structs (``protocol.frames``,
 ``protocol.events``: msgspec reads their class options, which a compiled class would not
-carry) and the settings dataclass (read as class attributes for command-line defaults).
+carry), the settings dataclass (read as class attributes for command-line defaults) and
+package ``__init__``s (a compiled package would hide its interpreted submodules).
 """
 
 from __future__ import annotations
@@ -63,10 +64,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def source_file(module: str) -> Path:
-    """The .py file of one of this package's modules (a package's __init__.py)."""
-    rel = Path(*module.split(".")[1:])
-    path = PACKAGE_DIR / rel / "__init__.py"
-    return path if path.exists() else (PACKAGE_DIR / rel).with_suffix(".py")
+    """The .py file of one of this package's modules (never a package: see above)."""
+    return (PACKAGE_DIR / Path(*module.split(".")[1:])).with_suffix(".py")
 
 
 def compiled_files() -> list[Path]:
@@ -75,8 +74,7 @@ def compiled_files() -> list[Path]:
     out = [p for p in PACKAGE_DIR.glob(GROUP.split(".")[1] + "__mypyc*") if p.name.endswith(suffixes)]
     for module in NATIVE_MODULES:
         src = source_file(module)
-        stem = "__init__" if src.name == "__init__.py" else src.stem
-        out += [p for p in src.parent.glob(stem + ".*") if p.name.endswith(suffixes)]
+        out += [p for p in src.parent.glob(src.stem + ".*") if p.name.endswith(suffixes)]
     return out
 
 
@@ -106,10 +104,7 @@ class _SourcesFirst(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name not in NATIVE_MODULES:
             return None
-        src = source_file(name)
-        is_package = src.name == "__init__.py"
-        return importlib.util.spec_from_file_location(
-            name, src, submodule_search_locations=[str(src.parent)] if is_package else None)
+        return importlib.util.spec_from_file_location(name, source_file(name))
 
 
 def run_interpreted_if_asked() -> None:

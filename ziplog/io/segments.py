@@ -237,8 +237,8 @@ class SegmentLog:
         try:
             self.sync()
             if clean_frontier is not None:
-                if self._fd is not None:
-                    os.fsync(self._fd)
+                if self._fd is not None and self.fsync == "never":
+                    os.fsync(self._fd)  # sync() leaves it to the OS under that policy
                 self._write_clean_close(clean_frontier)
         finally:
             self._stopping = True

@@ -209,17 +209,12 @@ class LocalCluster:
                 return
             self._spawn_server(shard, replica, take_over=old.pid)
             new = self.servers[(shard, replica)]
-            deadline = time.monotonic() + timeout
-            while old.poll() is None:
-                if new.poll() is not None or time.monotonic() > deadline:
-                    # The successor failed before it stopped the old one: restart plainly.
-                    procs.stop(old)
-                    self._spawn_server(shard, replica)
-                    return
-                try:
-                    old.wait(0.05)  # no event joins "either of two children exited"
-                except subprocess.TimeoutExpired:
-                    pass
+            procs.wait_first([old, new], timeout)
+            if old.poll() is None:
+                # The successor failed, or is still waiting, before it stopped the old one:
+                # neither may go on beside the other; restart plainly.
+                procs.stop_many([new, old])
+                self._spawn_server(shard, replica)
 
     def replica_dir(self, shard: int, replica: int) -> Path:
         """Where a storage replica keeps its segment files."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["spawn", "stop", "stop_many", "kill", "free_tcp_ports"]
+__all__ = ["spawn", "stop", "stop_many", "kill", "wait_first", "free_tcp_ports"]
 
 # From <linux/prctl.h>.
 _PR_SET_PDEATHSIG = 1
@@ -138,6 +139,25 @@ def _reap(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def wait_first(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Until one of the children ``procs`` has exited (it is not reaped), or ``timeout``
+    passed: their pidfds, polled together."""
+    poller = select.poll()
+    fds: list[int] = []
+    try:
+        for p in procs:
+            try:
+                fd = os.pidfd_open(p.pid)
+            except ProcessLookupError:  # reaped already: it has exited
+                return
+            fds.append(fd)
+            poller.register(fd, select.POLLIN)
+        poller.poll(int(timeout * 1000))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
