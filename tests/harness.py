@@ -36,7 +36,9 @@ class ShardHarness:
 
     def __init__(self, settings: dict[str, Any] | None = None, history: list[list[Any]] | None = None,
                  replicas: int = 2) -> None:
-        self.settings = settings or {}
+        # No clock turns here unless a test ticks it: a backup answers every FORWARD
+        # (a test of the periodic PREFIX sets prefix_interval_ns=None, the shipped default)
+        self.settings = {"prefix_interval_ns": 0, **(settings or {})}
         self.replicas = replicas
         self.now = 0
         self.cores: dict[int, ReplicaCore | None] = {i: self.new_core(i) for i in range(replicas)}

@@ -644,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--forward-interval-us", type=int, default=0,
                     help="batch forwarded decisions for up to this long (fewer messages, later stability)")
-    ap.add_argument("--prefix-interval-us", type=int, default=0)
+    ap.add_argument("--prefix-interval-us", type=int, default=None,
+                    help="a backup reports what it holds at most this often (0: after every forward; default: "
+                         "1000 when it is the shard's only backup, which knows stability without it, else 0)")
     ap.add_argument("--heartbeat-ms", type=float, default=ReplicaSettings.heartbeat_ns / 1e6,
                     help="an idle replica tells its peers it is alive this often")
     ap.add_argument("--suspect-timeout-ms", type=float, default=ReplicaSettings.suspect_timeout_ns / 1e6,
@@ -680,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                forward_interval_ns=args.forward_interval_us * 1000,
-                               prefix_interval_ns=args.prefix_interval_us * 1000,
+                               prefix_interval_ns=None if args.prefix_interval_us is None else args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
     rt = ZmqRuntime(native=args.transport == "native")
     coord = zk.StorageCoordination(args.zk, key)

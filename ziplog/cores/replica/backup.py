@@ -347,7 +347,7 @@ class BackupFollower:
         self.no_guess.prune(now)
 
     def flush(self, now: int) -> None:
-        if ((self.prefix_dirty and now - self.last_prefix_ns >= self.s.prefix_interval_ns)
+        if ((self.prefix_dirty and now - self.last_prefix_ns >= self.s.prefix_every_ns)
                 or (self.link is Link.IN_STEP and now - self.last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
             self.out.send(Peer.PRIMARY, f.Prefix(replica=self.s.replica, frontier=self.log.frontier))
             self.prefix_dirty = False
@@ -361,9 +361,9 @@ class BackupFollower:
             best = t
         link = self.link
         if self.prefix_dirty or link is Link.IN_STEP:
-            t = self.last_prefix_ns + (min(s.prefix_interval_ns, s.heartbeat_ns) if self.prefix_dirty
-                                       and link is Link.IN_STEP else s.prefix_interval_ns if self.prefix_dirty
-                                       else s.heartbeat_ns)
+            every = s.prefix_every_ns
+            t = self.last_prefix_ns + (min(every, s.heartbeat_ns) if self.prefix_dirty and link is Link.IN_STEP
+                                       else every if self.prefix_dirty else s.heartbeat_ns)
             if best is None or t < best:
                 best = t
         if link is Link.CONNECTING and self.hello_sent_at is not None:
