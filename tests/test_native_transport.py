@@ -287,6 +287,22 @@ def test_a_native_sub_hears_every_pyzmq_publisher_and_one_that_restarts() -> Non
         ctx.term()
 
 
+#: poll and ppoll on x86-64 and arm64 (/proc/<tid>/syscall names the call by number)
+_POLL_CALLS = {"x86_64": {"7", "271"}, "aarch64": {"73"}}
+
+
+def _in_poll(tid: int) -> bool:
+    """Thread ``tid`` of this process is blocked in poll/ppoll (a call handed over
+    before that would be run by the turn without any wake-up: a test of the wake-up
+    that could not fail)."""
+    import platform
+
+    calls = _POLL_CALLS.get(platform.machine())
+    assert calls is not None, f"no poll system call numbers for {platform.machine()}"
+    with open(f"/proc/self/task/{tid}/syscall") as f:
+        return f.read().split(" ", 1)[0] in calls
+
+
 def test_another_threads_call_wakes_a_loop_waiting_on_file_descriptors_only() -> None:
     """A loop whose poll set holds no libzmq socket waits in ``select.poll``; a call
     handed over by another thread ends that wait (through the wake-up pipe) and runs
@@ -301,8 +317,7 @@ def test_another_threads_call_wakes_a_loop_waiting_on_file_descriptors_only() ->
     loop_thread = threading.get_native_id()
 
     def hand_over() -> None:
-        # once the loop's thread is blocked in a system call (its poll), not before
-        while open(f"/proc/self/task/{loop_thread}/syscall").read().startswith("running"):
+        while not _in_poll(loop_thread):  # not before the loop's thread waits in its poll
             time.sleep(0.001)
         rt.call_soon_threadsafe(lambda: ran.append(threading.get_ident()))
 
@@ -315,6 +330,41 @@ def test_another_threads_call_wakes_a_loop_waiting_on_file_descriptors_only() ->
         assert ran == [threading.get_ident()]
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("transport", ["native", "zmq"])
+def test_a_moving_topology_ends_a_blocking_clients_wait_at_once(cluster: ziplog.LocalCluster,
+                                                               monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    """ZooKeeper's thread tells a blocking client that the topology moved (a replica
+    restarted at a new address) while a call of the client waits on its replicas: the
+    wait ends then and the driver hears of it in the loop's thread, rather than when the
+    poll times out (with libzmq the poll is narrowed to what the call waits on; the
+    wake-up pipe is in it too)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("ZIPLOG_TRANSPORT", transport)
+    with ziplog.Client(cluster.zk_hosts, policy=ziplog.Policy.fixed(0)) as c:
+        c.insert_after(b"connected")
+        assert c._rt.native == (transport == "native")
+        while c._rt._next_timer() is not None:  # the call's resend timer, left to lapse:
+            c._rt.run_once(1000)  # then nothing but a wake-up ends the loop's wait
+        focus = list(c._driver.conns.values())
+        loop_thread = threading.get_native_id()
+        heard: list[int] = []
+
+        def zookeeper_says_it_moved() -> None:
+            while not _in_poll(loop_thread):  # not before the loop's thread waits in its poll
+                time.sleep(0.001)
+            c.topology.changed()
+
+        c.topology.on_change(lambda: c._rt.call_soon_threadsafe(lambda: heard.append(threading.get_ident())))
+        t = threading.Thread(target=zookeeper_says_it_moved)
+        t.start()
+        while not heard:  # (a turn may end on a late reply first)
+            c._rt.run_once(3_600_000, focus)  # an hour's wait: only the wake-up ends it
+        t.join()
+        assert heard == [threading.get_ident()]
 
 
 def test_a_native_blocking_client_against_native_servers(cluster: ziplog.LocalCluster,

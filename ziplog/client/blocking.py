@@ -79,9 +79,12 @@ class Client(ClientBase):
         self._closed = False
         self._zk = zk_session
         self.topology = topology
-        # It runs only while a call waits (no wake-up socket), reading one reply per
-        # replica per turn (no batches to drain).
-        self._rt = ZmqRuntime(wake=False, drain_limit=1, native=native_transport_wanted())
+        # It runs only while a call waits, reading one reply per replica per turn (no
+        # batches to drain). Its wake-up socket lets ZooKeeper's thread end a call's wait
+        # when the topology moves (a replica restarted at a new address, a shard back
+        # from recovery): without it the call saw the change only when its poll timed
+        # out, up to MAX_WAIT_MS later, and a restart stalled the writer that much longer.
+        self._rt = ZmqRuntime(wake=True, drain_limit=1, native=native_transport_wanted())
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9), wall_offset_ns=wall_offset_ns())
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)

@@ -194,7 +194,7 @@ class ZmqRuntime:
         #: asks each libzmq socket for its events on both
         self._fd_poller = select.poll()
         # Other threads wake the loop with a byte on this socket pair. Without it
-        # (``wake=False``: a client's runtime, which runs only while a call waits), calls
+        # (``wake=False``: a one-off probe's runtime, which nobody else calls into), calls
         # from other threads wait for the next turn, at most MAX_WAIT_MS.
         self._wake_rx: socket.socket | None = None
         self._wake_tx: socket.socket | None = None
@@ -207,7 +207,7 @@ class ZmqRuntime:
         self.running = True
         #: the last ``focus`` list run_once saw, and its poll set
         self._focus: list[Any] | None = None
-        self._focus_items: list[tuple[zmq.Socket, int]] = []
+        self._focus_items: list[tuple[Any, int]] = []  # libzmq sockets, and the wake-up pipe's fd
 
     # -- Runtime ----------------------------------------------------------------------------------
     #: monotonic nanoseconds (the C function itself: no Python frame on the hot path)
@@ -431,6 +431,8 @@ class ZmqRuntime:
             if focus is not self._focus:  # else the caller's list is unchanged: so is the poll set
                 self._focus = focus
                 self._focus_items = [(ep.sock, POLLIN) for ep in focus]
+                if self._wake_rx is not None:  # other threads' calls end the wait too
+                    self._focus_items.append((self._wake_rx.fileno(), POLLIN))
             ready = zmq_poll(self._focus_items, wait_ms)
         if sleep_ns and not ready:
             time.sleep(sleep_ns / 1e9)
