@@ -37,6 +37,9 @@ class SubscriberMerge:
         self.membership: list[list[Any]] = []
         self._ready: deque[tuple[int, int, bytes]] = deque()
         self.buffered_bytes = 0
+        #: shard -> bytes of its records received and not yet popped (waiting for other
+        #: shards' progress, or for the reader): credit its server cannot use
+        self.held_bytes: dict[int, int] = {}
 
     # -- membership -------------------------------------------------------------------------
     def _members_range(self, epoch: int) -> list[Any] | None:
@@ -85,12 +88,15 @@ class SubscriberMerge:
         # Everything up to the shard's progress (and its last record) has been sent:
         # a record at or below it would be a duplicate or out of order.
         prev = max(q[-1][0] if q else 0, self.progress.get(shard, 0), self.start - 1)
+        held = 0
         for gsn, data in records:
             if gsn <= prev:
                 raise MergeError(f"shard {shard} sent gsn {gsn} after {prev}: not increasing")
             q.append((gsn, data))
-            self.buffered_bytes += len(data)
+            held += len(data)
             prev = gsn
+        self.buffered_bytes += held
+        self.held_bytes[shard] = self.held_bytes.get(shard, 0) + held
         if progress > self.progress.get(shard, 0):
             self.progress[shard] = progress
         self._advance()
@@ -160,6 +166,7 @@ class SubscriberMerge:
             return None
         g, shard, d = self._ready.popleft()
         self.buffered_bytes -= len(d)
+        self.held_bytes[shard] -= len(d)
         return g, shard, d
 
     def __len__(self) -> int:

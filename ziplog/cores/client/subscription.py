@@ -203,17 +203,21 @@ class SubscriptionCore:
         merge = self.merge
         assert merge is not None
         looked_at, self._looked_at = self._looked_at, now
-        if now - looked_at > 2 * SUB_RECONNECT_NS or merge.buffered_bytes > SUB_CREDIT_BYTES // 2:
+        if now - looked_at > 2 * SUB_RECONNECT_NS:
             # We were not looking (a blocking client between reads: its frames wait
-            # unread), or the reader is behind (the servers wait for credit): a quiet
-            # connection says nothing. Start counting afresh.
+            # unread): a quiet connection says nothing. Start counting afresh.
             self._quiet = {}
             return []
         out: list[Effect] = []
         for shard, addr in list(self.addrs.items()):
             n = self.batches.get(shard, 0)
             seen = self._quiet.get(shard)
-            if seen is None or seen[0] != n:
+            if seen is None or seen[0] != n or self._credit_spent(shard):
+                # It sent a batch, or most of its credit is in our hands (records the
+                # reader has not taken, or that wait in the merge for another shard's
+                # progress): its server waits for credit, and its quiet says nothing.
+                # Judged per shard: a replica that fell silent while the others' records
+                # piled up behind it must still be left, or the merge waits for good.
                 self._quiet[shard] = (n, now)
                 continue
             if now - seen[1] < SUB_SILENCE_NS:
@@ -233,6 +237,13 @@ class SubscriptionCore:
             out.append((Stream(shard), wire.Subscribe(sub_id=self.sub_id, from_gsn=merge.resume_point(shard),
                                                       credit=SUB_CREDIT_BYTES)))
         return out
+
+    def _credit_spent(self, shard: int) -> bool:
+        """More than half of the credit ``shard``'s server had is held here: received and
+        not yet taken by the reader, or taken and not yet granted back."""
+        merge = self.merge
+        held = merge.held_bytes.get(shard, 0) if merge is not None else 0
+        return held + self.consumed.get(shard, 0) > SUB_CREDIT_BYTES // 2
 
     # -- reading --------------------------------------------------------------------------------
     def read(self, now: int, topo: TopologyView) -> list[Effect]:
