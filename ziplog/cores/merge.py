@@ -36,7 +36,6 @@ class SubscriberMerge:
         #: [first_epoch, last_epoch, members] ranges, contiguous, merged from all shards
         self.membership: list[list[Any]] = []
         self._ready: deque[tuple[int, int, bytes]] = deque()
-        self.buffered_bytes = 0
         #: shard -> bytes of its records received and not yet popped (waiting for other
         #: shards' progress, or for the reader): credit its server cannot use
         self.held_bytes: dict[int, int] = {}
@@ -95,7 +94,6 @@ class SubscriberMerge:
             q.append((gsn, data))
             held += len(data)
             prev = gsn
-        self.buffered_bytes += held
         self.held_bytes[shard] = self.held_bytes.get(shard, 0) + held
         if progress > self.progress.get(shard, 0):
             self.progress[shard] = progress
@@ -165,9 +163,13 @@ class SubscriberMerge:
         if not self._ready:
             return None
         g, shard, d = self._ready.popleft()
-        self.buffered_bytes -= len(d)
         self.held_bytes[shard] -= len(d)
         return g, shard, d
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of records received and not yet popped, every shard's."""
+        return sum(self.held_bytes.values())
 
     def __len__(self) -> int:
         return len(self._ready)

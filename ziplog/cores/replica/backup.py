@@ -119,6 +119,9 @@ class BackupFollower:
                                                   settings.prune_interval_ns)
         self.prefix_dirty = False
         self.last_prefix_ns = 0
+        #: at most one PREFIX per this (the settings' rule, read once: flush and
+        #: next_deadline ask every turn)
+        self.prefix_every_ns = settings.prefix_every_ns
 
     # -- what others ask ----------------------------------------------------------------------------
     deciding = False
@@ -347,7 +350,7 @@ class BackupFollower:
         self.no_guess.prune(now)
 
     def flush(self, now: int) -> None:
-        if ((self.prefix_dirty and now - self.last_prefix_ns >= self.s.prefix_every_ns)
+        if ((self.prefix_dirty and now - self.last_prefix_ns >= self.prefix_every_ns)
                 or (self.link is Link.IN_STEP and now - self.last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
             self.out.send(Peer.PRIMARY, f.Prefix(replica=self.s.replica, frontier=self.log.frontier))
             self.prefix_dirty = False
@@ -361,7 +364,7 @@ class BackupFollower:
             best = t
         link = self.link
         if self.prefix_dirty or link is Link.IN_STEP:
-            every = s.prefix_every_ns
+            every = self.prefix_every_ns
             t = self.last_prefix_ns + (min(every, s.heartbeat_ns) if self.prefix_dirty and link is Link.IN_STEP
                                        else every if self.prefix_dirty else s.heartbeat_ns)
             if best is None or t < best:
