@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tests.harness import ShardHarness, request
 from ziplog.protocol import frames as wire
-from ziplog.protocol.gsna import EpochSchedule, epoch_base, epoch_end
+from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_base, epoch_end
 
 SHARDS = (0, 1)
 
@@ -193,3 +193,63 @@ def test_a_backup_ignores_notices_of_other_epochs_and_outsiders() -> None:
     assert sp.next_slot == before
     request(h.B, b"peer", wire.Notice(shard=1, epoch=h.epoch, gsn=h.slot_gsn(1, 40)), h.now)
     assert sp.next_slot > before
+
+
+class IdleNeighbourHarness(Harness):
+    """Shard 0 busy (100,000 records/s), shard 1 at the planner's lowest rate: shard 1
+    owns one gsn in 501 of the epoch."""
+
+    def config(self, epoch: int, members: tuple[int, ...]) -> EpochConfig:
+        return EpochConfig(epoch, members, tuple(100_000 if s == 0 else 200 for s in members))
+
+
+def test_a_shard_with_no_slot_below_the_news_is_not_told() -> None:
+    """A busy shard's NOTICEs reach an idle shard only when they cross one of its slots:
+    every other NOTICE would pass nothing there and move no guess, and would only wake
+    its replicas. Every slot of the idle shard at or below a decided record is still
+    named by a NOTICE (each NOTICE at the end of the turn that crossed it)."""
+    h = IdleNeighbourHarness()
+    sched = EpochSchedule(h.config(h.epoch, SHARDS))
+    h.notices.clear()
+    told: list[int] = []
+    for seq in range(1, 1501):
+        h.now += h.P.s.notice_interval_ns  # each turn may announce
+        h.insert(seq, b"r", to=(0,))
+        h.pump()
+        top = max(h.P.log.gsns)
+        told += [m.gsn for s, m in h.notices if isinstance(m, wire.Notice)]
+        h.notices.clear()
+        # the idle shard's slots at or below ``top``: the last of them is covered
+        crossed = sched.first_slot_after(1, top)
+        if crossed:
+            assert told and max(told) >= sched.gsn(1, crossed - 1), (seq, crossed, told[-3:])
+    crossed = sched.first_slot_after(1, max(h.P.log.gsns))
+    assert crossed >= 2, "the test must cross some of the idle shard's slots"
+    assert len(told) == crossed, (len(told), crossed)
+    # each NOTICE crossed a slot the one before it had not
+    for a, b in zip(told, told[1:]):
+        assert sched.first_slot_after(1, a) < sched.first_slot_after(1, b)
+
+
+def test_a_shard_that_missed_nothing_new_hears_again_in_the_next_epoch() -> None:
+    """What a shard was told is forgotten when the epoch changes: the next epoch's first
+    record that crosses a slot of the idle shard is announced again."""
+    h = IdleNeighbourHarness()
+    sched = EpochSchedule(h.config(h.epoch, SHARDS))
+    seq = 0
+    while sched.first_slot_after(1, max(h.P.log.gsns, default=0)) == 0:
+        seq += 1
+        h.now += h.P.s.notice_interval_ns
+        h.insert(seq, b"r", to=(0,))
+        h.pump()
+    assert [m.gsn for _, m in h.notices if isinstance(m, wire.Notice)], "the first crossing is told"
+    h.next_epoch()
+    h.notices.clear()
+    sched = EpochSchedule(h.config(h.epoch, SHARDS))
+    while sched.first_slot_after(1, max(h.P.log.gsns)) == 0:
+        seq += 1
+        h.now += h.P.s.notice_interval_ns
+        h.insert(seq, b"r", to=(0,))
+        h.pump()
+    notes = [m for _, m in h.notices if isinstance(m, wire.Notice)]
+    assert len(notes) == 1 and notes[0].epoch == h.epoch

@@ -116,6 +116,9 @@ class PrimarySequencer:
         self.last_notice_ns = -(1 << 62)
         #: another shard -> the highest gsn it announced: it has passed it
         self.announced_by: dict[int, int] = {}
+        #: another shard -> the highest gsn of this epoch it was told of, or needs no
+        #: telling of (it owns no slot between that and what it was told before)
+        self.noticed: dict[int, int] = {}
         #: notices of epochs not begun here yet: epoch -> the highest gsn named (at most
         #: max_epochs_ahead epochs are kept)
         self.early_notices: dict[int, int] = {}
@@ -304,6 +307,7 @@ class PrimarySequencer:
             log.advance_frontier(config.end)  # nothing of ours in this epoch
         self.fwd_events.append(EpochEvent(config.epoch, config.epoch, tuple(config.shards)))
         self.announced_by = {}  # what another shard passed in an earlier epoch says nothing of this one
+        self.noticed = {}
         early = self.early_notices
         if early:
             self.early_notices = {e: g for e, g in early.items() if e > config.epoch}
@@ -426,19 +430,32 @@ class PrimarySequencer:
     # -- progress on demand -----------------------------------------------------------------------
     def _announce(self, now: int) -> None:
         """End of a turn that decided records: tell the other member shards the highest
-        gsn (one NOTICE to each of their replicas, for shards not known to have passed
-        it), so that their primaries pass it now instead of when their schedule's clock
-        says so, and their backups guess past it as their primaries will."""
+        gsn (one NOTICE to each of their replicas), so that their primaries pass it now
+        instead of when their schedule's clock says so, and their backups guess past it
+        as their primaries will. A shard is not told when it announced a gsn at or above
+        it itself, or when it owns no slot between what it was told before and this gsn:
+        it would pass nothing, and its backup would guess nothing differently (an idle
+        shard at the planner's lowest rate owns a few slots per epoch, so most of a busy
+        shard's NOTICEs would wake its replicas for nothing)."""
         g, self.to_announce = self.to_announce, 0
-        cfg = self.cur_config
-        if cfg is None or epoch_of(g) != cfg.epoch:
+        cfg, cur = self.cur_config, self.cursor
+        if cfg is None or cur is None or epoch_of(g) != cfg.epoch:
             return  # decided in an epoch that is closed now: its close passed it everywhere
+        sched = cur.schedule
+        before = cfg.base - 1
         msg = None
         for s in cfg.shards:
-            if s != self.shard and self.announced_by.get(s, 0) < g:
-                msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g,
-                                      stamp=f.wall_stamp(now, self.s.wall_offset_ns))
-                self.out.send(ShardReplicas(s), msg)
+            if s == self.shard:
+                continue
+            told = max(self.noticed.get(s, before), self.announced_by.get(s, before))
+            if told >= g:
+                continue
+            self.noticed[s] = g
+            if sched.first_slot_after(s, told) == sched.first_slot_after(s, g):
+                continue  # no slot of its in (told, g]: nothing to pass
+            msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g,
+                                  stamp=f.wall_stamp(now, self.s.wall_offset_ns))
+            self.out.send(ShardReplicas(s), msg)
 
     def on_notice(self, msg: f.Notice, now: int) -> None:
         """Another shard decided a record at ``msg.gsn``: pass it (unused slots up to it
