@@ -114,11 +114,10 @@ class PrimarySequencer:
         #: the highest gsn this primary decided a record at and has not announced yet
         self.to_announce = 0
         self.last_notice_ns = -(1 << 62)
-        #: another shard -> the highest gsn it announced: it has passed it
-        self.announced_by: dict[int, int] = {}
-        #: another shard -> the highest gsn of this epoch it was told of, or needs no
-        #: telling of (it owns no slot between that and what it was told before)
-        self.noticed: dict[int, int] = {}
+        #: another shard -> the highest gsn of this epoch it needs no NOTICE up to: it
+        #: announced it (it has passed it), or we told it, or it owns no slot between
+        #: that and what it knew before
+        self.told: dict[int, int] = {}
         #: notices of epochs not begun here yet: epoch -> the highest gsn named (at most
         #: max_epochs_ahead epochs are kept)
         self.early_notices: dict[int, int] = {}
@@ -306,8 +305,7 @@ class PrimarySequencer:
             self.cursor = None
             log.advance_frontier(config.end)  # nothing of ours in this epoch
         self.fwd_events.append(EpochEvent(config.epoch, config.epoch, tuple(config.shards)))
-        self.announced_by = {}  # what another shard passed in an earlier epoch says nothing of this one
-        self.noticed = {}
+        self.told = {}  # what another shard passed in an earlier epoch says nothing of this one
         early = self.early_notices
         if early:
             self.early_notices = {e: g for e, g in early.items() if e > config.epoch}
@@ -447,10 +445,10 @@ class PrimarySequencer:
         for s in cfg.shards:
             if s == self.shard:
                 continue
-            told = max(self.noticed.get(s, before), self.announced_by.get(s, before))
+            told = self.told.get(s, before)
             if told >= g:
                 continue
-            self.noticed[s] = g
+            self.told[s] = g
             if sched.first_slot_after(s, told) == sched.first_slot_after(s, g):
                 continue  # no slot of its in (told, g]: nothing to pass
             msg = msg or f.Notice(shard=self.shard, epoch=cfg.epoch, gsn=g,
@@ -474,8 +472,8 @@ class PrimarySequencer:
             return
         if cfg is None or msg.epoch < cfg.epoch or msg.shard not in cfg.shards:
             return
-        if msg.gsn > self.announced_by.get(msg.shard, 0):
-            self.announced_by[msg.shard] = msg.gsn  # keys: member shards only
+        if msg.gsn > self.told.get(msg.shard, 0):
+            self.told[msg.shard] = msg.gsn  # keys: member shards only
         self._pass(msg.gsn)
 
     def _pass(self, gsn: int) -> None:
