@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     key = load_cluster_key(args.cluster_key_file)
     configure_logging(args, f"failure-handler{args.id}")
     rt = ZmqRuntime()
-    coord = KazooHandlerCoordination(args.zk, key, rt)
+    coord = KazooHandlerCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.bind,
                                   advertise=args.advertise)

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     key = load_cluster_key(args.cluster_key_file)
     configure_logging(args, f"mms{args.id}")
     rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
-    coord = KazooMembershipCoordination(args.zk, key, rt)
+    coord = KazooMembershipCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                               args.epochs_per_commit, args.bind, int(args.idle_interval_ms * 1_000_000),

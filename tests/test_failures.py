@@ -87,9 +87,9 @@ def leader_after(cluster: ziplog.LocalCluster, election: str, kill: Callable[[],
 @pytest.mark.parametrize("which", ["failure_handler", "mms"])
 def test_a_new_leader_within_a_second_and_a_replica_killed_meanwhile(cluster: ziplog.LocalCluster,
                                                                      which: str) -> None:
-    """Leaders are deposed when silent, not when their ZooKeeper session expires (10 s):
-    a killed leader is replaced within about a second, and a replica killed in that window
-    is recovered by the new one."""
+    """Leaders are deposed when their process dies (the next in line's death watch) or
+    falls silent, not when their ZooKeeper session expires (10 s): a killed leader is
+    replaced at once, and a replica killed in that window is recovered by the new one."""
     load = Load(cluster)
     load.wait_acked(200)
     shard = 2

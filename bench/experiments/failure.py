@@ -340,8 +340,8 @@ def run(quick: bool, out: Path | None) -> list[dict]:
     (out / "failure.md").write_text("\n".join([
         "# Throughput across failures (Figure 4.7)", "",
         "`replica`: shard 0's primary is SIGKILLed. `leader_and_replica`: the failure handler's leader is "
-        "SIGKILLed, then at once shard 0's primary: recovery waits for a new leader (deposed when silent for "
-        "0.8 s, not when its ZooKeeper session expires). Each scenario's details and plot are in its directory.",
+        "SIGKILLed, then at once shard 0's primary: recovery waits for a new leader (deposed as soon as "
+        "the next in line's connection to it closes, not when its ZooKeeper session expires). Each scenario's details and plot are in its directory.",
         "", table, ""]))
     return rows
 

@@ -1,7 +1,8 @@
 """Experiment ``idle``: what an idle cluster costs. A ``local_cluster()`` (2 shards x 2
-replicas, 3 MMS and 3 failure handler replicas; ZooKeeper not counted) with no client at
-all, then with one subscriber following the log, measured from /proc as CPU (in % of
-one core) per kind of process, in two settings, each on a fresh cluster, in one run:
+replicas, 3 MMS and 3 failure handler replicas, and its 3-node ZooKeeper) with no client
+at all, then with one subscriber following the log, measured from /proc as CPU (in % of
+one core) per kind of process, and ZooKeeper's writes per second (from its ``mntr``), in
+two settings, each on a fresh cluster, in one run:
 
 * **shipped**: slots pass on NOTICEs and at the epoch's close; an idle cluster's epochs
   lengthen up to 200 ms;
@@ -23,8 +24,8 @@ from ..report import Results, progress
 from .sequential import CLOCK_MMS_ARGS, CLOCK_SERVER_ARGS
 
 NAME = "idle"
-COLUMNS = ["setting", "subscribers", "replicas_pct", "mms_pct", "failure_handler_pct", "total_pct",
-           "epochs_per_s"]
+COLUMNS = ["setting", "subscribers", "replicas_pct", "mms_pct", "failure_handler_pct", "zookeeper_pct", "total_pct",
+           "epochs_per_s", "zk_writes_per_s"]
 SETTINGS = {
     "shipped": ([], []),
     "clock": (CLOCK_SERVER_ARGS, CLOCK_MMS_ARGS),
@@ -37,10 +38,23 @@ def _epoch(cluster: Any) -> int:
         return max(int(r.get("epoch", -1)) for reps in c.status(wait=5).values() for r in reps)
 
 
+def _zk_writes(cluster: Any) -> int:
+    """Writes the ensemble's leader counted so far (every node logs each of them)."""
+    from ziplog.tools.zk_ensemble import four_letter_word
+    total = 0
+    for hp in cluster.zk_hosts.split(","):
+        host, port = hp.rsplit(":", 1)
+        stats = dict(line.split("\t", 1) for line in (four_letter_word(host, int(port), "mntr") or "").splitlines()
+                     if "\t" in line)
+        if stats.get("zk_server_state") in ("leader", "standalone"):
+            total += sum(int(float(v)) for k, v in stats.items() if k.startswith("zk_cnt_") and k.endswith("_write_per_namespace"))
+    return total
+
+
 def _measure(cluster: Any, seconds: float) -> dict[str, float]:
     groups = {"replicas": [p.pid for p in cluster.servers.values()], "mms": [p.pid for p in cluster.mms.values()],
-              "failure_handler": [p.pid for p in cluster.fh.values()]}
-    e0 = _epoch(cluster)
+              "failure_handler": [p.pid for p in cluster.fh.values()], "zookeeper": cluster.zk.started_pids}
+    e0, w0 = _epoch(cluster), _zk_writes(cluster)
     before = {k: cpu_seconds(v) for k, v in groups.items()}
     t0 = time.monotonic()
     time.sleep(seconds)
@@ -48,6 +62,7 @@ def _measure(cluster: Any, seconds: float) -> dict[str, float]:
     out = {f"{k}_pct": round(100 * (cpu_seconds(v) - before[k]) / el, 2) for k, v in groups.items()}
     out["total_pct"] = round(sum(out.values()), 2)
     out["epochs_per_s"] = round((_epoch(cluster) - e0) / el, 1)
+    out["zk_writes_per_s"] = round((_zk_writes(cluster) - w0) / el, 1)
     return out
 
 
@@ -80,7 +95,8 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                     t.join()
             res.log(f"  {rows[-1]}")
     res.note("CPU of every process of a kind together, in % of one core, over the measured window; "
-             "the subscriber is a thread of this process (not counted). ZooKeeper's three JVMs are not counted.")
+             "the subscriber is a thread of this process (not counted). ZooKeeper: its three JVMs; its writes "
+             "are what its leader counted (each one logged, and fsynced, by all three nodes).")
     res.write(rows, COLUMNS, "An idle cluster: CPU by process kind",
               intro="`local_cluster()` with no writer: shipped settings (slots pass on NOTICEs and at the epoch's "
                     "close, idle epochs lengthen to 200 ms) against the clock-driven settings of before "

@@ -1,16 +1,27 @@
-"""The ``ElectionPort`` on kazoo, with failover in well under a second.
+"""The ``ElectionPort`` on kazoo, with failover in well under a second when a leader's
+process dies.
 
 Contenders queue in a kazoo ``Election`` (sequential ephemeral nodes; the lowest leads).
-Waiting for a dead leader's session to expire would take the session timeout (10 s):
-instead the leader proves it is alive by rewriting a beat node beside the election
-(``<path>-beat/<its lock node>``) every ``HEARTBEAT_NS`` (the driver calls
-:meth:`Election.heartbeat` from its loop, so a leader whose loop is stuck stops too),
-and the next contender in line watches that node: a leader whose beat did not change
-for ``SILENCE_NS`` loses its lock node and its beat in one transaction that checks the
-version the follower saw (a leader that just beat keeps both), and the next contender
-leads at once. The beat is a node of its own because kazoo's lock recipe watches the
-lock node ahead of it: rewriting the lock node itself woke every waiting contender's
-recipe (three ZooKeeper reads) on every beat.
+Waiting for a dead leader's session to expire would take the session timeout (10 s).
+Instead the next contender in line watches the leader two ways:
+
+* **its process**: the leader listens on a port of its own for its term and names it
+  in a beat node beside the election (``<path>-beat/<its lock node>``); the next
+  contender holds a connection there, and when the leader's process dies its kernel
+  ends that connection (:mod:`ziplog.io.death_watch`): the follower deposes it at once;
+* **its loop**: the leader rewrites its beat node every ``HEARTBEAT_NS`` (the driver
+  calls :meth:`Election.heartbeat` from its loop, so a leader whose loop is stuck stops
+  too, as does one cut off from the follower but not from ZooKeeper); a leader whose
+  beat did not change for ``SILENCE_NS`` is deposed.
+
+Deposing is one transaction that deletes the leader's lock node and its beat and checks
+the beat's version the follower saw (a leader that just beat keeps both); the next
+contender then leads at once. The beat is a node of its own because kazoo's lock recipe
+watches the lock node ahead of it: rewriting the lock node itself woke every waiting
+contender's recipe (three ZooKeeper reads) on every beat. Every beat is a write that
+every ZooKeeper node logs and fsyncs: with a death seen at once, the beats only have to
+catch the rarer stuck or cut-off leader, so they come once a second, not five times
+(an idle cluster's ZooKeeper spent most of its CPU on them).
 
 Deposing is safe even when the old leader is alive but slow: it learns it was deposed
 from its next heartbeat (its node is gone) and stops, and until then every decision
@@ -32,15 +43,18 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.protocol.states import KazooState
 
+from ziplog.io.death_watch import DeathWatch, DeathWatchListener, parse_beat
+
 log = logging.getLogger("ziplog.election")
 
-#: how often a leader rewrites its node (each is a ZooKeeper write: every node of the
-#: ensemble logs it; 100 ms cost the one-client insert p50 about 15% on two cores)
-HEARTBEAT_NS = 200_000_000
-#: a leader whose node did not change for this long is deposed (four missed beats: a
-#: loaded machine's pauses do not depose a live leader, and a dead one is replaced
-#: within about a second of its death)
-SILENCE_NS = 800_000_000
+#: how often a leader rewrites its beat node (each is a ZooKeeper write: every node of
+#: the ensemble logs and fsyncs it; beats every 100 ms cost the one-client insert p50
+#: about 15% on two cores). A dead leader's process is seen at once without them.
+HEARTBEAT_NS = 1_000_000_000
+#: a leader whose beat did not change for this long is deposed (four missed beats: a
+#: loaded machine's pauses do not depose a live leader); this is how long a stuck or
+#: cut-off leader keeps its place
+SILENCE_NS = 4_000_000_000
 #: how often a follower's clock looks at what the watch last saw (no ZooKeeper request)
 WATCH_EVERY_S = 0.1
 #: ... and when there is nothing to judge (we lead, or watch nobody): it looks again this often
@@ -55,9 +69,12 @@ class Election:
     (then the driver is told to stop at once). Another thread, while it follows, deposes
     a silent leader. ``on_elected``/``on_lost`` run on the driver's runtime."""
 
-    def __init__(self, zk: KazooClient, rt: Any) -> None:
+    def __init__(self, zk: KazooClient, rt: Any, bind: str = "127.0.0.1", advertise: str | None = None) -> None:
         self.zk = zk
         self.rt = rt
+        #: where a leader's death-watch port listens, and the host it names for others
+        self._bind = bind
+        self._advertise = advertise
         self._end_term = threading.Event()
         self._closed = threading.Event()
         #: wakes the leader-watch thread: the leader it watches changed, or we close
@@ -67,12 +84,21 @@ class Election:
         #: this replica's lock node while it leads, and its beat node (heartbeats rewrite it)
         self._own: str | None = None
         self._own_beat = ""
+        #: what our beat node holds while we lead (our death-watch port and token, or
+        #: our identifier when we could not listen)
+        self._beat_data = b""
         self._identifier = b""
         self._election: Any = None
         self._lock = threading.Lock()
         #: the leader's node, and (its version, when we saw it change) from its watch
         self._leader: str | None = None
         self._leader_seen: tuple[int, int] | None = None
+        #: our connection to the leader's death-watch port, and whether it saw it die
+        self._death_watch: DeathWatch | None = None
+        self._leader_died = False
+        #: set while we hold a death watch on the leader we would follow (for tests and
+        #: diagnostics: until then only the beats can depose it)
+        self.watching_leader = threading.Event()
         zk.add_listener(self._on_state)
 
     def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
@@ -87,17 +113,27 @@ class Election:
             node = election.lock.node
             beat = self._beat_of(f"{path}/{node}")
             try:
-                self.zk.create(beat, self._identifier, ephemeral=True)
-            except KazooException:
-                return  # not connected (or not ours to create): contend again
-            self._own, self._own_beat = f"{path}/{node}", beat
-            self.rt.call_soon_threadsafe(on_elected)
-            self._end_term.wait()
-            self._own = None
+                listener: DeathWatchListener | None = DeathWatchListener(self._bind, self._advertise)
+            except OSError as exc:  # the followers fall back on the beats
+                log.warning("cannot listen for the followers' death watch (%s): they go by the beats", exc)
+                listener = None
             try:
-                self.zk.delete(beat)
-            except KazooException:
-                pass  # deposed (it is gone), or the session is: it goes with it
+                self._beat_data = listener.data if listener is not None else self._identifier
+                try:
+                    self.zk.create(beat, self._beat_data, ephemeral=True)
+                except KazooException:
+                    return  # not connected (or not ours to create): contend again
+                self._own, self._own_beat = f"{path}/{node}", beat
+                self.rt.call_soon_threadsafe(on_elected)
+                self._end_term.wait()
+                self._own = None
+                try:
+                    self.zk.delete(beat)
+                except KazooException:
+                    pass  # deposed (it is gone), or the session is: it goes with it
+            finally:
+                if listener is not None:
+                    listener.close()
 
         def contend() -> None:
             while not self._closed.is_set():
@@ -128,7 +164,7 @@ class Election:
         try:
             t = self.zk.transaction()
             t.check(own, -1)
-            t.set_data(self._own_beat, self._identifier)
+            t.set_data(self._own_beat, self._beat_data)
             reply = t.commit_async()
         except KazooException:
             return  # not connected: the state listener ends the term
@@ -161,6 +197,11 @@ class Election:
             if leader == self._leader:
                 return True
             self._leader, self._leader_seen = leader, None
+            self._leader_died = False
+            watch, self._death_watch = self._death_watch, None
+            self.watching_leader.clear()
+        if watch is not None:
+            watch.stop()
         self._kick.set()
         if leader is not None:
             self.zk.DataWatch(self._beat_of(leader), self._leader_watcher(leader))
@@ -174,12 +215,37 @@ class Election:
                     return False  # not the leader any more: stop watching its beat
                 if stat is not None:
                     self._leader_seen = (stat.version, time.monotonic_ns())
+                    self._watch_death(leader, data)
                 elif self._leader_seen is None:
                     # No beat yet (it is made just after the lock is won): a leader that
                     # never makes one is as silent as one that stopped.
                     self._leader_seen = (-1, time.monotonic_ns())
             return True
         return watch
+
+    def _watch_death(self, leader: str, data: Any) -> None:
+        """Hold a connection to the death-watch port the leader's beat names (one per
+        leader: every beat rewrites the same data). Called with ``self._lock`` held."""
+        beat = parse_beat(data)
+        if beat is None or (self._death_watch is not None and self._death_watch.addr == beat):
+            return
+        if self._death_watch is not None:
+            self._death_watch.stop()
+            self.watching_leader.clear()
+
+        def died() -> None:
+            with self._lock:
+                if self._leader != leader:
+                    return
+                self._leader_died = True
+                self.watching_leader.clear()
+            self._kick.set()
+
+        def watching() -> None:
+            with self._lock:
+                if self._leader == leader:
+                    self.watching_leader.set()
+        self._death_watch = DeathWatch(*beat, on_death=died, on_watching=watching)
 
     def _watch_leader(self) -> None:
         # The thread sleeps until something could be judged: the end of the silence the
@@ -195,7 +261,7 @@ class Election:
             if self._own is not None or self.zk.state != KazooState.CONNECTED:
                 continue
             with self._lock:
-                leader, seen = self._leader, self._leader_seen
+                leader, seen, died = self._leader, self._leader_seen, self._leader_died
             if leader is None:
                 # Our own node may have appeared after the last change to the contenders
                 # (the watch fired before we knew its name): look again now and then.
@@ -212,9 +278,11 @@ class Election:
                 continue
             version, since = seen
             now = time.monotonic_ns()
-            if now - since < SILENCE_NS:
+            if not died and now - since < SILENCE_NS:
                 wait_s = max(WATCH_EVERY_S, (since + SILENCE_NS - now) / 1e9)
                 continue
+            if died:
+                wait_s = WATCH_EVERY_S  # until the deposing goes through (the watch may lag a beat)
             with self._lock:
                 if self._leader_seen == seen:
                     self._leader_seen = (version, now)  # one try per silence, not one per look
@@ -229,7 +297,10 @@ class Election:
                 continue  # we cannot reach ZooKeeper well: judge nobody
             if any(isinstance(r, Exception) for r in results):
                 continue  # it beat just now, or it is gone already
-            log.warning("leader node %s silent for %d ms: deposed", leader, (now - since) // 1_000_000)
+            if died:
+                log.warning("leader node %s: its process is gone (its death watch closed): deposed", leader)
+            else:
+                log.warning("leader node %s silent for %d ms: deposed", leader, (now - since) // 1_000_000)
 
     # -- either side -----------------------------------------------------------------------------
     def _lose(self) -> None:
@@ -248,6 +319,10 @@ class Election:
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            watch, self._death_watch = self._death_watch, None
+        if watch is not None:
+            watch.stop()
         self._kick.set()
         self._own = None
         self._end_term.set()

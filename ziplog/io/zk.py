@@ -385,9 +385,12 @@ class StorageCoordination(Session):
 class ElectedSession(Session):
     """The session of a control-plane replica: with the election it contends in."""
 
-    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Any) -> None:
+    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Any, bind: str = "127.0.0.1",
+                 advertise: str | None = None) -> None:
         super().__init__(zk_hosts, key)
-        self.election = Election(self.zk, rt)
+        # ``bind``/``advertise``: where a leader's death-watch port listens, and the host
+        # it names for the followers (the process's own --bind/--advertise)
+        self.election = Election(self.zk, rt, bind, advertise)
 
     def close(self) -> None:
         self.election.close()

@@ -22,8 +22,9 @@ log = logging.getLogger("mms")
 class KazooMembershipCoordination(ElectedSession):
     """The ``MembershipCoordination`` port on kazoo."""
 
-    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Runtime) -> None:
-        super().__init__(zk_hosts, key, rt)
+    def __init__(self, zk_hosts: str, key: ClusterKey, rt: Runtime, bind: str = "127.0.0.1",
+                 advertise: str | None = None) -> None:
+        super().__init__(zk_hosts, key, rt, bind, advertise)
         self.rt = rt
 
     def register_mms(self, replica_id: int, addrs: dict[str, str]) -> None:

@@ -158,7 +158,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     key = load_cluster_key(args.cluster_key_file)
     loop = asyncio.get_running_loop()
     rt = AsyncioRuntime(loop, native=native_transport_wanted())
-    session = zk.ElectedSession(args.zk, key, rt)
+    session = zk.ElectedSession(args.zk, key, rt, args.bind, args.advertise)
     stop = stop_event()
     client = None
     metrics = None
