@@ -15,9 +15,9 @@ from ziplog.io.death_watch import MAX_WATCHERS, TOKEN_BYTES, DeathWatch, DeathWa
 WAIT_S = 30  # far beyond what any step takes: only a broken watch waits that long
 
 
-def _watch(beat: tuple[str, int, bytes]) -> tuple[DeathWatch, threading.Event]:
-    died = threading.Event()
-    return DeathWatch(*beat, on_death=died.set), died
+def _watch(beat: tuple[str, int, bytes]) -> tuple[DeathWatch, threading.Event, threading.Event]:
+    died, watching = threading.Event(), threading.Event()
+    return DeathWatch(*beat, on_death=died.set, on_watching=watching.set), died, watching
 
 
 def _beat(listener: DeathWatchListener) -> tuple[str, int, bytes]:
@@ -51,11 +51,9 @@ def _connected(listener: DeathWatchListener) -> socket.socket:
 def test_the_end_of_the_leaders_listener_is_a_death() -> None:
     listener = DeathWatchListener("127.0.0.1", None)
     try:
-        watch, died = _watch(_beat(listener))
-        # The watch is in place once the listener holds its connection: the listener's
-        # token went out, and a connection the listener holds ends only with the term.
-        probe = _connected(listener)
-        probe.close()
+        watch, died, watching = _watch(_beat(listener))
+        assert watching.wait(WAIT_S), "the watch never read the leader's token"
+        assert not died.is_set()
     finally:
         listener.close()
     assert died.wait(WAIT_S)
@@ -66,9 +64,11 @@ def test_a_stopped_watch_or_a_wrong_token_is_no_death() -> None:
     listener = DeathWatchListener("127.0.0.1", None)
     try:
         host, port, token = _beat(listener)
-        wrong, wrong_died = _watch((host, port, bytes(TOKEN_BYTES)))
+        wrong, wrong_died, wrong_watching = _watch((host, port, bytes(TOKEN_BYTES)))
         assert wrong.finished.wait(WAIT_S)
-        stopped, stopped_died = _watch((host, port, token))
+        assert not wrong_watching.is_set()
+        stopped, stopped_died, stopped_watching = _watch((host, port, token))
+        assert stopped_watching.wait(WAIT_S)
         stopped.stop()
         assert stopped.finished.wait(WAIT_S)
     finally:
@@ -81,9 +81,9 @@ def test_a_full_listener_refuses_before_the_token_and_deposes_nobody() -> None:
     strangers: list[socket.socket] = []
     try:
         strangers = [_connected(listener) for _ in range(MAX_WATCHERS)]
-        watch, died = _watch(_beat(listener))
+        watch, died, watching = _watch(_beat(listener))
         assert watch.finished.wait(WAIT_S), "a watch past the bound was held"
-        assert not died.is_set()
+        assert not died.is_set() and not watching.is_set()
         # A stranger that leaves frees its place (once the listener read its leaving:
         # a connection refused meanwhile ends at once, and the next one is tried).
         strangers.pop().close()
