@@ -100,6 +100,25 @@ def test_a_full_listener_refuses_before_the_token_and_deposes_nobody() -> None:
             s.close()
 
 
+def test_a_peer_that_sends_is_dropped_and_frees_its_place() -> None:
+    listener = DeathWatchListener("127.0.0.1", None)
+    try:
+        rude = _connected(listener)
+        rude.sendall(b"hello")  # a follower sends nothing
+        rude.settimeout(WAIT_S)
+        try:
+            ended = rude.recv(64) == b""
+        except ConnectionResetError:  # closed with the bytes unread: a reset
+            ended = True
+        assert ended, "the listener kept a peer that sent"
+        rude.close()
+        strangers = [_connected(listener) for _ in range(MAX_WATCHERS)]  # its place is free again
+        for s in strangers:
+            s.close()
+    finally:
+        listener.close()
+
+
 @given(st.binary(max_size=200) | st.text(max_size=100).map(str.encode))
 def test_beat_data_is_parsed_totally(data: bytes) -> None:
     beat = parse_beat(data)

@@ -11,9 +11,10 @@ packet ends no connection). The heartbeats in ZooKeeper stay for those (see
 Only a connection that delivered the leader's token and then ended counts as a death: a
 follower that cannot connect, or is refused or closed before the token (a full listener,
 a port reused by another process), falls back on the heartbeats. The listener holds at
-most :data:`MAX_WATCHERS` connections and closes the ones whose peers left; a connection
-beyond the bound is closed before its token, so a stranger filling the listener delays a
-failover to the heartbeats' pace and never deposes a live leader.
+most :data:`MAX_WATCHERS` connections and closes the ones whose peers left or sent
+anything (a follower sends nothing); a connection beyond the bound is closed before its
+token, so a stranger filling the listener delays a failover to the heartbeats' pace and
+never deposes a live leader.
 """
 
 from __future__ import annotations
@@ -90,15 +91,11 @@ class DeathWatchListener:
                         sel.register(conn, selectors.EVENT_READ)
                         continue
                     assert isinstance(sock, socket.socket)
-                    # A follower sends nothing: readable means it left (or broke the rule).
-                    try:
-                        gone = not sock.recv(64)
-                    except OSError:
-                        gone = True
-                    if gone:
-                        sel.unregister(sock)
-                        held.discard(sock)
-                        sock.close()
+                    # A follower sends nothing: readable means it left, or broke the rule
+                    # (then its watch ends as if we died: its business, and no spinning here).
+                    sel.unregister(sock)
+                    held.discard(sock)
+                    sock.close()
         finally:
             for conn in held:
                 conn.close()
