@@ -4,9 +4,11 @@ reads the token, and waits. The connection carries nothing more. When the leader
 process dies, its kernel closes the connection (a FIN, or a reset), and the follower
 learns it that moment rather than after a silence of heartbeats.
 
-What it does not see: a leader alive but stuck, or cut off from the follower (a dropped
-packet ends no connection). The heartbeats in ZooKeeper stay for those (see
-:mod:`ziplog.io.election`), at a slower pace than they would need on their own.
+What it does not see: a leader alive but stuck, or one whose whole machine died (no
+kernel is left to end the connection); the heartbeats in ZooKeeper stay for those (see
+:mod:`ziplog.io.election`), at a slower pace than they would need on their own. Nor does
+a cut link end the connection (a dropped packet ends none), rightly: a leader cut off
+from its follower alone is no reason to depose it.
 
 Only a connection that delivered the leader's token and then ended counts as a death: a
 follower that cannot connect, or is refused or closed before the token (a full listener,

@@ -11,8 +11,9 @@ Instead the next contender in line watches the leader two ways:
   ends that connection (:mod:`ziplog.io.death_watch`): the follower deposes it at once;
 * **its loop**: the leader rewrites its beat node every ``HEARTBEAT_NS`` (the driver
   calls :meth:`Election.heartbeat` from its loop, so a leader whose loop is stuck stops
-  too, as does one cut off from the follower but not from ZooKeeper); a leader whose
-  beat did not change for ``SILENCE_NS`` is deposed.
+  beating, as does one cut off from ZooKeeper or whose machine died); a leader whose
+  beat did not change for ``SILENCE_NS`` is deposed. One cut off from its follower
+  alone keeps beating through ZooKeeper, and keeps its place.
 
 Deposing is one transaction that deletes the leader's lock node and its beat and checks
 the beat's version the follower saw (a leader that just beat keeps both); the next
@@ -20,7 +21,8 @@ contender then leads at once. The beat is a node of its own because kazoo's lock
 watches the lock node ahead of it: rewriting the lock node itself woke every waiting
 contender's recipe (three ZooKeeper reads) on every beat. Every beat is a write that
 every ZooKeeper node logs and fsyncs: with a death seen at once, the beats only have to
-catch the rarer stuck or cut-off leader, so they come once a second, not five times
+catch the rarer stuck leader (or one cut off from ZooKeeper, or whose machine died), so
+they come once a second, not five times
 (an idle cluster's ZooKeeper spent most of its CPU on them).
 
 Deposing is safe even when the old leader is alive but slow: it learns it was deposed
@@ -52,8 +54,8 @@ log = logging.getLogger("ziplog.election")
 #: about 15% on two cores). A dead leader's process is seen at once without them.
 HEARTBEAT_NS = 1_000_000_000
 #: a leader whose beat did not change for this long is deposed (four missed beats: a
-#: loaded machine's pauses do not depose a live leader); this is how long a stuck or
-#: cut-off leader keeps its place
+#: loaded machine's pauses do not depose a live leader); this is how long a stuck leader,
+#: one cut off from ZooKeeper or one whose machine died keeps its place
 SILENCE_NS = 4_000_000_000
 #: how often a follower's clock looks at what the watch last saw (no ZooKeeper request)
 WATCH_EVERY_S = 0.1
