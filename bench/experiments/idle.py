@@ -41,14 +41,13 @@ def _epoch(cluster: Any) -> int:
 def _zk_writes(cluster: Any) -> int:
     """Writes the ensemble's leader counted so far (every node logs each of them)."""
     from ziplog.tools.zk_ensemble import four_letter_word
-    total = 0
-    for hp in cluster.zk_hosts.split(","):
-        host, port = hp.rsplit(":", 1)
-        stats = dict(line.split("\t", 1) for line in (four_letter_word(host, int(port), "mntr") or "").splitlines()
-                     if "\t" in line)
-        if stats.get("zk_server_state") in ("leader", "standalone"):
-            total += sum(int(float(v)) for k, v in stats.items() if k.startswith("zk_cnt_") and k.endswith("_write_per_namespace"))
-    return total
+    leader = cluster.zk.leader()
+    if leader is None:
+        return 0
+    host, port = cluster.zk.node_hosts(leader).rsplit(":", 1)
+    reply = four_letter_word(host, int(port), "mntr") or ""
+    stats = dict(line.split("\t", 1) for line in reply.splitlines() if "\t" in line)
+    return sum(int(float(v)) for k, v in stats.items() if k.startswith("zk_cnt_") and k.endswith("_write_per_namespace"))
 
 
 def _measure(cluster: Any, seconds: float) -> dict[str, float]:

@@ -28,7 +28,7 @@ import socket
 import threading
 from typing import Callable
 
-from ziplog.protocol.addresses import parse_host_port, tcp_addr
+from ziplog.protocol.addresses import is_ipv6, parse_host_port, tcp_addr
 from ziplog.protocol.zmtp import parse_endpoint
 
 log = logging.getLogger("ziplog.election")
@@ -46,8 +46,7 @@ class DeathWatchListener:
     the process's end, which is the point)."""
 
     def __init__(self, bind: str, advertise: str | None) -> None:
-        family = socket.AF_INET6 if ":" in bind.strip("[]") else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock = socket.socket(socket.AF_INET6 if is_ipv6(bind) else socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind((bind.strip("[]"), 0))
             self._sock.listen(MAX_WATCHERS)
@@ -131,7 +130,7 @@ def parse_beat(data: bytes | None) -> tuple[str, int, bytes] | None:
         return None
     if len(token) != TOKEN_BYTES or not 0 < port < 65536:
         return None
-    return host.strip("[]"), port, token
+    return host, port, token
 
 
 class DeathWatch:
