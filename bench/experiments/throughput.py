@@ -6,7 +6,11 @@
    clients, each keeping ``depth`` inserts of 4 KiB in flight; per-shard and total
    throughput, latency at that load, and where the CPU went (servers, clients,
    ZooKeeper, MMS; in cores) and how much was written to disk, to say what saturates.
-2. **Every system, one shard**, the same pipelined load, one system at a time (each
+2. **ziplog with a process per CPU** (every shard count above one, each on a cluster
+   of its own started with that many shards and ``process_per_cpu``): the replicas
+   that share a CPU share one storage process (``ziplog.server --serve``), as on a
+   machine hosting more replicas than CPUs.
+3. **Every system, one shard**, the same pipelined load, one system at a time (each
    gets the whole machine).
 
     python -m bench throughput [--quick] [--out DIR]
@@ -29,6 +33,8 @@ from ..systems.base import Unavailable
 
 COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "total_rate", "p50_us", "p99_us",
            "fast_path_ratio", "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
+#: the rows of ziplog with a storage process per CPU
+PER_CPU = "ziplog, process per CPU"
 RIVALS = ["floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis", "redis-replica"]
 
 
@@ -93,6 +99,42 @@ def _row(name: str, shards: int, results: list[LoadResult], cpu: dict[str, float
             "saturates": _saturates(cpu, clients, servers)}
 
 
+ZIPLOG_ROLES = ("storage servers", "membership service", "failure handlers", "ZooKeeper")
+
+
+def _ziplog_row(name: str, shards: int, pools: list[ClientPool], p: dict[str, Any], res: Results) -> dict[str, Any]:
+    results, cpu, disk = _measure(pools, p)
+    row = _row(name, shards, results, cpu, disk, p, ZIPLOG_ROLES)
+    row["storage_server_cores"] = cpu.get("storage servers", 0.0)
+    res.log(f"  {name}, {shards} shard(s): {row['total_rate']:.0f}/s total, {row['per_shard_rate']:.0f}/s per shard; "
+            f"cpu {cpu}; {row['saturates']}")
+    return row
+
+
+def _ziplog_per_cpu(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
+    """Every shard count above one on a fresh cluster whose replicas sharing a CPU share
+    a process (one shard has a replica per CPU either way)."""
+    rows: list[dict[str, Any]] = []
+    for target in progress("throughput", [n for n in p["shard_counts"] if n > 1],
+                           lambda n: f"ziplog with {n} shards, a process per CPU"):
+        system = sysreg.make("ziplog", shards=target, replicas=p["replicas"], process_per_cpu=True)
+        pools: list[ClientPool] = []
+        try:
+            system.start()
+            pools = [ClientPool(system.client_spec(shard), p["clients_per_shard"], f"ziplog-s{shard}",
+                                max_workers=p["workers_per_shard"], seed=shard + 1)
+                     for shard in system.cluster.shard_ids]  # type: ignore[attr-defined]
+            rows.append(_ziplog_row(PER_CPU, target, pools, p, res))
+        except Unavailable as e:
+            res.not_started(PER_CPU, str(e))
+            return rows
+        finally:
+            for pool in pools:
+                pool.close()
+            system.stop()
+    return rows
+
+
 def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     system = sysreg.make("ziplog", shards=1, replicas=p["replicas"])
@@ -112,13 +154,7 @@ def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
                 shard = cluster.shard_ids[len(pools)]
                 pools.append(ClientPool(system.client_spec(shard), p["clients_per_shard"], f"ziplog-s{shard}",
                                         max_workers=p["workers_per_shard"], seed=shard + 1))
-            results, cpu, disk = _measure(pools, p)
-            row = _row("ziplog", target, results, cpu, disk, p,
-                       ("storage servers", "membership service", "failure handlers", "ZooKeeper"))
-            row["storage_server_cores"] = cpu.get("storage servers", 0.0)
-            rows.append(row)
-            res.log(f"  {target} shard(s): {row['total_rate']:.0f}/s total, {row['per_shard_rate']:.0f}/s per shard; "
-                    f"cpu {cpu}; {row['saturates']}")
+            rows.append(_ziplog_row("ziplog", target, pools, p, res))
     finally:
         for pool in pools:
             pool.close()
@@ -159,8 +195,13 @@ def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
     ax = fig.add_subplot(1, 1, 1)
     ax.plot([r["shards"] for r in z], [r["total_rate"] for r in z], marker="o", label="ziplog total")
     ax.plot([r["shards"] for r in z], [r["per_shard_rate"] for r in z], marker="s", label="ziplog per shard")
+    # the process-per-CPU series starts from the one-shard point: one shard is the same cluster either way
+    per_cpu = z[:1] + [r for r in rows if r["system"] == PER_CPU]
+    if len(per_cpu) > 1:
+        ax.plot([r["shards"] for r in per_cpu], [r["total_rate"] for r in per_cpu], marker="^",
+                label="ziplog total, a process per CPU")
     for r in rows:
-        if r["system"] != "ziplog":
+        if r["system"] not in ("ziplog", PER_CPU):
             ax.axhline(r["total_rate"], linestyle=":", linewidth=1)
             ax.annotate(r["system"], (z[-1]["shards"], r["total_rate"]), fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("shards (ziplog); dotted: other systems, one shard")
@@ -174,7 +215,7 @@ def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
 def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     p = params_for(quick)
     res = Results("throughput", out, p)
-    rows = _ziplog_scaling(p, res) + _rivals(p, res)
+    rows = _ziplog_scaling(p, res) + _ziplog_per_cpu(p, res) + _rivals(p, res)
     _plot(res, rows)
     z1 = next((r for r in rows if r["system"] == "ziplog" and r["shards"] == 1), None)
     if z1 is not None:
@@ -184,7 +225,8 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                  f"clients {z1['cpu_clients']:.2f}, disk {z1['disk_mb_s']:.0f} MB/s"
                  + (f"; fast path {z1['fast_path_ratio']:.0%} of its inserts at this load."
                     if z1.get("fast_path_ratio") is not None else "."))
-    res.write(rows, COLUMNS, "Throughput: pipelined clients, ziplog as shards are added, and every system on one shard",
+    res.write(rows, COLUMNS, "Throughput: pipelined clients, ziplog as shards are added (a process per replica, and a "
+              "process per CPU), and every system on one shard",
               intro=(f"{p['clients_per_shard']} asyncio clients per shard over {p['workers_per_shard']} processes, "
                      f"each keeping {p['depth']} appends of {p['record_bytes']} bytes in flight, "
                      f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up. cpu_* columns are cores "

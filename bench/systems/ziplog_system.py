@@ -51,7 +51,7 @@ class ZiplogSystem(System):
 
     def server_pids(self) -> list[int]:
         """The storage servers' process ids (for CPU accounting)."""
-        return [p.pid for p in self.cluster.servers.values()] if self.cluster is not None else []
+        return list(dict.fromkeys(p.pid for p in self.cluster.servers.values())) if self.cluster is not None else []
 
     def describe(self) -> dict[str, Any]:
         return {"replication": f"{self.replicas} replicas per shard (f={self.replicas - 1})",

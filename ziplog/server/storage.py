@@ -1,6 +1,12 @@
-"""Storage server: one replica of one shard, a thin driver over :class:`ReplicaCore`.
+"""Storage server: replicas of shards, each a thin driver over :class:`ReplicaCore`.
 
     python -m ziplog.server --zk HOSTS --shard S --replica R [--replicas N] [--data-dir D]
+    python -m ziplog.server --zk HOSTS --serve S:R[,S:R...] [--replicas N] [--data-dir D]
+
+A process serves one replica, or (``--serve``) replicas of several shards on one loop:
+a machine that hosts more replicas than it has CPUs runs one process per CPU, so that
+one wake-up serves every shard's messages that arrived together, instead of one
+process per replica each paying its own wake-ups and turns (see :func:`hosted_replicas`).
 
 :class:`StorageDriver` moves frames between the ports and the core and performs the
 core's effects; it runs unchanged in production (pyzmq, segment files, kazoo) and in
@@ -619,14 +625,67 @@ def set_cpus(cpus: set[int] | None) -> None:
             log.warning("could not keep thread %d on CPUs %s (%s): it runs anywhere", tid, sorted(cpus), exc)
 
 
+def parse_hosted(spec: str) -> list[tuple[int, int]]:
+    """``--serve``'s list: ``SHARD:REPLICA`` pairs, comma-separated (``0:0,1:1``)."""
+    out: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        shard, colon, replica = part.strip().partition(":")
+        try:
+            pair = (int(shard), int(replica))
+        except ValueError:
+            raise ValueError(f"not SHARD:REPLICA pairs: {spec!r}") from None
+        if not colon or pair[0] < 0 or pair[1] < 0:
+            raise ValueError(f"not SHARD:REPLICA pairs: {spec!r}")
+        out.append(pair)
+    return out
+
+
+def _hosted_argument(spec: str) -> list[tuple[int, int]]:
+    try:
+        return parse_hosted(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[int, int]] | None,
+                    replicas: int) -> list[tuple[int, int]]:
+    """The (shard, replica) pairs one process serves, from ``--shard``/``--replica`` or
+    ``--serve`` (ValueError: why not).
+
+    Two replicas of one shard are refused: one process's end would take both, which
+    replication across f+1 failure domains exists to prevent. Replicas of different
+    shards in one process share its fate as replicas on one machine do: the failure
+    handler recovers each shard, which lost one replica."""
+    if serve is not None and (shard is not None or replica is not None):
+        raise ValueError("give --serve or --shard/--replica, not both")
+    if serve is None:
+        if shard is None or replica is None:
+            raise ValueError("give --shard and --replica (or --serve SHARD:REPLICA,...)")
+        serve = [(shard, replica)]
+    if not serve:
+        raise ValueError("--serve names no replica")
+    shards = [s for s, _ in serve]
+    if len(set(shards)) != len(shards):
+        raise ValueError(f"--serve names two replicas of one shard ({serve}): one process's end would take both")
+    for s, r in serve:
+        if not 0 <= r < replicas:
+            raise ValueError(f"replica {r} of shard {s}: a shard has replicas 0..{replicas - 1} (--replicas)")
+    return list(serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ziplog.io import zk
     from ziplog.io.zmq_runtime import ZmqRuntime
 
-    ap = argparse.ArgumentParser(prog="ziplog.server", description="ziplog storage server (one replica of one shard)")
+    ap = argparse.ArgumentParser(prog="ziplog.server",
+                                 description="ziplog storage server (one replica, or replicas of several shards)")
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts, host:port[,host:port...]")
-    ap.add_argument("--shard", type=int, required=True)
-    ap.add_argument("--replica", type=int, required=True, help="0 is the primary")
+    ap.add_argument("--shard", type=int, default=None)
+    ap.add_argument("--replica", type=int, default=None, help="0 is the primary")
+    ap.add_argument("--serve", type=_hosted_argument, default=None, metavar="S:R[,S:R...]",
+                    help="serve these replicas (of different shards) in this one process, on one loop, each on a "
+                         "port of its own (instead of --shard/--replica): one process per CPU on a machine hosting "
+                         "more replicas than CPUs")
     ap.add_argument("--replicas", type=int, default=2, help="replicas per shard (f+1)")
     ap.add_argument("--data-dir", type=Path, default=None, help="where segment files live (none: memory only)")
     ap.add_argument("--fsync", choices=["never", "interval", "always"], default="interval",
@@ -672,40 +731,62 @@ def main(argv: list[str] | None = None) -> int:
     add_metrics_arguments(ap)
     add_log_arguments(ap)
     args = parse_args(ap, argv, "storage")
-    check_address_arguments(ap, args)
+    try:
+        hosted = hosted_replicas(args.shard, args.replica, args.serve, args.replicas)
+    except ValueError as exc:
+        ap.error(str(exc))
+    check_address_arguments(ap, args, one_port=len(hosted) == 1)
+    if len(hosted) > 1 and args.port:
+        ap.error("--port names one replica's port: with several (--serve) each listens on a free one")
     key = load_cluster_key(args.cluster_key_file)
-    configure_logging(args, f"storage{args.shard}.{args.replica}")
+    configure_logging(args, "storage" + "+".join(f"{s}.{r}" for s, r in hosted))
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     set_cpus(args.cpus)
-    settings = ReplicaSettings(shard=args.shard, replica=args.replica, replicas=args.replicas,
+    rt = ZmqRuntime(native=args.transport == "native")
+    # One ZooKeeper session per replica: each registration lives and ends with its own.
+    coords = [zk.StorageCoordination(args.zk, key) for _ in hosted]
+    if args.take_over is not None:
+        # Everything above ran while the old process served; what follows needs its
+        # data directory and its place in ZooKeeper. Every replica served here must be
+        # registered by the process taken over.
+        registered = [coord.registered_pid(s, r) for coord, (s, r) in zip(coords, hosted)]
+        try:
+            # the pid ZooKeeper names for every replica served here, or one it names that
+            # is not the process to stop (refused)
+            take_over(args.take_over, next((pid for pid in registered if pid != args.take_over), args.take_over))
+        except TakeOverRefused as exc:
+            log.error("not taking over: %s", exc)
+            for coord in coords:
+                coord.close()
+            rt.close()
+            return 2
+    drivers = [_storage_driver(args, shard, replica, rt, coord, key) for (shard, replica), coord in zip(hosted, coords)]
+    for driver in drivers:
+        driver.start()
+    metrics = serve_metrics(args, lambda: [m for d in drivers for m in d.metrics()])
+
+    def stop_requested() -> None:
+        for d in drivers:
+            d.stop_requested()
+
+    return serve_forever(rt, metrics, *drivers, *coords, on_stop=stop_requested)
+
+
+def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any, coord: StorageCoordination,
+                    key: ClusterKey) -> StorageDriver:
+    """One hosted replica's driver, from the process's flags."""
+    settings = ReplicaSettings(shard=shard, replica=replica, replicas=args.replicas,
                                wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=None if args.prefix_interval_us is None else args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))
-    rt = ZmqRuntime(native=args.transport == "native")
-    coord = zk.StorageCoordination(args.zk, key)
-    if args.take_over is not None:
-        # Everything above ran while the old process served; what follows needs its
-        # data directory and its place in ZooKeeper.
-        try:
-            take_over(args.take_over, coord.registered_pid(settings.shard, settings.replica))
-        except TakeOverRefused as exc:
-            log.error("not taking over: %s", exc)
-            coord.close()
-            rt.close()
-            return 2
     disk = None
     if args.data_dir is not None:
-        disk = SegmentLog(replica_dir(args.data_dir, settings.shard, settings.replica), fsync=args.fsync,
+        disk = SegmentLog(replica_dir(args.data_dir, shard, replica), fsync=args.fsync,
                           fsync_interval=args.fsync_interval, segment_bytes=args.segment_bytes)
-    driver = StorageDriver(settings, rt, rt, coord, disk, key, host=args.bind, port=args.port,
-                           advertise=args.advertise)
-
-    driver.start()
-    metrics = serve_metrics(args, driver.metrics)
-    return serve_forever(rt, metrics, driver, coord, on_stop=driver.stop_requested)
+    return StorageDriver(settings, rt, rt, coord, disk, key, host=args.bind, port=args.port, advertise=args.advertise)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ class LocalCluster:
                  epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
                  supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
-                 placement: Placement | None = None, spread_cpus: bool = True) -> None:
+                 placement: Placement | None = None, spread_cpus: bool = True,
+                 process_per_cpu: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,13 @@ class LocalCluster:
         #: on different ones, when this process may run on more than one: replicas left
         #: to the scheduler often share a CPU and serve an insert one after the other.
         self.spread_cpus = spread_cpus
+        #: With ``spread_cpus``, serve the replicas of the starting shards that share a CPU
+        #: in one process (``ziplog.server --serve``), as a machine with more replicas than
+        #: CPUs would: a process per CPU, not per replica. Killing or restarting one of them
+        #: kills or restarts its process, with every replica in it; shards added later get a
+        #: process per replica.
+        self.process_per_cpu = process_per_cpu
+        self._grouped_shards: set[int] = set()
         #: Restart a storage replica that died, as an operator (or systemd) would.
         self.supervise = supervise
         #: How long the supervisor waits before restarting a dead replica (an operator's
@@ -99,20 +107,44 @@ class LocalCluster:
         self.fh[i] = procs.spawn(host.wrap(argv), self.logs / f"fh{i}.log")
 
     def _spawn_server(self, shard: int, replica: int, take_over: int | None = None) -> None:
+        """Start the process that serves ``(shard, replica)``: with ``process_per_cpu``,
+        the one that serves its CPU's group."""
+        group = self.process_group(shard, replica)
         host = self.placement.server(shard, replica)
-        argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, "--shard", str(shard),
-                "--replica", str(replica), "--replicas", str(self.replicas),
+        if len(group) == 1:
+            who = ["--shard", str(shard), "--replica", str(replica)]
+            log_name = f"shard{shard}-replica{replica}.log"
+        else:
+            who = ["--serve", ",".join(f"{s}:{r}" for s, r in group)]
+            log_name = "storage-" + "-".join(f"shard{s}-replica{r}" for s, r in group) + ".log"
+        argv = [sys.executable, "-m", "ziplog.server", "--zk", self.zk_hosts, *who, "--replicas", str(self.replicas),
                 "--data-dir", str(self.data_dir / "segments"), "--fsync", self.fsync, *host.bind_args(),
                 *self.member_args, *self._cpu_args(shard, replica), *self.server_args]
         if take_over is not None:
             argv += ["--take-over", str(take_over)]
-        self.servers[(shard, replica)] = procs.spawn(host.wrap(argv), self.logs / f"shard{shard}-replica{replica}.log")
+        proc = procs.spawn(host.wrap(argv), self.logs / log_name)
+        for key in group:
+            self.servers[key] = proc
 
-    def _cpu_args(self, shard: int, replica: int) -> list[str]:
+    def _cpu_index(self, shard: int, replica: int) -> int | None:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if not self.spread_cpus or len(cpus) < 2:
-            return []
-        return ["--cpus", str(cpus[(shard + replica) % len(cpus)])]
+            return None
+        return (shard + replica) % len(cpus)
+
+    def _cpu_args(self, shard: int, replica: int) -> list[str]:
+        i = self._cpu_index(shard, replica)
+        return [] if i is None else ["--cpus", str(sorted(os.sched_getaffinity(0))[i])]
+
+    def process_group(self, shard: int, replica: int) -> list[tuple[int, int]]:
+        """The replicas served by the process that serves ``(shard, replica)``. Two
+        replicas of one shard never share a CPU here (each shard's replicas take
+        consecutive CPUs), so never a process."""
+        i = self._cpu_index(shard, replica)
+        if not self.process_per_cpu or i is None or shard not in self._grouped_shards:
+            return [(shard, replica)]
+        return [(s, r) for s in sorted(self._grouped_shards) for r in range(self.replicas)
+                if self._cpu_index(s, r) == i]
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()
@@ -127,9 +159,12 @@ class LocalCluster:
             self.shard_ids = existing
         else:
             self.shard_ids = list(range(self.initial_shards))
+        if self.process_per_cpu and self.replicas <= len(os.sched_getaffinity(0)):
+            self._grouped_shards = set(self.shard_ids)
         for s in self.shard_ids:
             for r in range(self.replicas):
-                self._spawn_server(s, r)
+                if (s, r) not in self.servers:
+                    self._spawn_server(s, r)
         self.wait_ready(self.shard_ids, timeout)
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="ziplog-supervisor", daemon=True)
@@ -140,7 +175,8 @@ class LocalCluster:
         while not self._stopping.wait(0.05):  # rarely: this thread shares the GIL with clients in this process
             with self._lock:
                 now = time.monotonic()
-                for (shard, replica), p in list(self.servers.items()):
+                for (shard, replica) in list(self.servers):
+                    p = self.servers[(shard, replica)]  # a process serving several is restarted once
                     if p.poll() is None or self._stopping.is_set():
                         continue
                     since = self._dead_since.setdefault((shard, replica), now)
@@ -183,7 +219,7 @@ class LocalCluster:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        procs.stop_many(list(self.servers.values()) + list(self.mms.values()) + list(self.fh.values()))
+        procs.stop_many(list(dict.fromkeys(self.servers.values())) + list(self.mms.values()) + list(self.fh.values()))
         self.servers.clear()
         self.mms.clear()
         self.fh.clear()

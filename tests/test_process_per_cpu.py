@@ -1,0 +1,99 @@
+"""Replicas of several shards in one storage process (``ziplog.server --serve``): a
+machine hosting more replicas than CPUs runs a process per CPU. Each replica keeps its
+own port, registration, data directory and core; the process shares only its loop."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import ziplog
+from ziplog import RID_GENESIS, Policy
+from ziplog.protocol import layout
+from ziplog.server.storage import hosted_replicas, main, parse_hosted
+from tests.load import wait_status
+
+
+def test_hosted_replicas_come_from_one_form_and_never_put_two_of_a_shard_together() -> None:
+    assert parse_hosted("0:0, 1:1") == [(0, 0), (1, 1)]
+    assert hosted_replicas(3, 1, None, 2) == [(3, 1)]
+    assert hosted_replicas(None, None, [(0, 0), (1, 1)], 2) == [(0, 0), (1, 1)]
+    for bad in ("0", "0:x", "0:0,", "-1:0", ":1"):
+        with pytest.raises(ValueError, match="SHARD:REPLICA"):
+            parse_hosted(bad)
+    with pytest.raises(ValueError, match="two replicas of one shard"):
+        hosted_replicas(None, None, [(0, 0), (0, 1)], 2)
+    with pytest.raises(ValueError, match="not both"):
+        hosted_replicas(0, 0, [(1, 1)], 2)
+    with pytest.raises(ValueError, match="--shard and --replica"):
+        hosted_replicas(0, None, None, 2)
+    with pytest.raises(ValueError, match="replicas 0..1"):
+        hosted_replicas(None, None, [(0, 2)], 2)
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--serve", "0:0,0:1"], "two replicas of one shard"),
+    (["--serve", "0:0,1:1", "--port", "5555"], "--port names one replica's port"),
+    (["--serve", "0:0,1:1", "--advertise", "10.0.0.1:5555"], "takes a host only"),
+    (["--shard", "0", "--replica", "0", "--serve", "1:1"], "not both"),
+])
+def test_a_process_refuses_a_bad_list_before_it_connects_or_binds(argv: list[str], why: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--zk", "127.0.0.1:1", *argv])  # an unreachable ZooKeeper: nothing may get that far
+    assert exit_.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a process per CPU needs at least two CPUs")
+def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_with_every_replica_in_it() -> None:
+    with ziplog.local_cluster(shards=2, replicas=2, process_per_cpu=True) as cluster:
+        servers = cluster.servers
+        # Each CPU's process serves one replica of each shard, never two of one shard.
+        assert servers[(0, 0)] is servers[(1, 1)] and servers[(0, 1)] is servers[(1, 0)]
+        assert servers[(0, 0)] is not servers[(0, 1)]
+        for (shard, replica), proc in servers.items():
+            info = layout.dec(cluster._zkc.get(f"{layout.SHARDS}/{shard}/{replica}")[0])
+            assert info["pid"] == proc.pid, (shard, replica, info)
+        with cluster.client() as c, cluster.client() as reader:
+            sub = reader.subscribe(RID_GENESIS)
+            acked: list[ziplog.RecordId] = []
+            data: dict[ziplog.RecordId, bytes] = {}
+
+            def write(tag: str) -> None:
+                rid = acked[-1] if acked else RID_GENESIS
+                for i in range(60):
+                    c.set_policy(Policy.fixed(i % 2))
+                    record = b"%s-%d" % (tag.encode(), i)
+                    rid = c.insert_after(record, rid)
+                    acked.append(rid)
+                    data[rid] = record
+
+            write("before")
+            assert {r.shard for r in acked} == {0, 1}
+            # A restart replaces the process with every replica it serves: the new one
+            # starts beside it, stops it (each primary in it vouches for its log), and
+            # serves both replicas on their data directories.
+            old = servers[(0, 0)]
+            cluster.restart_replica(0, 0)
+            assert old.poll() is not None
+            new = servers[(0, 0)]
+            assert new is servers[(1, 1)] and new.pid != old.pid and new.poll() is None
+            cluster.wait_ready([0, 1])
+            write("after")
+            for r in acked:
+                assert c.read_record(r) == data[r]
+            got = []
+            want = set(acked)
+            while want:
+                rec = sub.next(timeout=60)
+                assert rec is not None, f"subscription stalled, {len(want)} missing"
+                got.append(rec.rid)
+                want.discard(rec.rid)
+                assert rec.rid not in data or rec.data == data[rec.rid]
+            assert got == sorted(got) and len(set(got)) == len(got)
+            wait_status(c, [0, 1], until=lambda st: all(
+                r["frontier"] >= max((a.gsn for a in acked if a.shard == s), default=0)
+                for s in (0, 1) for r in st[s]))
+            sub.close()
