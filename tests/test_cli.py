@@ -274,12 +274,17 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
         hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
         before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         acked: list[ziplog.RecordId] = []
+        failed: list[str] = []
         stop = threading.Event()
 
         def write() -> None:
             with ziplog.Client(hosts) as c:
                 while not stop.is_set():
-                    acked.append(c.insert_after(b"r-%d" % len(acked)))
+                    try:
+                        acked.append(c.insert_after(b"r-%d" % len(acked)))
+                    except ziplog.ZiplogError as exc:  # every insert must go through: none may fail
+                        failed.append(repr(exc))
+                        return
 
         writer = threading.Thread(target=write)
         writer.start()
@@ -291,6 +296,7 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
             stop.set()
             writer.join()
         assert done.returncode == 0, done.stdout + done.stderr
+        assert not failed, (failed, done.stdout)
         for name in ("zk0", "zk1", "zk2", "mms0", "mms1", "mms2", "failure_handler0", "shard0-replica0",
                      "shard0-replica1"):
             assert f"  {name}: back after" in done.stdout, done.stdout

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+from typing import Any
+
+import pytest
 
 from ziplog.cores.client.calls import InsertCall, InsertState, ReadCall, StatusCall
 from ziplog.cores.client.state import AVOID_NS, RETRY_AFTER_NS, ClientState
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError
+from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogTimeoutError
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy, RecordId
 
@@ -71,6 +74,70 @@ def test_a_pinned_insert_waits_for_its_shard_and_fails_at_the_deadline() -> None
     assert call.start(0, topo) == [] and call.state is InsertState.WAITING_FOR_SHARD and call.wake_at == 2 * S
     call.on_timer(2 * S, topo)
     assert call.done and isinstance(call.error, NoShardAvailableError)
+
+
+def _refused(call: InsertCall, msg: wire.Insert, code: str, topo: TopologyView, now: int,
+             shard: int = 0) -> list[Any]:
+    """The primary refuses ``msg`` with ``code`` and the backup holds no copy: what the
+    call sends then."""
+    call.on_reply(f"tcp://s{shard}r0", wire.Error(req_id=msg.req_id, code=code, message=f"{code} here"), now, topo)
+    return list(call.on_reply(f"tcp://s{shard}r1", wire.Error(req_id=msg.req_id, code=wire.E_NO_GUESS, message="no"),
+                              now, topo))
+
+
+@pytest.mark.parametrize("policy", [Policy.fixed(0), Policy.random()])
+def test_an_insert_whose_epoch_did_not_come_in_time_is_tried_again_under_a_new_id(policy: Policy) -> None:
+    # The primary parked it for an epoch that did not come (the membership service
+    # stalled) and refused it for good; the backup holds no copy. The call's deadline
+    # is far: after a pause the record goes again, under a new id, and is placed.
+    c, topo = _client(policy), _topology([0])
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (_, first), = call.start(0, topo)
+    assert isinstance(first, wire.Insert)
+    assert _refused(call, first, wire.E_TIMEOUT, topo, 2 * S) == []
+    assert not call.done and call.state is InsertState.WAITING_FOR_SHARD
+    assert call.wake_at == 2 * S + RETRY_AFTER_NS
+    (addrs, again), = call.on_timer(call.wake_at, topo)
+    assert isinstance(again, wire.Insert) and addrs == ("tcp://s0r0", "tcp://s0r1")
+    assert again.seq != first.seq and again.client_id == first.client_id and again.data == b"data"
+    call.on_reply("tcp://s0r0", _ack(again.req_id, 9, 0, True), 3 * S, topo)
+    call.on_reply("tcp://s0r1", _ack(again.req_id, 9, 1, False), 3 * S, topo)
+    assert call.done and call.result() == RecordId(9, 0)
+
+
+def test_an_insert_that_keeps_waiting_in_vain_ends_at_its_deadline_with_the_refusal() -> None:
+    # Each primary parks it 2 s and refuses it: the other shard is tried under the same
+    # id, then both again under a new one after a pause, until the deadline passes.
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    call = InsertCall(c, b"data", 0, None, 8 * S + RETRY_AFTER_NS * 3 // 2)
+    sends: list[Any] = list(call.start(0, topo))
+    now, tried = 0, []
+    while not call.done:
+        if not sends:
+            assert call.wake_at is not None
+            now = call.wake_at
+            sends = list(call.on_timer(now, topo))
+            continue
+        (addrs, msg), = sends
+        assert isinstance(msg, wire.Insert)
+        tried.append((addrs[0], msg.seq))
+        now += 2 * S
+        assert now < call.deadline_ns
+        sends = _refused(call, msg, wire.E_TIMEOUT, topo, now, shard=int(addrs[0][len("tcp://s")]))
+    assert now == call.deadline_ns
+    assert isinstance(call.error, ZiplogTimeoutError) and "TIMEOUT here" in str(call.error)
+    assert len(tried) == 4
+    assert {a for a, _ in tried[:2]} == {a for a, _ in tried[2:]} == {"tcp://s0r0", "tcp://s1r0"}
+    assert tried[0][1] == tried[1][1] != tried[2][1] == tried[3][1]
+
+
+def test_a_full_primary_still_ends_an_insert_at_once() -> None:
+    c, topo = _client(Policy.fixed(0)), _topology([0])
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (_, msg), = call.start(0, topo)
+    assert isinstance(msg, wire.Insert)
+    _refused(call, msg, wire.E_OVERLOADED, topo, S)
+    assert call.done and call.error is not None and "OVERLOADED here" in str(call.error)
 
 
 def _status_ok(req: int, shard: int, replica: int) -> wire.StatusOk:

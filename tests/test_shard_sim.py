@@ -116,7 +116,11 @@ class StuckWriter:
     def next(self) -> None:
         sim, app = self.sim, self.app
         ahead = epoch_base(max(sim.epoch, 0) + 40)
-        call = InsertCall(app.state, b"never", ahead, None, sim.world.now + 30_000 * MS)
+        # One id per call: the deadline falls before the client would try again after the
+        # primary's TIMEOUT (it tries a parked insert again within the deadline), so each
+        # call is one refusal, ended by ZiplogTimeoutError.
+        deadline = sim.world.now + sim.P.s.park_timeout_ns + app.state.retry_after_ns // 2
+        call = InsertCall(app.state, b"never", ahead, None, deadline)
         app.driver.start(call, lambda: self.finished(call))
 
     def finished(self, call: InsertCall) -> None:

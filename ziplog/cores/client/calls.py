@@ -76,7 +76,13 @@ class Call:
 
 #: refusals that end an insert once no other shard is left to try: what stopped it is the
 #: answer (a pinned insert refused otherwise tries its shard again under a new id)
-FINAL_REFUSALS = frozenset((wire.E_TIMEOUT, wire.E_OVERLOADED, wire.E_DISK_FULL))
+FINAL_REFUSALS = frozenset((wire.E_OVERLOADED, wire.E_DISK_FULL))
+#: a refusal that says only that the shard could not place the record in time: it waited
+#: (2 s) for an epoch that did not come, while the membership service or ZooKeeper
+#: stalled or the shard rejoined. Once every shard tried has said so, the record is tried
+#: again under a new id after a pause, within the call's deadline (each shard holds no
+#: copy of the old id and never will), and the refusal is the answer at the deadline.
+STALLED_REFUSALS = frozenset((wire.E_TIMEOUT,))
 
 
 class InsertState(enum.Enum):
@@ -106,6 +112,8 @@ class InsertCall(Call):
         self.excluded: set[int] = set()
         #: the last final refusal a primary gave (what to say if no shard is left)
         self.refusal: wire.Error | None = None
+        #: the last STALLED_REFUSALS refusal: the answer if the deadline passes waiting
+        self.stalled: wire.Error | None = None
         self.state = InsertState.WAITING_FOR_SHARD
         self.shard = -1
         self.targets: tuple[str, ...] = ()  # replica i's address at i
@@ -120,6 +128,10 @@ class InsertCall(Call):
         client = self.client
         shard = client.choose_shard(topo.live_shards(), self.key, self.data, self.excluded, now)
         if shard is None:
+            if self.refusal is not None and self.refusal.code in STALLED_REFUSALS:
+                # Every shard tried waited in vain for an epoch: try them again, later.
+                self._start_over(now)
+                return []
             if client.pinned_shard_may_return(self.excluded, topo.replica_counts):
                 # The pinned shard is out for now (failure recovery, a replica restarting):
                 # wait for ZooKeeper to show it live again, within this call's deadline.
@@ -148,6 +160,17 @@ class InsertCall(Call):
         self.wake_at = min(self.retry_at, self.deadline_ns)
         return [(self.targets, self.msg)]
 
+    def _start_over(self, now: int) -> None:
+        """Every shard tried refused this id for good and holds no copy of it: wait a
+        retry interval, then choose again among every shard under a new id."""
+        if self.refusal is not None and self.refusal.code in STALLED_REFUSALS:
+            self.stalled = self.refusal
+        self.seq = self.client.next_seq()
+        self.refusal = None
+        self.excluded.clear()
+        self.state = InsertState.WAITING_FOR_SHARD
+        self.wake_at = min(now + self.client.retry_after_ns, self.deadline_ns)
+
     def waiting_on(self) -> Sequence[str]:
         return self.targets if self.state is InsertState.SENT else ()
 
@@ -169,10 +192,7 @@ class InsertCall(Call):
                 # shard holds no copy of this id and refuses it for good, so the record goes
                 # to the same shard again under a new id, once it takes inserts again
                 # (still exactly once: the old id is nowhere and never will be).
-                self.seq = self.client.next_seq()
-                self.refusal = None
-                self.state = InsertState.WAITING_FOR_SHARD
-                self.wake_at = min(now + self.client.retry_after_ns, self.deadline_ns)
+                self._start_over(now)
                 return []
             self.excluded.add(self.shard)
             self.client.avoid(self.shard, now)
@@ -192,6 +212,8 @@ class InsertCall(Call):
     def on_timer(self, now: int, topo: TopologyView) -> Sends:
         if self.state is InsertState.WAITING_FOR_SHARD:
             if now >= self.deadline_ns:
+                if self.stalled is not None:
+                    return self.fail(from_reply(self.stalled.code, self.stalled.message))
                 return self.fail(NoShardAvailableError(f"shard {self.client.policy.shard} is not live"))
             return self._choose(now, topo)
         if self.state is not InsertState.SENT:
