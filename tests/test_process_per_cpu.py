@@ -5,6 +5,7 @@ own port, registration, data directory and core; the process shares only its loo
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_a_process_refuses_a_bad_list_before_it_connects_or_binds(argv: list[str
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a process per CPU needs at least two CPUs")
-def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_with_every_replica_in_it() -> None:
+def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_or_restarted_with_every_replica_in_it() -> None:
     with ziplog.local_cluster(shards=2, replicas=2, process_per_cpu=True) as cluster:
         servers = cluster.servers
         # Each CPU's process serves one replica of each shard, never two of one shard.
@@ -97,3 +98,23 @@ def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_with_every_repli
                 r["frontier"] >= max((a.gsn for a in acked if a.shard == s), default=0)
                 for s in (0, 1) for r in st[s]))
             sub.close()
+            # The other process SIGKILLed: the supervisor starts it again once, with both
+            # of its replicas, and each registers again under the new process.
+            victim = servers[(0, 1)]
+            with cluster._lock:
+                restarts = len(cluster.restarts)
+            cluster.kill_replica(0, 1)
+            victim.wait(30)
+            deadline = time.monotonic() + 60
+            while True:
+                with cluster._lock:
+                    new, count = servers[(0, 1)], len(cluster.restarts)
+                if new is not victim:
+                    break
+                assert time.monotonic() < deadline, "the supervisor did not start the process again"
+                time.sleep(0.05)
+            assert servers[(1, 0)] is new and count == restarts + 1
+            wait_status(c, [0, 1])
+            for shard, replica in ((0, 1), (1, 0)):
+                info = layout.dec(cluster._zkc.get(f"{layout.SHARDS}/{shard}/{replica}")[0])
+                assert info["pid"] == new.pid and new.poll() is None

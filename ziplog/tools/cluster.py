@@ -143,8 +143,9 @@ class LocalCluster:
         i = self._cpu_index(shard, replica)
         if not self.process_per_cpu or i is None or shard not in self._grouped_shards:
             return [(shard, replica)]
+        host = self.placement.server(shard, replica)  # one process runs on one host
         return [(s, r) for s in sorted(self._grouped_shards) for r in range(self.replicas)
-                if self._cpu_index(s, r) == i]
+                if self._cpu_index(s, r) == i and self.placement.server(s, r) == host]
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()
@@ -181,7 +182,8 @@ class LocalCluster:
                         continue
                     since = self._dead_since.setdefault((shard, replica), now)
                     if now - since >= self.restart_delay_s:
-                        del self._dead_since[(shard, replica)]
+                        for key in self.process_group(shard, replica):  # each replica the process served
+                            self._dead_since.pop(key, None)
                         self._spawn_server(shard, replica)
                         self.restarts.append((now, shard, replica))
 
@@ -230,7 +232,8 @@ class LocalCluster:
 
     # -- operator actions ---------------------------------------------------------------------------
     def kill_replica(self, shard: int, replica: int) -> None:
-        """SIGKILL one storage replica (the supervisor, if on, starts it again)."""
+        """SIGKILL one storage replica's process, with every replica it serves (the
+        supervisor, if on, starts it again)."""
         procs.kill(self.servers[(shard, replica)])
 
     def restart_replica(self, shard: int, replica: int, timeout: float = 60.0) -> None:
@@ -262,13 +265,15 @@ class LocalCluster:
         still runs and its files are deleted; the new one registers under the same
         shard and replica number, and failure recovery installs the shard's state on it
         from the surviving replica (``ziplog replica replace`` does the same for one
-        started by hand)."""
+        started by hand). With a process per CPU, the other replicas of its process are
+        started again on their own files."""
         with self._lock:  # the supervisor must not restart the old one on its old files
             p = self.servers.get((shard, replica))
             if p is not None and p.poll() is None:
                 procs.kill(p)
             shutil.rmtree(self.replica_dir(shard, replica), ignore_errors=True)
-            self._dead_since.pop((shard, replica), None)
+            for key in self.process_group(shard, replica):
+                self._dead_since.pop(key, None)
             self._spawn_server(shard, replica)
 
     def kill_mms_leader(self) -> int:
