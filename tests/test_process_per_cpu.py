@@ -57,6 +57,11 @@ def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_or_restarted_wit
         for (shard, replica), proc in servers.items():
             info = layout.dec(cluster._zkc.get(f"{layout.SHARDS}/{shard}/{replica}")[0])
             assert info["pid"] == proc.pid, (shard, replica, info)
+        # Each replica's lines name it: its own logger, under the process's name.
+        text = (cluster.logs / "storage-shard0-replica0-shard1-replica1.log").read_text()
+        for shard, replica in ((0, 0), (1, 1)):
+            assert f" storage0.0+1.1 INFO ziplog.server.{shard}.{replica} shard {shard} replica {replica} serving on " \
+                in text, text[-2000:]
         with cluster.client() as c, cluster.client() as reader:
             sub = reader.subscribe(RID_GENESIS)
             acked: list[ziplog.RecordId] = []

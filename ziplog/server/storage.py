@@ -79,11 +79,20 @@ MIN_TICK_NS = 500_000
 RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume))
 
 
+def replica_logger(shard: int, replica: int) -> logging.Logger:
+    """The logger of one replica's driver: a child of this module's, so the process's
+    handler formats it, and its name says which replica a line is about."""
+    return logging.getLogger(f"{log.name}.{shard}.{replica}")
+
+
 class StorageDriver:
     def __init__(self, settings: ReplicaSettings, rt: Runtime, net: Network, coord: StorageCoordination,
                  disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0,
                  advertise: str | None = None) -> None:
         self.settings = settings
+        #: this replica's logger (``ziplog.server.<shard>.<replica>``, named in every line):
+        #: a process may serve replicas of several shards
+        self.log = replica_logger(settings.shard, settings.replica)
         #: seals what this replica tells its peers and the control plane, and opens what
         #: they tell it
         self.key = key
@@ -102,7 +111,7 @@ class StorageDriver:
         self.park_waits = {"insert": Durations(), "read": Durations()}
         self._time_parking()
         #: contains a failure in handling one inbound message (see ziplog.shell.inbound)
-        self.guard = InboundGuard(log, rt, self._count_inbound_failure)
+        self.guard = InboundGuard(self.log, rt, self._count_inbound_failure)
         self.router = net.router(self.guard.routed("its ROUTER", self.on_request, self._internal_error),
                                  self.on_multipart, host, port, max_bytes=f.request_limit(settings.max_record_bytes))
         #: what this replica registers for peers and clients to dial
@@ -121,7 +130,7 @@ class StorageDriver:
         #: why the last write failed (None: writing works); the batch stays buffered
         self.disk_fault: str | None = None
         self._disk_retry_at = 0
-        self.trouble_log = ThrottledLog(log, rt)
+        self.trouble_log = ThrottledLog(self.log, rt)
         self._dropped_below = 0
         self._next_tick = 0
         self._wakeup: Any = None
@@ -135,7 +144,7 @@ class StorageDriver:
             # anything: it vouches for one start only.
             self.core.replay(disk.load(), clean_frontier=disk.take_clean_close())
             if self.core.restarted_clean:
-                log.info("restarted clean at frontier %d: the last incarnation wrote every record it decided",
+                self.log.info("restarted clean at frontier %d: the last incarnation wrote every record it decided",
                          self.core.frontier)
             disk.start(self.core.snapshot())
         rt.at_turn_end(self.end_turn)
@@ -157,7 +166,7 @@ class StorageDriver:
         self.coord.on_change(lambda: self.rt.call_soon_threadsafe(self.on_topology))
         self.on_topology()
         self.coord.register_replica(s.shard, s.replica, s.replicas, self.addr)
-        log.info("shard %d replica %d serving on %s", s.shard, s.replica, self.addr)
+        self.log.info("shard %d replica %d serving on %s", s.shard, s.replica, self.addr)
 
     def on_topology(self) -> None:
         """Something moved in ZooKeeper: connect to new control-plane replicas, and (a
@@ -275,14 +284,14 @@ class StorageDriver:
         try:
             msg = f.decode_from_primary(frame)
         except f.ProtocolError as exc:
-            log.warning("bad frame from the primary: %s", exc)
+            self.log.warning("bad frame from the primary: %s", exc)
             return
         if type(msg) is f.Forward:
             self.core.on_forward(msg, self.rt.now())
             self._perform(self.core.ready())
         else:
             assert isinstance(msg, f.Error)
-            log.error("primary refused us: %s %s", msg.code, msg.message)
+            self.log.error("primary refused us: %s %s", msg.code, msg.message)
 
     def on_epoch_frame(self, frame: bytes) -> None:
         try:
@@ -412,7 +421,7 @@ class StorageDriver:
             self._disk_retry_at = now + DISK_RETRY_NS
             fault = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror or exc}"
             if self.disk_fault is None:
-                log.error("cannot write the segment files (%s): taking no new records, serving what we hold, "
+                self.log.error("cannot write the segment files (%s): taking no new records, serving what we hold, "
                           "%d events buffered; trying again every %d ms", fault, len(self._disk_buf),
                           DISK_RETRY_NS // 1_000_000)
                 core.on_disk(fault, now)
@@ -423,7 +432,7 @@ class StorageDriver:
         self._disk_buf = []
         self._last_disk_ns = now
         if self.disk_fault is not None:
-            log.warning("segment files writable again (%s before): taking new records", self.disk_fault)
+            self.log.warning("segment files writable again (%s before): taking new records", self.disk_fault)
             self.disk_fault = None
             core.on_disk(None, now)
 
@@ -536,14 +545,14 @@ class StorageDriver:
             self._flush_disk(self.rt.now())
             clean = None
             if self.disk_fault is not None:
-                log.error("stopping with %d events not written (%s): this replica restarts behind its "
+                self.log.error("stopping with %d events not written (%s): this replica restarts behind its "
                           "peer, which holds them", len(self._disk_buf), self.disk_fault)
             elif self.stopping_on_request and not self._disk_buf:
                 clean = self.core.clean_close_frontier()
             try:
                 self.disk.close(clean_frontier=clean)
             except OSError as exc:
-                log.error("closing the segment files: %s", exc)
+                self.log.error("closing the segment files: %s", exc)
         for ep in [self.router, self.primary, self.epochs, *self.mms_pushes.values(),
                    *self.fh_pushes.values(), *(ep for _, ep in self.peer_replicas.values())]:
             if ep is not None:
