@@ -5,8 +5,13 @@ own port, registration, data directory and core; the process shares only its loo
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 import ziplog
@@ -123,3 +128,55 @@ def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_or_restarted_wit
             for shard, replica in ((0, 1), (1, 0)):
                 info = layout.dec(cluster._zkc.get(f"{layout.SHARDS}/{shard}/{replica}")[0])
                 assert info["pid"] == new.pid and new.poll() is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a process per CPU needs at least two CPUs")
+def test_a_rolling_restart_restarts_each_storage_process_once_with_every_replica_in_it() -> None:
+    with ziplog.local_cluster(shards=2, replicas=2, process_per_cpu=True) as cluster:
+        old = set(cluster.servers.values())
+        with cluster.client() as c:
+            data = {c.insert_after(b"before-%d" % i): b"before-%d" % i for i in range(20)}
+            done = cluster.rolling_restart()
+            # shard 0's backup first (its process also serves shard 1's primary), then
+            # shard 0's primary (with shard 1's backup); shard 1 has nothing left
+            assert [r.name for r in done if r.kind == "storage"] == [
+                "shard0-replica1+shard1-replica0", "shard0-replica0+shard1-replica1"]
+            assert all(p.poll() is not None for p in old)
+            assert cluster.servers[(0, 0)] is cluster.servers[(1, 1)] not in old
+            assert cluster.servers[(0, 1)] is cluster.servers[(1, 0)] not in old
+            data.update({c.insert_after(b"after-%d" % i): b"after-%d" % i for i in range(20)})
+            assert {r.shard for r in data} == {0, 1}
+            for rid, record in data.items():
+                assert c.read_record(rid) == record
+
+
+def test_cluster_up_runs_a_process_per_cpu(tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a process per CPU needs at least two CPUs")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "2",
+                             "--process-per-cpu", "--data-dir", str(tmp_path / "data")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                            env=dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    try:
+        assert proc.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # until it says it is up (or stops printing)
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "press Ctrl-C" in line:
+                break
+        assert "press Ctrl-C" in "".join(seen), "".join(seen)
+        storage = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "ziplog.server" in p.cmdline()]
+        assert sorted(p.cmdline()[p.cmdline().index("--serve") + 1] for p in storage) == ["0:0,1:1", "0:1,1:0"]
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

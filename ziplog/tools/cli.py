@@ -177,7 +177,8 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                     kw = {"placement": netns.NetnsPlacement(bed), "mms_replicas": netns.CONTROL_HOSTS,
                           "fh_replicas": netns.CONTROL_HOSTS}
                 c = stack.enter_context(local_cluster(shards=args.shards, replicas=args.replicas,
-                                                      data_dir=args.data_dir, **kw))
+                                                      data_dir=args.data_dir, process_per_cpu=args.process_per_cpu,
+                                                      **kw))
                 hosts = c.zk_hosts
                 _out(f"ziplog is up ({time.monotonic() - t0:.1f} s); logs in {c.logs}")
                 _out("")
@@ -627,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=None, metavar="D",
                     help="keep data and logs here (default: a temporary directory removed on exit); "
                          "reusing it restarts the same log")
+    up.add_argument("--process-per-cpu", action="store_true",
+                    help="serve the replicas that share a CPU in one storage process (a process per CPU, as on a "
+                         "machine hosting more replicas than CPUs) instead of one process per replica")
     up.add_argument("--netns", action="store_true",
                     help="run each process on a host of its own: Linux network namespaces with their own addresses "
                          "on a bridge (three control hosts, one per storage replica, one for clients; root only)")

@@ -6,7 +6,8 @@ started again, one at a time, the next only once the last is back at work:
    registered again in ZooKeeper under a new session.
 3. Storage replicas, shard by shard, backups first and the primary last; back:
    registered again under a new session and answering status as a member of a shard
-   that takes inserts again.
+   that takes inserts again. A process serving replicas of several shards (a process
+   per CPU) is restarted once, and is back when every replica in it is.
 
 What an operator does by hand on a real cluster (``docs/DEPLOY.md``) in the same order,
 with ``ziplog status`` as the check between steps."""
@@ -94,16 +95,26 @@ def rolling_restart(cluster: Any, timeout: float = 60.0,
     # -- storage replicas --------------------------------------------------------------------------
     from ziplog.client.blocking import Client
     with Client(cluster.zk_hosts) as client:
+        restarted: set[tuple[int, int]] = set()
         for shard in list(cluster.shard_ids):
             for replica in sorted(range(cluster.replicas), key=lambda r: (r == 0, r)):
-                path = f"{layout.SHARDS}/{shard}/{replica}"
-                before = _owner(zk, path)
+                if (shard, replica) in restarted:
+                    continue  # its process, serving several shards, was restarted already
+                group = cluster.process_group(shard, replica)
+                owners = {key: _owner(zk, _replica_path(*key)) for key in group}
                 t = time.monotonic()
                 cluster.restart_replica(shard, replica)
-                _wait(f"shard {shard} replica {replica}",
-                      lambda: _owner(zk, path) not in (None, before) and _serving(client, shard, replica), timeout)
-                note("storage", f"shard{shard}-replica{replica}", t)
+                for key in group:
+                    _wait(f"shard {key[0]} replica {key[1]}",
+                          lambda: _owner(zk, _replica_path(*key)) not in (None, owners[key])
+                          and _serving(client, *key), timeout)
+                restarted.update(group)
+                note("storage", "+".join(f"shard{s}-replica{r}" for s, r in group), t)
     return done
+
+
+def _replica_path(shard: int, replica: int) -> str:
+    return f"{layout.SHARDS}/{shard}/{replica}"
 
 
 def _serving(client: Any, shard: int, replica: int) -> bool:
