@@ -4,9 +4,12 @@ subscribers, against a running cluster, and the checks every fault test ends wit
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import ziplog
 from ziplog.protocol import layout
@@ -253,3 +256,46 @@ def pinned_inserts_then_read_all(client: ziplog.Client, shard: int, prefix: str,
             assert rec.rid not in seen, "a record delivered twice"
             seen[rec.rid] = rec.data
     assert all(seen[rid] == data for rid, data in acked.items())
+
+
+def delivered_until(sub: Any, want: Iterable[RecordId], timeout: float = 60.0) -> list[Any]:
+    """The records ``sub`` delivers until every rid of ``want`` came (none may take longer
+    than ``timeout``), checked to come in increasing gsn order, each once."""
+    missing = set(want)
+    got: list[Any] = []
+    while missing:
+        rec = sub.next(timeout=timeout)
+        assert rec is not None, f"subscription stalled, {len(missing)} missing"
+        got.append(rec)
+        missing.discard(rec.rid)
+    rids = [rec.rid for rec in got]
+    assert rids == sorted(rids) and len(set(rids)) == len(rids)
+    return got
+
+
+#: the repository's root: ``python -m ziplog...`` runs from it
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def cli_env() -> dict[str, str]:
+    """The environment a ``python -m ziplog...`` subprocess of a test runs in."""
+    return dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def cluster_up(data: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """``ziplog cluster up --data-dir data FLAGS...`` started, and what it printed up to
+    its "press Ctrl-C" line (or until it stopped printing, within 90 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", *flags,
+                             "--data-dir", str(data)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(), cwd=REPO_ROOT)
+    seen = []
+    deadline = time.monotonic() + 90
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if "press Ctrl-C" in line:
+            break
+    return proc, "".join(seen)

@@ -17,9 +17,7 @@ import pytest
 import ziplog
 from ziplog import RecordId
 from ziplog.tools.cli import main, parse_rid
-from tests.load import wait_status
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.load import REPO_ROOT, cli_env, cluster_up, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -211,31 +209,8 @@ def test_demo_module_is_importable() -> None:
     assert callable(mod.main) and callable(mod.run_demo)
 
 
-def _cli_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _cluster_up(data: Path) -> tuple[subprocess.Popen[str], str]:
-    """``ziplog cluster up --shards 1 --data-dir data`` started, and what it printed up
-    to its "press Ctrl-C" line (or until it stopped printing, within 90 s)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "1",
-                             "--data-dir", str(data)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(), cwd=ROOT)
-    seen = []
-    deadline = time.monotonic() + 90
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if "press Ctrl-C" in line:
-            break
-    return proc, "".join(seen)
-
-
 def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
-    proc, text = _cluster_up(tmp_path / "data")
+    proc, text = cluster_up(tmp_path / "data", "--shards", "1")
     try:
         assert "press Ctrl-C" in text, text
         m = re.search(r"ZooKeeper hosts:\s+(\S+)", text)
@@ -263,12 +238,12 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
 
     import psutil
 
-    env = _cli_env()
+    env = cli_env()
     data = tmp_path / "data"
     missing = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
-                              "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+                              "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
     assert missing.returncode == 2 and "no `ziplog cluster up` runs on" in missing.stderr
-    proc, text = _cluster_up(data)
+    proc, text = cluster_up(data, "--shards", "1")
     try:
         assert "cluster restart --rolling" in text, text
         hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
@@ -291,7 +266,7 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
         try:
             done = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
                                    "--data-dir", str(data), "--timeout", "240"],
-                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+                                  capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
         finally:
             stop.set()
             writer.join()

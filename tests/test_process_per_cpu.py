@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import ziplog
 from ziplog import RID_GENESIS, Policy
 from ziplog.protocol import layout
 from ziplog.server.storage import hosted_replicas, main, parse_hosted
-from tests.load import wait_status
+from tests.load import cluster_up, delivered_until, wait_status
 
 
 def test_hosted_replicas_come_from_one_form_and_never_put_two_of_a_shard_together() -> None:
@@ -95,15 +93,8 @@ def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_or_restarted_wit
             write("after")
             for r in acked:
                 assert c.read_record(r) == data[r]
-            got = []
-            want = set(acked)
-            while want:
-                rec = sub.next(timeout=60)
-                assert rec is not None, f"subscription stalled, {len(want)} missing"
-                got.append(rec.rid)
-                want.discard(rec.rid)
+            for rec in delivered_until(sub, acked):
                 assert rec.rid not in data or rec.data == data[rec.rid]
-            assert got == sorted(got) and len(set(got)) == len(got)
             wait_status(c, [0, 1], until=lambda st: all(
                 r["frontier"] >= max((a.gsn for a in acked if a.shard == s), default=0)
                 for s in (0, 1) for r in st[s]))
@@ -153,23 +144,9 @@ def test_a_rolling_restart_restarts_each_storage_process_once_with_every_replica
 def test_cluster_up_runs_a_process_per_cpu(tmp_path: Path) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a process per CPU needs at least two CPUs")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", "--shards", "2",
-                             "--process-per-cpu", "--data-dir", str(tmp_path / "data")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
-                            env=dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    proc, text = cluster_up(tmp_path / "data", "--shards", "2", "--process-per-cpu")
     try:
-        assert proc.stdout is not None
-        seen = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:  # until it says it is up (or stops printing)
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if "press Ctrl-C" in line:
-                break
-        assert "press Ctrl-C" in "".join(seen), "".join(seen)
+        assert "press Ctrl-C" in text, text
         storage = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "ziplog.server" in p.cmdline()]
         assert sorted(p.cmdline()[p.cmdline().index("--serve") + 1] for p in storage) == ["0:0,1:1", "0:1,1:0"]

@@ -126,26 +126,27 @@ class LocalCluster:
         for key in group:
             self.servers[key] = proc
 
-    def _cpu_index(self, shard: int, replica: int) -> int | None:
+    def _cpu(self, shard: int, replica: int) -> int | None:
+        """The CPU ``spread_cpus`` keeps the replica on (None: anywhere)."""
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if not self.spread_cpus or len(cpus) < 2:
             return None
-        return (shard + replica) % len(cpus)
+        return cpus[(shard + replica) % len(cpus)]
 
     def _cpu_args(self, shard: int, replica: int) -> list[str]:
-        i = self._cpu_index(shard, replica)
-        return [] if i is None else ["--cpus", str(sorted(os.sched_getaffinity(0))[i])]
+        cpu = self._cpu(shard, replica)
+        return [] if cpu is None else ["--cpus", str(cpu)]
 
     def process_group(self, shard: int, replica: int) -> list[tuple[int, int]]:
         """The replicas served by the process that serves ``(shard, replica)``. Two
         replicas of one shard never share a CPU here (each shard's replicas take
         consecutive CPUs), so never a process."""
-        i = self._cpu_index(shard, replica)
-        if not self.process_per_cpu or i is None or shard not in self._grouped_shards:
+        cpu = self._cpu(shard, replica)
+        if not self.process_per_cpu or cpu is None or shard not in self._grouped_shards:
             return [(shard, replica)]
         host = self.placement.server(shard, replica)  # one process runs on one host
         return [(s, r) for s in sorted(self._grouped_shards) for r in range(self.replicas)
-                if self._cpu_index(s, r) == i and self.placement.server(s, r) == host]
+                if self._cpu(s, r) == cpu and self.placement.server(s, r) == host]
 
     def start(self, timeout: float = 90.0) -> None:
         self.zk.start()
