@@ -12,7 +12,8 @@
     python -m bench latency [--quick] [--out DIR] [--systems ziplog,floor,...]
 
 ``--systems`` takes keys of :data:`bench.systems.SYSTEMS`; the default is
-:data:`ALL_SYSTEMS`: ziplog, the three floors (pyzmq ``floor``, ZeroMQ's wire protocol
+:data:`ALL_SYSTEMS`: ziplog, ziplog whose storage servers poll before they sleep
+(``ziplog-poll``, ``--poll-us 200``, a cluster of its own), the three floors (pyzmq ``floor``, ZeroMQ's wire protocol
 spoken natively ``floor-zmtp``, plain TCP ``floor-tcp``),
 the NOPaxos- and Scalog-style baselines, ZooKeeper, NATS JetStream with one replica
 (``nats``) and three (``nats-r3``), Redis Streams alone (``redis``) and with a replica
@@ -33,10 +34,12 @@ from ..loadgen import ClientPool, ClosedLoopClient, fast_path_ratio
 from ..report import Results, histogram, progress
 from ..systems.base import System, Unavailable
 
-ALL_SYSTEMS = ["ziplog", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
+ALL_SYSTEMS = ["ziplog", "ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
                "redis-replica"]
 #: the floors: echo processes, not logs (what ziplog's p50 is compared with, not a rival)
 FLOORS = {"floor", "floor-zmtp", "floor-tcp"}
+#: ziplog itself, as started by the harness (the default, and polling before sleeping)
+ZIPLOGS = ("ziplog", "ziplog-poll")
 #: the second ziplog client of the one-client rounds: a plain Client's default policy
 DEFAULT_POLICY = "ziplog-default"
 DEFAULT_POLICY_NAME = "ziplog, default policy"
@@ -68,7 +71,7 @@ def params_for(quick: bool) -> dict[str, Any]:
 def _start_systems(keys: list[str], p: dict[str, Any], res: Results, stack: contextlib.ExitStack) -> dict[str, System]:
     started: dict[str, System] = {}
     for key in progress("latency", keys, lambda k: f"starting {k}"):
-        kw = {"shards": p["shards"], "replicas": p["replicas"]} if key == "ziplog" else {}
+        kw = {"shards": p["shards"], "replicas": p["replicas"]} if key in ZIPLOGS else {}
         system = sysreg.make(key, **kw)
         try:
             stack.enter_context(system)
@@ -237,15 +240,19 @@ def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list
             rows.append({"system": name, "kind": "not started", "clients": None, "offered_load": None,
                          "p50_us": None, "p99_us": None, "status": f"not started: {why}"})
     _plot(res, one, sweep)
-    z = next((r for r in one if r["system"] == "ziplog"), None)
     floor_names = {started[k].name for k in FLOORS if k in started}
-    if z is not None and z.get("ratio_to_floor"):
-        others = [r for r in one if r["system"] not in ("ziplog", DEFAULT_POLICY_NAME) and r["system"] not in floor_names]
+    ziplog_names = {started[k].name for k in ZIPLOGS if k in started} | {DEFAULT_POLICY_NAME}
+    tcp = next((r for r in one if "floor-tcp" in started and r["system"] == started["floor-tcp"].name), None)
+    for key in ZIPLOGS:
+        z = next((r for r in one if key in started and r["system"] == started[key].name), None)
+        if z is None or not z.get("ratio_to_floor"):
+            continue
+        others = [r for r in one if r["system"] not in ziplog_names and r["system"] not in floor_names]
         below_all = all(z["p50_us"] < r["p50_us"] for r in others)
-        tcp = next((r for r in one if "floor-tcp" in started and r["system"] == started["floor-tcp"].name), None)
-        res.note(f"one client: ziplog p50 {z['p50_us']:.0f} us = {z['ratio_to_floor']:.2f} x the floor"
+        res.note(f"one client: {z['system']} p50 {z['p50_us']:.0f} us = {z['ratio_to_floor']:.2f} x the floor"
                  + (f", {z['p50_us'] / tcp['p50_us']:.2f} x the plain-TCP floor" if tcp and tcp["p50_us"] else "")
                  + f"; {'below' if below_all else 'NOT below'} every other system's p50.")
+    z = next((r for r in one if r["system"] == "ziplog"), None)
     d = next((r for r in one if r["system"] == DEFAULT_POLICY_NAME), None)
     if z is not None and d is not None and z["p50_us"] and d["p50_us"]:
         res.note(f"one client with the default policy (a random shard per insert): p50 {d['p50_us']:.0f} us = "
@@ -261,7 +268,8 @@ def run(quick: bool, out: Path | None, systems: list[str] | None = None) -> list
                      "during the whole run, so all share the same background. ziplog: "
                      f"{p['shards']} shards x {p['replicas']} replicas, client pinned to shard 0, each record "
                      "InsertAfter the previous; a second ziplog client, with the default policy, takes its turns "
-                     "on the same cluster."),
+                     "on the same cluster; a second cluster, the same but for its storage servers polling before "
+                     "they sleep (--poll-us 200), has a pinned client of its own."),
               extra_tables=[("Open loop (offered load on one shard; latency from call to ack, lag = how late the call left)",
                              sweep, SWEEP_COLUMNS)])
     # the JSON holds every row (one-client, sweep, not started); the table shows the first kind

@@ -11,7 +11,8 @@
    that share a CPU share one storage process (``ziplog.server --serve``), as on a
    machine hosting more replicas than CPUs.
 3. **Every system, one shard**, the same pipelined load, one system at a time (each
-   gets the whole machine).
+   gets the whole machine); among them ziplog whose storage servers poll before they
+   sleep (``ziplog-poll``, ``--poll-us 200``, one shard): what that costs under load.
 
     python -m bench throughput [--quick] [--out DIR]
 """
@@ -35,7 +36,7 @@ COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "
            "fast_path_ratio", "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
 #: the rows of ziplog with a storage process per CPU
 PER_CPU = "ziplog, process per CPU"
-RIVALS = ["floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis", "redis-replica"]
+RIVALS = ["ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis", "redis-replica"]
 
 
 def params_for(quick: bool) -> dict[str, Any]:
@@ -165,7 +166,8 @@ def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
 def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for key in progress("throughput", p["rivals"], lambda k: f"rival {k}"):
-        system = sysreg.make(key)
+        # ziplog's polling variant on one shard, like the scaling series' first point
+        system = sysreg.make(key, shards=1, replicas=p["replicas"]) if key == "ziplog-poll" else sysreg.make(key)
         try:
             with contextlib.ExitStack() as stack:
                 try:
@@ -179,6 +181,8 @@ def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
                 server_roles = tuple(k for k in cpu if k not in ("load generator", "harness", "total", "machine",
                                                                   "machine_cores", "other"))
                 row = _row(system.name, 1, results, cpu, disk, p, server_roles)
+                if "storage servers" in cpu:
+                    row["storage_server_cores"] = cpu["storage servers"]
                 row.update(system.describe())
                 rows.append(row)
                 res.log(f"  {system.name}: {row['total_rate']:.0f}/s, p50 {row['p50_us'] or 0:.0f} us; {row['saturates']}")
@@ -201,7 +205,7 @@ def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
         ax.plot([r["shards"] for r in per_cpu], [r["total_rate"] for r in per_cpu], marker="^",
                 label="ziplog total, a process per CPU")
     for r in rows:
-        if r["system"] not in ("ziplog", PER_CPU):
+        if r["system"] not in ("ziplog", PER_CPU) and not r["system"].startswith("ziplog"):
             ax.axhline(r["total_rate"], linestyle=":", linewidth=1)
             ax.annotate(r["system"], (z[-1]["shards"], r["total_rate"]), fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("shards (ziplog); dotted: other systems, one shard")

@@ -13,6 +13,7 @@ from .base import Appender, AsyncAppender, ClientSpec, System, Unavailable
 #: key -> "module:Class"; the key is what ``--systems`` takes
 SYSTEMS: dict[str, str] = {
     "ziplog": "bench.systems.ziplog_system:ZiplogSystem",
+    "ziplog-poll": "bench.systems.ziplog_system:ZiplogPollingSystem",
     "floor": "bench.systems.floor:FloorSystem",
     "floor-tcp": "bench.systems.floor_tcp:FloorTcpSystem",
     "floor-zmtp": "bench.systems.floor_zmtp:FloorZmtpSystem",

@@ -59,6 +59,24 @@ class ZiplogSystem(System):
                 "shards": self.shards, "delays": "2 (fast path), 3 (slow path)"}
 
 
+#: what the polling variant's storage servers run with (``--poll-us``)
+POLL_US = 200
+
+
+class ZiplogPollingSystem(ZiplogSystem):
+    """ziplog whose storage servers poll before they sleep (``--poll-us 200``): lower
+    latency for a few clients, paid in CPU (docs/DEPLOY.md)."""
+
+    name = f"ziplog, --poll-us {POLL_US}"
+
+    def __init__(self, shards: int = 2, replicas: int = 2, data_dir: str | None = None, **cluster_kw: Any) -> None:
+        server_args = list(cluster_kw.pop("server_args", [])) + ["--poll-us", str(POLL_US)]
+        super().__init__(shards, replicas, data_dir, server_args=server_args, **cluster_kw)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "polling": f"storage servers poll up to {POLL_US} us before they sleep"}
+
+
 class ZiplogAppender:
     def __init__(self, zk_hosts: str, shard: int | None) -> None:
         import ziplog

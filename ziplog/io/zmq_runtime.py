@@ -9,6 +9,19 @@ One turn: poll (timeout: the next timer, at most 100 ms) -> each ready socket dr
 (at most 256 frames or 20 ms of them, each handed to its handler, which may send at once: an ACK leaves
 before anything else is done) -> due timers -> calls from other threads -> the turn-end
 hooks (where drivers flush their batches).
+
+A server may poll briefly before it sleeps (``poll_max_ns``, a storage server's
+``--poll-us``; off unless asked for): after a turn, the loop keeps polling without
+blocking, yielding its CPU between polls, for as long as :func:`next_poll_limit` says, so
+that input arriving back to back finds it awake. Waking a sleeping process costs the
+waker an interprocessor interrupt and the woken a context switch, and on a virtual
+machine whose idle vCPUs halt at once (the host allows no guest halt polling) about
+25 us more before the process runs. How long to poll adapts the way Linux's
+cpuidle-haltpoll governor does: it grows while idle periods are shorter than the maximum
+and shrinks when they are longer, so an idle process (an epoch every 10 ms) does not
+poll. A poll ends when a yield lets another task run (this CPU is wanted). What it cannot
+see is a task waiting on another CPU, or a sibling hyperthread slowed by the polling: a
+busy machine pays for it in throughput (docs/DEPLOY.md says when to turn it on).
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import select
 import signal
 import socket
@@ -51,6 +65,28 @@ MAX_WAIT_MS = 100
 IDLE_WAIT_MS = 1000
 #: send queue of a ROUTER or DEALER (frames); a frame to a full queue is dropped
 HWM = 100_000
+#: polling before sleeping: how the time to poll grows and shrinks (haltpoll's defaults:
+#: guest_halt_poll_grow, guest_halt_poll_grow_start, guest_halt_poll_shrink)
+POLL_GROW = 2
+POLL_GROW_START_NS = 50_000
+POLL_SHRINK = 2
+#: one poll and yield take a few microseconds; one that took longer than this ran
+#: another task in between, and ends the polling: this CPU is wanted
+POLL_YIELDED_NS = 30_000
+
+
+def next_poll_limit(limit_ns: int, idle_ns: int, max_ns: int) -> int:
+    """How long to poll before sleeping after the next turn, given ``limit_ns`` (how long
+    it is now) and ``idle_ns`` (how long the idle period that just ended lasted, polling
+    and sleeping together), the rule of Linux's haltpoll ``adjust_poll_limit``: an idle
+    period that polling did not cover but ``max_ns`` would have -> poll longer (at least
+    POLL_GROW_START_NS, at most ``max_ns``); one longer than ``max_ns`` -> poll less; one
+    polling covered -> unchanged."""
+    if limit_ns < idle_ns <= max_ns:
+        return min(max(limit_ns * POLL_GROW, POLL_GROW_START_NS), max_ns)
+    if idle_ns > max_ns:
+        return limit_ns // POLL_SHRINK
+    return limit_ns
 
 
 def bind(sock: Any, host: str, port: int) -> str:
@@ -155,7 +191,7 @@ class _Router(_Socket):
 
 class ZmqRuntime:
     def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False, wake: bool = True,
-                 drain_limit: int = DRAIN_LIMIT, native: bool = False) -> None:
+                 drain_limit: int = DRAIN_LIMIT, native: bool = False, poll_max_ns: int = 0) -> None:
         #: ROUTERs and DEALERs served natively (:mod:`ziplog.io.zmtp_poll`: plain sockets in
         #: this loop, ZMTP spoken by ziplog's codec) instead of by libzmq
         self.native = native
@@ -165,6 +201,19 @@ class ZmqRuntime:
         #: file descriptor -> (on readable, on writable) of the native endpoints' sockets
         self._fds: dict[int, tuple[Callable[[], None] | None, Callable[[], None] | None]] = {}
         self._native: set[Any] = set()
+        #: polling before sleeping (see the module's docstring): at most this long after a
+        #: turn of :meth:`run_forever` (0: never)
+        assert poll_max_ns >= 0
+        self.poll_max_ns = poll_max_ns
+        #: how long the next poll before sleeping lasts (:func:`next_poll_limit`)
+        self.poll_limit_ns = 0
+        #: when the last turn ended (0: no turn yet), the start of the idle period
+        self._turn_done_ns = 0
+        #: time spent polling before sleeping, and how many of those polls found input
+        #: before their limit (for the metrics)
+        self.polled_ns = 0
+        self.polls_found = 0
+        self.polls_cut = 0
         #: poll's timeout is in milliseconds: by default a timer may fire up to 1 ms late;
         #: precise timers sleep out the last millisecond instead (the membership service's
         #: epochs), at the price of input waiting that long
@@ -436,6 +485,9 @@ class ZmqRuntime:
             ready = zmq_poll(self._focus_items, wait_ms)
         if sleep_ns and not ready:
             time.sleep(sleep_ns / 1e9)
+        if self.poll_max_ns and self._turn_done_ns:
+            self.poll_limit_ns = next_poll_limit(self.poll_limit_ns, time.monotonic_ns() - self._turn_done_ns,
+                                                 self.poll_max_ns)
         sockets = self._sockets
         fds = self._fds
         for sock, revents in ready:
@@ -464,6 +516,39 @@ class ZmqRuntime:
             calls.popleft()()
         for fn in self._turn_end:
             fn()
+        if self.poll_max_ns:
+            self._turn_done_ns = time.monotonic_ns()
+
+    def _poll_before_sleeping(self) -> None:
+        """Poll without blocking for up to ``poll_limit_ns`` (never past the next timer),
+        yielding the CPU between polls so that whatever else is runnable on it goes first;
+        back as soon as anything is ready (the next turn's poll returns at once)."""
+        start = time.monotonic_ns()
+        for fn in self._before_poll:
+            fn()
+        end = start + self.poll_limit_ns
+        t = self._next_timer()
+        if t is not None and t < end:
+            end = t
+        items = self._poll_items
+        poller = self._fd_poller
+        now = start
+        while not self._calls:
+            ready = zmq_poll(items, 0) if self._sockets else poller.poll(0)
+            before = now
+            now = time.monotonic_ns()
+            if ready:
+                self.polls_found += 1
+                break
+            if now >= end:
+                break
+            if now - before > POLL_YIELDED_NS:
+                # The yield let another task run: polling on would take turns with it
+                # (the kernel's haltpoll polls only on a CPU with nothing else to run).
+                self.polls_cut += 1
+                break
+            os.sched_yield()
+        self.polled_ns += now - start
 
     def wake_on_signals(self) -> None:
         """Let a signal end the poll (the handler runs, and may :meth:`stop` the loop, at
@@ -478,6 +563,8 @@ class ZmqRuntime:
         wait_ms = IDLE_WAIT_MS if self._wake_rx is not None and self._signal_rx is not None else MAX_WAIT_MS
         while self.running:
             self.run_once(wait_ms)
+            if self.poll_limit_ns and self.running:
+                self._poll_before_sleeping()
 
     def run_until(self, done: Callable[[], bool], timeout_ns: int | None = None,
                   focus: Callable[[], list[Any]] | None = None) -> bool:

@@ -75,6 +75,9 @@ DISK_FLUSH_NS = 5_000_000
 DISK_RETRY_NS = 200_000_000
 #: The core's timers are looked at no more often than this.
 MIN_TICK_NS = 500_000
+#: ``--poll-us``'s default: off (see ziplog.io.zmq_runtime; 200 is haltpoll's default
+#: guest_halt_poll_ns, longer than the gap between one closed-loop client's inserts)
+DEFAULT_POLL_US = 0
 #: Requests that carry a recovery generation.
 RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume))
 
@@ -608,6 +611,20 @@ def parse_cpu_list(spec: str) -> set[int]:
     return cpus
 
 
+def runtime_metrics(rt: Any) -> list[Metric]:
+    """The process's loop: what polling before sleeping costs and finds."""
+    return [
+        counter("ziplog_server_poll_seconds", "time the loop spent polling before sleeping (--poll-us)",
+                rt.polled_ns / 1e9),
+        counter("ziplog_server_polls_found", "polls before sleeping that found input before their limit",
+                rt.polls_found),
+        counter("ziplog_server_polls_cut", "polls before sleeping cut short because other tasks wanted a CPU",
+                rt.polls_cut),
+        gauge("ziplog_server_poll_limit_seconds", "how long the loop polls before it sleeps next (adapts; 0: it "
+              "sleeps at once)", rt.poll_limit_ns / 1e9),
+    ]
+
+
 def _cpu_list_argument(spec: str) -> set[int]:
     try:
         return parse_cpu_list(spec)
@@ -729,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
                          "machine keep its CPU when its INSERT wakes this replica, so that it sends the other "
                          "replicas' copies at once (the replicas then work in parallel); normal lets the woken "
                          "replica preempt it")
+    ap.add_argument("--poll-us", type=int, default=DEFAULT_POLL_US, metavar="US",
+                    help="after a turn, poll without blocking (yielding the CPU) for up to this long before sleeping, "
+                         "adapting as Linux's haltpoll does: while requests arrive back to back the replica is awake "
+                         "when the next one comes (lower latency for few clients; costs CPU, and throughput on a "
+                         "machine whose CPUs are busy; 200 is a good value); 0, the default: sleep at once")
     ap.add_argument("--cpus", type=_cpu_list_argument, default=None, metavar="LIST",
                     help="keep the process on these CPUs (taskset -c's list: 0 or 0,2-3; default: anywhere); "
                          "the local cluster gives each replica of a shard a CPU of its own")
@@ -747,11 +769,13 @@ def main(argv: list[str] | None = None) -> int:
     check_address_arguments(ap, args, one_port=len(hosted) == 1)
     if len(hosted) > 1 and args.port:
         ap.error("--port names one replica's port: with several (--serve) each listens on a free one")
+    if args.poll_us < 0:
+        ap.error("--poll-us must be 0 or more")
     key = load_cluster_key(args.cluster_key_file)
     configure_logging(args, "storage" + "+".join(f"{s}.{r}" for s, r in hosted))
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     set_cpus(args.cpus)
-    rt = ZmqRuntime(native=args.transport == "native")
+    rt = ZmqRuntime(native=args.transport == "native", poll_max_ns=args.poll_us * 1000)
     # One ZooKeeper session per replica: each registration lives and ends with its own.
     coords = [zk.StorageCoordination(args.zk, key) for _ in hosted]
     if args.take_over is not None:
@@ -772,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     drivers = [_storage_driver(args, shard, replica, rt, coord, key) for (shard, replica), coord in zip(hosted, coords)]
     for driver in drivers:
         driver.start()
-    metrics = serve_metrics(args, lambda: [m for d in drivers for m in d.metrics()])
+    metrics = serve_metrics(args, lambda: [m for d in drivers for m in d.metrics()] + runtime_metrics(rt))
 
     def stop_requested() -> None:
         for d in drivers:
