@@ -13,8 +13,8 @@
 
 ``--systems`` takes keys of :data:`bench.systems.SYSTEMS`; the default is
 :data:`ALL_SYSTEMS`: ziplog, ziplog whose storage servers poll before they sleep
-(``ziplog-poll``, ``--poll-us 200``, a cluster of its own), the three floors (pyzmq ``floor``, ZeroMQ's wire protocol
-spoken natively ``floor-zmtp``, plain TCP ``floor-tcp``),
+(``ziplog-poll``, ``--poll-us 200``, a cluster of its own), the three floors (pyzmq
+``floor``, ZeroMQ's wire protocol spoken natively ``floor-zmtp``, plain TCP ``floor-tcp``),
 the NOPaxos- and Scalog-style baselines, ZooKeeper, NATS JetStream with one replica
 (``nats``) and three (``nats-r3``), Redis Streams alone (``redis``) and with a replica
 and ``WAIT 1 0`` (``redis-replica``).
@@ -34,8 +34,8 @@ from ..loadgen import ClientPool, ClosedLoopClient, fast_path_ratio
 from ..report import Results, histogram, progress
 from ..systems.base import System, Unavailable
 
-ALL_SYSTEMS = ["ziplog", "ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
-               "redis-replica"]
+ALL_SYSTEMS = ["ziplog", "ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats",
+               "nats-r3", "redis", "redis-replica"]
 #: the floors: echo processes, not logs (what ziplog's p50 is compared with, not a rival)
 FLOORS = {"floor", "floor-zmtp", "floor-tcp"}
 #: ziplog itself, as started by the harness (the default, and polling before sleeping)

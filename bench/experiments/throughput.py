@@ -36,7 +36,8 @@ COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "
            "fast_path_ratio", "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
 #: the rows of ziplog with a storage process per CPU
 PER_CPU = "ziplog, process per CPU"
-RIVALS = ["ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis", "redis-replica"]
+RIVALS = ["ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
+          "redis-replica"]
 
 
 def params_for(quick: bool) -> dict[str, Any]:
