@@ -134,6 +134,13 @@ def test_cluster_processes_serve_metrics() -> None:
         assert value(p, "ziplog_replica_disk_bytes") > 0
         assert value(p, "ziplog_replica_recovery_phase", phase="normal") == 1
         assert value(p, "ziplog_replica_subscriptions") == 0
+        # The server's share of the inserts: a sample for each turn that read an INSERT, on
+        # both replicas (each gets every insert from the client), in consistent buckets.
+        for s in (p, b):
+            turns = value(s, "ziplog_replica_insert_turn_seconds_count")
+            assert turns > 0
+            assert value(s, "ziplog_replica_insert_turn_seconds_bucket", le="+Inf") == turns
+            assert 0 < value(s, "ziplog_replica_insert_turn_seconds_sum") < turns  # under a second each
 
         # Exactly one MMS replica leads, and its epochs move between two scrapes.
         def one_leader(urls: list[str], name: str) -> int | None:

@@ -38,7 +38,7 @@ from ziplog.cores.replica.primary import PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
 from ziplog.shell.inbound import InboundGuard
 from ziplog.shell.metrics import Durations, Metric, add_metrics_arguments, counter, counters, directory_bytes, gauge, \
-    histograms, one_of, serve_metrics
+    histogram, histograms, one_of, serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import (
     CoordinationUnavailable,
@@ -78,6 +78,9 @@ MIN_TICK_NS = 500_000
 #: ``--poll-us``'s default: off (see ziplog.io.zmq_runtime; 200 is haltpoll's default
 #: guest_halt_poll_ns, longer than the gap between one closed-loop client's inserts)
 DEFAULT_POLL_US = 0
+#: ``ziplog_replica_insert_turn_seconds``'s buckets: a turn's inserts take tens of
+#: microseconds, a stalled turn milliseconds
+INSERT_TURN_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 #: Requests that carry a recovery generation.
 RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume))
 
@@ -112,6 +115,11 @@ class StorageDriver:
         self.refused_frames: dict[str, int] = {}
         #: how long parked requests waited, from arrival to release, by kind
         self.park_waits = {"insert": Durations(), "read": Durations()}
+        #: the server's share of an insert's latency: from the first INSERT a turn read to
+        #: the end of the turn's ordered handling, when its ACKs have left (one sample per
+        #: turn with inserts); and when this turn's first INSERT was read (0: none yet)
+        self.insert_turns = Durations(INSERT_TURN_BUCKETS)
+        self._turn_first_insert_ns = 0
         self._time_parking()
         #: contains a failure in handling one inbound message (see ziplog.shell.inbound)
         self.guard = InboundGuard(self.log, rt, self._count_inbound_failure)
@@ -217,7 +225,10 @@ class StorageDriver:
             self.refused_frames[exc.code] = self.refused_frames.get(exc.code, 0) + 1
             core.error(route, exc.req_id, exc.code, exc.message)
         else:
-            core.on_request(route, msg, self.rt.now())
+            now = self.rt.now()
+            if type(msg) is f.Insert and not self._turn_first_insert_ns:
+                self._turn_first_insert_ns = now
+            core.on_request(route, msg, now)
         # Replies leave now (an INSERT's at the turn's end: the core holds inserts until
         # the turn's input is read), before forwards and bookkeeping.
         self._perform(core.ready())
@@ -337,6 +348,9 @@ class StorageDriver:
         for route, msg in core.take_ordered():
             guard.call("its ROUTER", core.on_ordered, route, msg, now, reply=self._ordered_failed)
         self._perform(core.ready())
+        if self._turn_first_insert_ns:
+            self.insert_turns.observe((self.rt.now() - self._turn_first_insert_ns) / 1e9)
+            self._turn_first_insert_ns = 0
 
     def _ordered_failed(self, exc: Exception, route: bytes, msg: Ordered, now: int) -> None:
         if type(msg) is f.Insert:  # a NOTICE or an epoch is answered by nothing
@@ -508,6 +522,9 @@ class StorageDriver:
                        "to its release (an insert: its epoch began, and it is decided in that turn unless it must wait "
                        "again or is refused; a read: its gsn was decided, and it is answered). Requests answered at "
                        "once, and those that time out, are not in it", "kind", self.park_waits, lb),
+            histogram("ziplog_replica_insert_turn_seconds", "the server's share of an insert's latency: seconds from "
+                      "the first INSERT a loop turn read to its ACKs leaving (one sample per turn with inserts; a "
+                      "parked insert's ACK leaves later: ziplog_replica_parked_wait_seconds)", self.insert_turns, lb),
             gauge("ziplog_replica_qualified", "1 once this replica is synchronised with the primary (a backup "
                   "guesses only then)", int(core.qualified), lb),
             one_of("ziplog_replica_recovery_phase", "this replica's part in a failure recovery (1 for the current "

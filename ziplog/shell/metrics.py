@@ -124,6 +124,13 @@ class Durations:
         fam.add_metric(label_values, buckets, total)
 
 
+def histogram(name: str, doc: str, values: Durations, labels: Mapping[str, str] | None = None) -> HistogramMetricFamily:
+    labels = labels or {}
+    fam = HistogramMetricFamily(name, doc, labels=list(labels))
+    values.add_to(fam, list(labels.values()))
+    return fam
+
+
 def histograms(name: str, doc: str, label: str, values: Mapping[str, Durations],
                labels: Mapping[str, str] | None = None) -> HistogramMetricFamily:
     """One histogram per ``label`` value."""
