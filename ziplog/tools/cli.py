@@ -86,6 +86,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+    return v
+
+
 def _nonneg_int(text: str) -> int:
     try:
         v = int(text)
@@ -176,6 +186,8 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                     bed = stack.enter_context(netns.NetnsBed(netns.cluster_host_names(args.shards, args.replicas)))
                     kw = {"placement": netns.NetnsPlacement(bed), "mms_replicas": netns.CONTROL_HOSTS,
                           "fh_replicas": netns.CONTROL_HOSTS}
+                if args.poll_us:
+                    kw["server_args"] = ["--poll-us", str(args.poll_us)]
                 c = stack.enter_context(local_cluster(shards=args.shards, replicas=args.replicas,
                                                       data_dir=args.data_dir, process_per_cpu=args.process_per_cpu,
                                                       **kw))
@@ -631,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--process-per-cpu", action="store_true",
                     help="serve the replicas that share a CPU in one storage process (a process per CPU, as on a "
                          "machine hosting more replicas than CPUs) instead of one process per replica")
+    up.add_argument("--poll-us", type=_non_negative_int, default=0, metavar="US",
+                    help="storage servers poll up to this long before they sleep (ziplog.server --poll-us): lower "
+                         "latency for a few clients, at a cost in CPU (default 0: off; 200 is a good value)")
     up.add_argument("--netns", action="store_true",
                     help="run each process on a host of its own: Linux network namespaces with their own addresses "
                          "on a bridge (three control hosts, one per storage replica, one for clients; root only)")
