@@ -117,7 +117,8 @@ class StorageDriver:
         self.park_waits = {"insert": Durations(), "read": Durations()}
         #: the server's share of an insert's latency: from the first INSERT a turn read to
         #: the end of the turn's ordered handling, when its ACKs have left (one sample per
-        #: turn with inserts); and when this turn's first INSERT was read (0: none yet)
+        #: turn that read an INSERT, taken at the turn's end); and when this turn's first
+        #: INSERT was read (0: none yet)
         self.insert_turns = Durations(INSERT_TURN_BUCKETS)
         self._turn_first_insert_ns = 0
         self._time_parking()
@@ -326,6 +327,12 @@ class StorageDriver:
         now = rt.now()
         if core.held:
             self._take_ordered(now)
+        if self._turn_first_insert_ns:
+            # The turn's inserts are handled and their ACKs have left (those the core took
+            # in a flood, before the turn's input ended, too): one sample, and the next
+            # turn starts afresh.
+            self.insert_turns.observe((rt.now() - self._turn_first_insert_ns) / 1e9)
+            self._turn_first_insert_ns = 0
         if now >= self._next_tick:
             core.tick(now)
             self._next_tick = now + MIN_TICK_NS
@@ -348,9 +355,6 @@ class StorageDriver:
         for route, msg in core.take_ordered():
             guard.call("its ROUTER", core.on_ordered, route, msg, now, reply=self._ordered_failed)
         self._perform(core.ready())
-        if self._turn_first_insert_ns:
-            self.insert_turns.observe((self.rt.now() - self._turn_first_insert_ns) / 1e9)
-            self._turn_first_insert_ns = 0
 
     def _ordered_failed(self, exc: Exception, route: bytes, msg: Ordered, now: int) -> None:
         if type(msg) is f.Insert:  # a NOTICE or an epoch is answered by nothing
