@@ -3,13 +3,15 @@ subscribers, against a running cluster, and the checks every fault test ends wit
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import ziplog
 from ziplog.protocol import layout
@@ -299,3 +301,30 @@ def cluster_up(data: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
         if "press Ctrl-C" in line:
             break
     return proc, "".join(seen)
+
+
+@contextlib.contextmanager
+def running_cluster_up(data: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """:func:`cluster_up` for the body of a ``with``; killed at its end if still running."""
+    proc, text = cluster_up(data, *flags)
+    try:
+        yield proc, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_cluster_up(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM to a running ``cluster up``: it must stop cleanly; what it printed after."""
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    return rest
+
+
+def storage_cmdlines(proc: subprocess.Popen[str]) -> list[list[str]]:
+    """The command lines of the storage servers a ``cluster up`` runs."""
+    import psutil
+
+    return [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True) if "ziplog.server" in p.cmdline()]

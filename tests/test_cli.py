@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 import ziplog
 from ziplog import RecordId
 from ziplog.tools.cli import main, parse_rid
-from tests.load import REPO_ROOT, cli_env, cluster_up, wait_status
+from tests.load import REPO_ROOT, cli_env, running_cluster_up, stop_cluster_up, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +209,7 @@ def test_demo_module_is_importable() -> None:
 
 
 def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
-    proc, text = cluster_up(tmp_path / "data", "--shards", "1")
-    try:
+    with running_cluster_up(tmp_path / "data", "--shards", "1") as (proc, text):
         assert "press Ctrl-C" in text, text
         m = re.search(r"ZooKeeper hosts:\s+(\S+)", text)
         assert m, text
@@ -220,14 +218,7 @@ def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
         with ziplog.Client(hosts) as c:
             rid = c.insert_after(b"via cluster up")
             assert c.read_record(rid) == b"via cluster up"
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest
-        assert "stopped" in rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert "stopped" in stop_cluster_up(proc)
 
 
 def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(tmp_path) -> None:
@@ -243,8 +234,7 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
     missing = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
                               "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
     assert missing.returncode == 2 and "no `ziplog cluster up` runs on" in missing.stderr
-    proc, text = cluster_up(data, "--shards", "1")
-    try:
+    with running_cluster_up(data, "--shards", "1") as (proc, text):
         assert "cluster restart --rolling" in text, text
         hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
         before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
@@ -281,11 +271,5 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
             got = [rec.data for rec in sub]
         assert sorted(got) == sorted(b"r-%d" % i for i in range(len(acked)))  # every acknowledged one, once
         assert len(acked) > 10, "the writer wrote during the restart"
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest
+        rest = stop_cluster_up(proc)
         assert "rolling restart 1 done" in rest and not (data / "cluster-up.pid").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -7,14 +7,12 @@ and a cluster whose servers poll serves as any other and counts what polling cos
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,7 +20,7 @@ from hypothesis import strategies as st
 import ziplog
 from ziplog.io.zmq_runtime import POLL_GROW_START_NS, ZmqRuntime, next_poll_limit
 from ziplog.server.storage import main
-from tests.load import cluster_up
+from tests.load import running_cluster_up, stop_cluster_up, storage_cmdlines
 from tests.test_metrics import metrics_url, scrape
 
 MAX_NS = 200_000
@@ -159,17 +157,9 @@ def test_a_cluster_whose_servers_poll_serves_and_counts_its_polls() -> None:
 
 
 def test_cluster_up_passes_the_poll_on_to_its_storage_servers(tmp_path: Path) -> None:
-    proc, text = cluster_up(tmp_path / "data", "--shards", "1", "--poll-us", "150")
-    try:
+    with running_cluster_up(tmp_path / "data", "--shards", "1", "--poll-us", "150") as (proc, text):
         assert "press Ctrl-C" in text, text
-        storage = [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "ziplog.server" in p.cmdline()]
+        storage = storage_cmdlines(proc)
         assert len(storage) == 2
         assert all(cmd[cmd.index("--poll-us") + 1] == "150" for cmd in storage), storage
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_cluster_up(proc)

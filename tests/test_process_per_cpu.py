@@ -5,18 +5,16 @@ own port, registration, data directory and core; the process shares only its loo
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import ziplog
 from ziplog import RID_GENESIS, Policy
 from ziplog.protocol import layout
 from ziplog.server.storage import hosted_replicas, main, parse_hosted
-from tests.load import cluster_up, delivered_until, wait_status
+from tests.load import delivered_until, running_cluster_up, stop_cluster_up, storage_cmdlines, wait_status
 
 
 def test_hosted_replicas_come_from_one_form_and_never_put_two_of_a_shard_together() -> None:
@@ -144,16 +142,8 @@ def test_a_rolling_restart_restarts_each_storage_process_once_with_every_replica
 def test_cluster_up_runs_a_process_per_cpu(tmp_path: Path) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a process per CPU needs at least two CPUs")
-    proc, text = cluster_up(tmp_path / "data", "--shards", "2", "--process-per-cpu")
-    try:
+    with running_cluster_up(tmp_path / "data", "--shards", "2", "--process-per-cpu") as (proc, text):
         assert "press Ctrl-C" in text, text
-        storage = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "ziplog.server" in p.cmdline()]
-        assert sorted(p.cmdline()[p.cmdline().index("--serve") + 1] for p in storage) == ["0:0,1:1", "0:1,1:0"]
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        storage = storage_cmdlines(proc)
+        assert sorted(cmd[cmd.index("--serve") + 1] for cmd in storage) == ["0:0,1:1", "0:1,1:0"]
+        stop_cluster_up(proc)
