@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Iterator
 
 import pytest
 
@@ -19,6 +20,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("ZIPLOG_PURE") != "1":
         from ziplog.tools.build_native import main as build_native
         build_native([])
+
+
+@pytest.fixture
+def one_cpu() -> Iterator[int]:
+    """This thread kept on one CPU (restored after): a test shares it with a process it
+    starts, pinned there too."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @pytest.fixture(autouse=True, scope="module")

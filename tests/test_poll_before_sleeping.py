@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hypothesis import given
@@ -98,18 +97,6 @@ def test_input_arriving_back_to_back_is_found_while_polling() -> None:
         rt.close()
         rx.close()
         tx.close()
-
-
-@pytest.fixture
-def one_cpu() -> Iterator[int]:
-    """This thread kept on one CPU (restored after)."""
-    before = os.sched_getaffinity(0)
-    cpu = min(before)
-    os.sched_setaffinity(0, {cpu})
-    try:
-        yield cpu
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def test_a_poll_ends_when_its_yield_lets_another_task_run(one_cpu: int) -> None:

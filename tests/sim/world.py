@@ -170,6 +170,7 @@ class SimProcess:
         self.world = world
         self.name = name
         self.alive = True
+        self._turn_answers: list[Callable[[], bool]] = []
         self._turn_end: list[Callable[[], None]] = []
         self._endpoints: list[Any] = []
         self._n = itertools.count()
@@ -182,7 +183,8 @@ class SimProcess:
         return self.world.now
 
     def run(self, fn: Callable[..., None], *args: Any) -> None:
-        """One turn: ``fn``, then the turn-end hooks (nothing if the process died)."""
+        """One turn: ``fn``, then the answer hooks and the turn-end hooks (nothing if the
+        process died)."""
         if not self.alive:
             return
         fn(*args)
@@ -190,6 +192,8 @@ class SimProcess:
             doomed, self.doomed = self.doomed, None
             doomed()
         if self.alive:
+            for answers in self._turn_answers:
+                answers()
             for hook in self._turn_end:
                 hook()
 
@@ -205,6 +209,9 @@ class SimProcess:
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         self.world.at(self.world.now, self.run, fn)
+
+    def at_turn_answers(self, fn: Callable[[], bool]) -> None:
+        self._turn_answers.append(fn)
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)

@@ -186,6 +186,7 @@ class AsyncioRuntime:
         #: DEALERs speak ZMTP natively (no libzmq I/O thread) instead of through zmq.asyncio
         self.native = native
         self.ctx = zmq.asyncio.Context()
+        self._turn_answers: list[Callable[[], bool]] = []
         self._turn_end: list[Callable[[], None]] = []
         self._connections: set[_Connection | _NativeConnection | _Router | _NativeRouter] = set()
         self.closed = False
@@ -200,6 +201,8 @@ class AsyncioRuntime:
         try:
             fn(*args)
         finally:
+            for answers in self._turn_answers:
+                answers()
             for hook in self._turn_end:
                 hook()
 
@@ -212,6 +215,9 @@ class AsyncioRuntime:
             self.loop.call_soon_threadsafe(self.turn, fn)
         except RuntimeError:
             pass  # the loop is closed: nothing is listening any more
+
+    def at_turn_answers(self, fn: Callable[[], bool]) -> None:
+        self._turn_answers.append(fn)
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)

@@ -7,7 +7,8 @@ network, clock, disk and ZooKeeper under the same drivers.
 * :class:`Runtime`: the clock, timers, calls from other threads, and the end of a turn.
   A *turn* is one batch of input (the frames one poll found, or a timer); drivers batch
   their work per turn (a FORWARD per turn, say), so the runtime calls every
-  :meth:`Runtime.at_turn_end` hook after each.
+  :meth:`Runtime.at_turn_answers` hook after each (the answers to clients leave), then
+  every :meth:`Runtime.at_turn_end` hook.
 * :class:`Network`: message endpoints with ZeroMQ's socket semantics (ROUTER, DEALER,
   PUB/SUB, PUSH/PULL); frames are bytes, one message part each. Replacing the transport
   (a native ZMTP implementation on uvloop, say) means a new :class:`Network` and
@@ -52,8 +53,14 @@ class Runtime(Protocol):
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` on the runtime's thread soon; safe from any thread."""
 
+    def at_turn_answers(self, fn: Callable[[], bool]) -> None:
+        """Call ``fn`` after every turn, before every :meth:`at_turn_end` hook: it sends
+        the turn's answers to clients, and says whether it sent any (a runtime may then
+        let a task waiting for this CPU, a client reading its answer, run before the
+        turn's bookkeeping)."""
+
     def at_turn_end(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` after every turn."""
+        """Call ``fn`` after every turn (after every :meth:`at_turn_answers` hook)."""
 
 
 class Endpoint(Protocol):

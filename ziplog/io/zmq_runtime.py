@@ -7,8 +7,16 @@ runs it only while a call waits (:meth:`ZmqRuntime.run_until`).
 
 One turn: poll (timeout: the next timer, at most 100 ms) -> each ready socket drained
 (at most 256 frames or 20 ms of them, each handed to its handler, which may send at once: an ACK leaves
-before anything else is done) -> due timers -> calls from other threads -> the turn-end
-hooks (where drivers flush their batches).
+before anything else is done) -> due timers -> calls from other threads -> the answer
+hooks (a storage server's inserts of the turn are decided and their ACKs leave) -> the
+turn-end hooks (where drivers flush their batches: FORWARDs, PREFIXes, the disk).
+
+A server may give its CPU away once after a turn's answers have left
+(``yield_after_answers``, a storage server's ``--yield-after-answers``; off unless asked
+for): a client woken by an ACK on this CPU reads it now, instead of after the turn's
+FORWARD, its bookkeeping and the process's next sleep. With nothing else runnable the
+yield is one system call; with other processes due the CPU, the turn's FORWARD waits for
+them too, so a yield that took long pauses the yields (``YIELD_LONG_NS``).
 
 A server may poll briefly before it sleeps (``poll_max_ns``, a storage server's
 ``--poll-us``; off unless asked for): after a turn, the loop keeps polling without
@@ -73,6 +81,12 @@ POLL_SHRINK = 2
 #: one poll and yield take a few microseconds; one that took longer than this ran
 #: another task in between, and ends the polling: this CPU is wanted
 POLL_YIELDED_NS = 30_000
+#: a yield after answering that kept the loop away longer than this gave its CPU to more
+#: than a client reading its answer (other processes wanted it): the turn's FORWARD
+#: waited for them, so the loop stops yielding for YIELD_PAUSE_FACTOR times as long
+#: (long yields then hold the loop at most 1/(1 + YIELD_PAUSE_FACTOR) of the time)
+YIELD_LONG_NS = 200_000
+YIELD_PAUSE_FACTOR = 20
 
 
 def next_poll_limit(limit_ns: int, idle_ns: int, max_ns: int) -> int:
@@ -191,7 +205,8 @@ class _Router(_Socket):
 
 class ZmqRuntime:
     def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False, wake: bool = True,
-                 drain_limit: int = DRAIN_LIMIT, native: bool = False, poll_max_ns: int = 0) -> None:
+                 drain_limit: int = DRAIN_LIMIT, native: bool = False, poll_max_ns: int = 0,
+                 yield_after_answers: bool = False) -> None:
         #: ROUTERs and DEALERs served natively (:mod:`ziplog.io.zmtp_poll`: plain sockets in
         #: this loop, ZMTP spoken by ziplog's codec) instead of by libzmq
         self.native = native
@@ -214,6 +229,14 @@ class ZmqRuntime:
         self.polled_ns = 0
         self.polls_found = 0
         self.polls_cut = 0
+        #: give the CPU away (``sched_yield``) after a turn whose answer hooks sent anything
+        self.yield_after_answers = yield_after_answers
+        #: turns after which it did, and those whose yield took longer than YIELD_LONG_NS
+        #: (for the metrics)
+        self.yields = 0
+        self.yields_long = 0
+        #: no yield before this time (monotonic ns): the last long one said the CPU is busy
+        self._yield_paused_until = 0
         #: poll's timeout is in milliseconds: by default a timer may fire up to 1 ms late;
         #: precise timers sleep out the last millisecond instead (the membership service's
         #: epochs), at the price of input waiting that long
@@ -231,6 +254,7 @@ class ZmqRuntime:
         self._all: set[_Socket] = set()
         self._timers: list[tuple[int, int, _TimerHandle]] = []
         self._seq = itertools.count()
+        self._turn_answers: list[Callable[[], bool]] = []
         self._turn_end: list[Callable[[], None]] = []
         #: run before every poll: the native endpoints' held-back writes leave (a turn
         #: nested in a handler, say a blocking call made from one, must not wait for an
@@ -297,6 +321,9 @@ class ZmqRuntime:
     def _zmq_polled(self) -> int:
         """libzmq sockets in the poll set (0: the fd poller serves the turn)."""
         return len(self._sockets)
+
+    def at_turn_answers(self, fn: Callable[[], bool]) -> None:
+        self._turn_answers.append(fn)
 
     def at_turn_end(self, fn: Callable[[], None]) -> None:
         self._turn_end.append(fn)
@@ -514,10 +541,31 @@ class ZmqRuntime:
         calls = self._calls
         while calls:
             calls.popleft()()
+        answered = False
+        for answers in self._turn_answers:
+            if answers():
+                answered = True
+        if answered and self.yield_after_answers:
+            self._yield_after_answers()
         for fn in self._turn_end:
             fn()
         if self.poll_max_ns:
             self._turn_done_ns = time.monotonic_ns()
+
+    def _yield_after_answers(self) -> None:
+        """Every answer hook's answers have left: a client they woke on this CPU runs
+        first, the turn's FORWARDs and bookkeeping after it. A yield that kept the loop
+        away long ran other processes too, and whatever the turn still has to send waited
+        for them: the loop then stops yielding for a while (the CPU is busy)."""
+        start = time.monotonic_ns()
+        if start < self._yield_paused_until:
+            return
+        self.yields += 1
+        os.sched_yield()
+        took = time.monotonic_ns() - start
+        if took > YIELD_LONG_NS:
+            self.yields_long += 1
+            self._yield_paused_until = start + took * (1 + YIELD_PAUSE_FACTOR)
 
     def _poll_before_sleeping(self) -> None:
         """Poll without blocking for up to ``poll_limit_ns`` (never past the next timer),

@@ -147,6 +147,8 @@ class StorageDriver:
         self._next_tick = 0
         self._wakeup: Any = None
         self._wakeup_at: int | None = None
+        #: this turn sent something to a client (:meth:`answer_turn` says so)
+        self._answered = False
         self.closed = False
         #: the process is stopping on request (a signal), not on a failure: its close may
         #: vouch for what it wrote
@@ -159,6 +161,7 @@ class StorageDriver:
                 self.log.info("restarted clean at frontier %d: the last incarnation wrote every record it decided",
                          self.core.frontier)
             disk.start(self.core.snapshot())
+        rt.at_turn_answers(self.answer_turn)
         rt.at_turn_end(self.end_turn)
 
     def _time_parking(self) -> None:
@@ -317,22 +320,32 @@ class StorageDriver:
             return
         self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
 
-    def end_turn(self) -> None:
-        """After every turn: the core's timers (at most every MIN_TICK_NS), its batched
-        forwards and subscription pushes, the disk batch (every DISK_FLUSH_NS), and the
-        next wake-up."""
+    def answer_turn(self) -> bool:
+        """After every turn, before any driver's :meth:`end_turn` (a process may serve
+        several replicas): the inserts, notices and epochs the turn's input held are taken
+        in stamp order, and their ACKs leave. True when this turn sent anything to a
+        client (its runtime may then let that client run before the bookkeeping)."""
         if self.closed:
-            return
+            return False
         core, rt = self.core, self.rt
-        now = rt.now()
         if core.held:
-            self._take_ordered(now)
+            self._take_ordered(rt.now())
         if self._turn_first_insert_ns:
             # The turn's inserts are handled and their ACKs have left (those the core took
             # in a flood, before the turn's input ended, too): one sample, and the next
             # turn starts afresh.
             self.insert_turns.observe((rt.now() - self._turn_first_insert_ns) / 1e9)
             self._turn_first_insert_ns = 0
+        return self._answered
+
+    def end_turn(self) -> None:
+        """After every turn, once every driver's answers left: the core's timers (at most
+        every MIN_TICK_NS), its batched forwards and subscription pushes, the disk batch
+        (every DISK_FLUSH_NS), and the next wake-up."""
+        if self.closed:
+            return
+        core, rt = self.core, self.rt
+        now = rt.now()
         if now >= self._next_tick:
             core.tick(now)
             self._next_tick = now + MIN_TICK_NS
@@ -346,6 +359,7 @@ class StorageDriver:
         else:
             self._disk_buf.clear()
         self._schedule(now)
+        self._answered = False  # what this turn end sent to clients is not the next turn's
 
     def _take_ordered(self, now: int) -> None:
         """The turn's input is read: the core takes the inserts, notices and epochs it
@@ -390,6 +404,7 @@ class StorageDriver:
             for dest, msg in ready.messages:
                 if type(dest) is bytes:
                     router.send_to(dest, encode(msg))
+                    self._answered = True
                 elif dest is Peer.PRIMARY:
                     if self.primary is not None:
                         self.primary.send(f.seal(self.key, encode(msg)))
@@ -633,8 +648,13 @@ def parse_cpu_list(spec: str) -> set[int]:
 
 
 def runtime_metrics(rt: Any) -> list[Metric]:
-    """The process's loop: what polling before sleeping costs and finds."""
+    """The process's loop: how often it gave its CPU away after answering, and what
+    polling before sleeping costs and finds."""
     return [
+        counter("ziplog_server_yields", "turns after which the loop gave its CPU away once their answers had left "
+                "(--yield-after-answers)", rt.yields),
+        counter("ziplog_server_yields_long", "yields after answering that kept the loop away over 200 us (other "
+                "processes wanted the CPU): each pauses yielding for 20 times as long", rt.yields_long),
         counter("ziplog_server_poll_seconds", "time the loop spent polling before sleeping (--poll-us)",
                 rt.polled_ns / 1e9),
         counter("ziplog_server_polls_found", "polls before sleeping that found input before their limit",
@@ -772,6 +792,11 @@ def main(argv: list[str] | None = None) -> int:
                          "adapting as Linux's haltpoll does: while requests arrive back to back the replica is awake "
                          "when the next one comes (lower latency for few clients; costs CPU, and throughput on a "
                          "machine whose CPUs are busy; 200 is a good value); 0, the default: sleep at once")
+    ap.add_argument("--yield-after-answers", action=argparse.BooleanOptionalAction, default=False,
+                    help="once a turn's ACKs and other answers have left, give the CPU away (sched_yield) before "
+                         "the turn's FORWARDs and bookkeeping, so that a client woken on this CPU reads its answer "
+                         "first (lower latency where clients share the replicas' CPUs on a quiet machine; on a busy "
+                         "one the FORWARDs wait for other processes, and subscribers with them; off by default)")
     ap.add_argument("--cpus", type=_cpu_list_argument, default=None, metavar="LIST",
                     help="keep the process on these CPUs (taskset -c's list: 0 or 0,2-3; default: anywhere); "
                          "the local cluster gives each replica of a shard a CPU of its own")
@@ -796,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args, "storage" + "+".join(f"{s}.{r}" for s, r in hosted))
     set_scheduling(args.sched)  # before the process's own threads start: they inherit it
     set_cpus(args.cpus)
-    rt = ZmqRuntime(native=args.transport == "native", poll_max_ns=args.poll_us * 1000)
+    rt = ZmqRuntime(native=args.transport == "native", poll_max_ns=args.poll_us * 1000,
+                    yield_after_answers=args.yield_after_answers)
     # One ZooKeeper session per replica: each registration lives and ends with its own.
     coords = [zk.StorageCoordination(args.zk, key) for _ in hosted]
     if args.take_over is not None:
