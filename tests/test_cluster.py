@@ -223,3 +223,46 @@ def test_a_cpu_list_is_parsed_as_taskset_reads_it() -> None:
     for bad in ("", "a", "3-1", "-1", "1-", "0,,1"):
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
+
+
+#: run in a fresh process: whether the setting took, then the page faults of a 10 MiB
+#: buffer allocated a second time after the first was freed
+_REALLOCATION = """
+import resource, sys
+from ziplog.server.storage import retain_freed_memory
+took = retain_freed_memory(int(sys.argv[1]))
+faults = []
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buf = bytearray(10 << 20)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del buf
+print(took, faults[1])
+"""
+
+
+def test_a_storage_process_reuses_the_memory_it_freed() -> None:
+    """``retain_freed_memory``: a 10 MiB buffer freed, then allocated again, takes the same
+    memory (a few page faults), where glibc left to itself maps the first and grows its
+    heap for the second (one fault per page: the reference run shows it)."""
+    import subprocess
+    import sys
+
+    def second_buffer(trim_mb: int) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _REALLOCATION, str(trim_mb)], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0], int(out[1])
+
+    took, faults = second_buffer(64)
+    assert took == "True" and faults < 100, (took, faults)
+    took, faults = second_buffer(0)  # glibc's own thresholds
+    assert took == "False" and faults > 1000, (took, faults)
+
+
+def test_a_server_refuses_a_negative_malloc_trim(capsys: pytest.CaptureFixture[str]) -> None:
+    from ziplog.server.storage import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--zk", "127.0.0.1:1", "--shard", "0", "--replica", "0", "--malloc-trim-mb", "-1"])
+    assert exit_.value.code == 2
+    assert "--malloc-trim-mb must be 0 or more" in capsys.readouterr().err

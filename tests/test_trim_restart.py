@@ -10,34 +10,93 @@ from hypothesis import strategies as st
 
 import ziplog
 from ziplog import RID_GENESIS
+from ziplog.protocol.events import DiskEvent, RecordEvent
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(parts=st.lists(st.binary(max_size=300), max_size=40), most=st.integers(1, 700), iov_max=st.integers(1, 8))
-def test_a_gathered_write_puts_what_one_write_of_the_join_would(tmp_path: Path, parts: list[bytes], most: int,
-                                                                 iov_max: int) -> None:
-    """``_writev_all`` against the reference (``os.write`` of ``b"".join(parts)``), with
-    the kernel made to take at most ``most`` bytes and ``iov_max`` buffers per call (short
-    writes, a buffer cut in the middle, empty buffers)."""
+@given(blob=st.binary(max_size=3000), most=st.integers(1, 700))
+def test_a_write_goes_on_after_a_short_one(tmp_path: Path, blob: bytes, most: int) -> None:
+    """``_write_all`` against the reference (the bytes themselves), with the kernel made to
+    take at most ``most`` bytes per call; the bytearray written may be resized after."""
     import os
     from unittest import mock
 
     from ziplog.io import segments
-    real = os.writev
+    real = os.write
 
-    def short_writev(fd: int, bufs: list[bytes]) -> int:
-        assert len(bufs) <= iov_max
-        data = b"".join(bytes(b) for b in bufs)[:most]
-        return real(fd, [data])
+    def short_write(fd: int, data: bytes) -> int:
+        return real(fd, bytes(data)[:most])
 
-    path = tmp_path / f"gathered-{len(parts)}-{most}-{iov_max}"
+    path = tmp_path / f"short-{len(blob)}-{most}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    buf = bytearray(blob)
     try:
-        with mock.patch.object(segments.os, "writev", short_writev), mock.patch.object(segments, "IOV_MAX", iov_max):
-            n = segments._writev_all(fd, parts)
+        with mock.patch.object(segments.os, "write", short_write):
+            segments._write_all(fd, buf)
     finally:
         os.close(fd)
-    assert n == sum(map(len, parts)) and path.read_bytes() == b"".join(parts)
+    assert path.read_bytes() == blob
+    buf.extend(b"more")  # no view of it is left
+
+
+_EVENTS = st.lists(st.builds(lambda g, c, s, d: RecordEvent(g, 0, c, s, d), st.integers(1, 2**40),
+                             st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(max_size=5000)),
+                   min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(_EVENTS, min_size=1, max_size=5))
+def test_a_batch_is_written_as_its_events_encoded_one_after_another(tmp_path: Path,
+                                                                     batches: list[list[RecordEvent]]) -> None:
+    """Batches encoded into the one buffer the log keeps (each shorter or longer than the
+    last) put in the file exactly what msgspec's ``encode`` of each event, joined, would:
+    the reference is ``encode_event``; and they load back."""
+    import uuid
+
+    from ziplog.io.segments import SegmentLog
+    from ziplog.protocol.events import SnapshotEvent, encode_event
+    d = tmp_path / uuid.uuid4().hex
+    log = SegmentLog(d, fsync="never")
+    list(log.load())
+    log.start(SnapshotEvent([], 0, 0, 0))
+    for batch in batches:
+        log.append(batch, SnapshotEvent([], 0, 0, 0))
+    log.close()
+    [segment] = log.segments()
+    body = segment.read_bytes()
+    expected = b"".join(encode_event(ev) for batch in batches for ev in batch)
+    assert body.endswith(expected)  # after the segment's opening snapshot
+    assert [ev for ev in SegmentLog(d).load() if type(ev) is RecordEvent] == [ev for b in batches for ev in b]
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
+def test_a_batch_encodes_as_its_events_one_after_another_whatever_its_array_header(n: int) -> None:
+    """One encoder call for the batch, its array header skipped (fixarray, array 16,
+    array 32): the reference is ``encode_event`` of each, joined."""
+    from ziplog.protocol.events import StableEvent, encode_event, encode_events_into
+    events: list[DiskEvent] = [StableEvent(i) for i in range(n)]
+    buf = bytearray(b"left over from a longer batch" * 100)
+    start = encode_events_into(events, buf)
+    assert bytes(buf[start:]) == b"".join(encode_event(ev) for ev in events)
+
+
+def test_a_batch_larger_than_the_kept_buffer_lets_it_go(tmp_path: Path) -> None:
+    from ziplog.io import segments
+    from ziplog.protocol.events import SnapshotEvent
+    log = segments.SegmentLog(tmp_path, fsync="never")
+    list(log.load())
+    log.start(SnapshotEvent([], 0, 0, 0))
+    small = [RecordEvent(1, 0, 1, 1, b"s" * 100)]
+    log.append(small, SnapshotEvent([], 1, 1, 0))
+    kept = log._batch
+    log.append([RecordEvent(2, 0, 1, 2, b"s" * 200)], SnapshotEvent([], 2, 2, 0))
+    assert log._batch is kept  # reused
+    big = [RecordEvent(3 + i, 0, 1, 3 + i, b"b" * (1 << 20)) for i in range(segments.BATCH_BUFFER_KEPT >> 20)]
+    log.append(big, SnapshotEvent([], 10, 10, 0))
+    assert log._batch is not kept and len(log._batch) == 0
+    log.close()
+    gsns = [ev.gsn for ev in segments.SegmentLog(tmp_path).load() if type(ev) is RecordEvent]
+    assert gsns == [1, 2] + [ev.gsn for ev in big]
 
 
 def test_segments_below_a_trim_are_deleted(tmp_path: Path) -> None:
