@@ -112,6 +112,52 @@ def test_a_native_router_in_the_poll_loop_serves_pyzmq_and_refuses_bad_peers() -
         ctx.term()
 
 
+def test_large_answers_leave_beside_their_headers_whole_and_in_order() -> None:
+    """Frames of ``GATHER_BYTES`` and more leave as header and body side by side (one
+    ``sendmsg``, no joined copy): sent from a handler (held back until its chunk is
+    done), sent at once, and sent while the peer reads nothing, so that the kernel takes
+    part of one and the rest waits; a pyzmq DEALER (the reference) receives every frame
+    whole and in order, small ones between them too."""
+    import time
+
+    import zmq
+
+    from ziplog.io.zmq_runtime import ZmqRuntime
+    from ziplog.io.zmtp_poll import GATHER_BYTES
+
+    def frame(i: int, size: int) -> bytes:
+        return (b"%06d:" % i) * (size // 7 + 1)
+
+    rt = ZmqRuntime(native=True, wake=False)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    routes: list[bytes] = []
+    try:
+        router = rt.router(lambda route, fr: (routes.append(route), router.send_to(route, frame(0, GATHER_BYTES))),
+                           lambda route, parts: None)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 2)  # it stops reading its socket after two messages
+        dealer.connect(router.addr)
+        dealer.send(b"hello")
+        assert rt.run_until(lambda: bool(routes), 10_000_000_000)
+        sent = [frame(i, 64 << 10 if i % 3 else 100) for i in range(1, 200)]  # 8 MiB: more than the kernel holds
+        for fr in sent:
+            assert router.send_to(routes[0], fr)
+        [conn] = router.conns
+        assert conn.out  # part of it waits for the socket
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(got) < len(sent) + 1 and time.monotonic() < deadline:
+            rt.run_once(0)  # writes more as the socket drains
+            while dealer.poll(10):
+                got.append(dealer.recv())
+        assert got == [frame(0, GATHER_BYTES)] + sent
+    finally:
+        dealer.close(0)
+        rt.close()
+        ctx.term()
+
+
 def test_the_asyncio_runtimes_native_router_is_bound_at_once_and_serves_pyzmq() -> None:
     """``AsyncioRuntime(native=True)``'s ROUTER (the LogDB and LogBook processes'): its
     address is known, and a connection accepted by the kernel, before the loop turns;

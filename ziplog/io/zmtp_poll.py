@@ -46,6 +46,7 @@ from ziplog.protocol.zmtp import (
     ProtocolViolation,
     ZmtpConnection,
     encode_frame,
+    frame_header,
     parse_endpoint,
 )
 
@@ -58,6 +59,10 @@ RECV_BYTES = 256 << 10
 READ_BUDGET = 4 << 20
 #: a peer further behind than this on reading loses what is sent to it
 HWM_BYTES = 64 << 20
+#: a one-frame message whose body is at least this large leaves beside its header (one
+#: ``sendmsg`` of both) instead of copied after it first: a FORWARD of a loaded turn's
+#: records is 100 KiB and more, and the copy's fresh memory was page-faulted in
+GATHER_BYTES = 16 << 10
 #: messages a DEALER queues while it is not connected
 QUEUE_LIMIT = 100_000
 RECONNECT_MIN_NS = 10_000_000
@@ -142,6 +147,42 @@ class _Conn:
             return False
         if n < len(data):
             self.out += memoryview(data)[n:]
+            if not self.writing:
+                self.writing = True
+                self.rt.want_write(self.fd, True)
+        return True
+
+    def write_frame(self, body: bytes) -> bool:
+        """``write(encode_frame(body))``, without joining a large body to its header
+        first: both leave in one ``sendmsg``, or are appended to what waits."""
+        if len(body) < GATHER_BYTES:
+            return self.write(encode_frame(body))
+        if self.closed:
+            return False
+        header = frame_header(len(body))
+        if self.out or self.loop.corked:  # behind what waits, or held back: as write() does
+            if self.out:
+                if len(self.out) > HWM_BYTES:
+                    return False
+            else:
+                self.loop.pending.append(self)
+            self.out += header
+            self.out += body
+            return True
+        try:
+            n = self.sock.sendmsg((header, body))
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self.close()
+            return False
+        h = len(header)
+        if n < h + len(body):
+            if n < h:
+                self.out += header[n:]
+                self.out += body
+            else:
+                self.out += memoryview(body)[n - h:]
             if not self.writing:
                 self.writing = True
                 self.rt.want_write(self.fd, True)
@@ -296,7 +337,7 @@ class NativeRouter:
         conn = self.routes.get(route)
         if conn is None:
             return False
-        return conn.write(encode_frame(frame))
+        return conn.write_frame(frame)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.closed:
@@ -396,7 +437,7 @@ class NativeDealer:
             return False
         conn = self.conn
         if conn is not None and self.ready:
-            return conn.write(encode_frame(frame))
+            return conn.write_frame(frame)
         if len(self.queue) >= QUEUE_LIMIT:
             return False
         self.queue.append(encode_frame(frame))

@@ -58,6 +58,7 @@ __all__ = [
     "ZmtpConnection",
     "encode_frame",
     "encode_message",
+    "frame_header",
     "parse_endpoint",
     "valid_peer",
 ]
@@ -219,6 +220,12 @@ def encode_frame(body: bytes) -> bytes:
     """A one-frame message (what :func:`encode_message` makes of ``(body,)``, built
     without its loop: most of ziplog's messages are one frame)."""
     return _frame_header(0, len(body)) + body
+
+
+def frame_header(size: int) -> bytes:
+    """What :func:`encode_frame` puts before a body of ``size`` bytes (a transport may
+    send the two side by side instead of copying a large body after its header)."""
+    return _frame_header(0, size)
 
 
 def encode_message(parts: Sequence[bytes]) -> bytes:
