@@ -83,9 +83,13 @@ def test_a_native_router_in_the_poll_loop_serves_pyzmq_and_refuses_bad_peers() -
     rt = ZmqRuntime(native=True, wake=False)
     ctx = zmq.Context()
     got: list[tuple[bytes, bytes]] = []
+
+    def on_frame(route: bytes, frame: bytes) -> None:
+        got.append((route, frame))
+        router.send_to(route, b"re:" + frame)
+
     try:
-        router = rt.router(lambda route, frame: (got.append((route, frame)), router.send_to(route, b"re:" + frame)),
-                           lambda route, parts: None, max_bytes=1 << 16)
+        router = rt.router(on_frame, lambda route, parts: None, max_bytes=1 << 16)
         good = ctx.socket(zmq.DEALER)
         good.setsockopt(zmq.LINGER, 0)
         good.connect(router.addr)
@@ -132,9 +136,13 @@ def test_large_answers_leave_beside_their_headers_whole_and_in_order() -> None:
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     routes: list[bytes] = []
+
+    def on_frame(route: bytes, _: bytes) -> None:  # answered from the handler: held back until the chunk is done
+        routes.append(route)
+        router.send_to(route, frame(0, GATHER_BYTES))
+
     try:
-        router = rt.router(lambda route, fr: (routes.append(route), router.send_to(route, frame(0, GATHER_BYTES))),
-                           lambda route, parts: None)
+        router = rt.router(on_frame, lambda route, parts: None)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 2)  # it stops reading its socket after two messages
         dealer.connect(router.addr)
@@ -176,8 +184,12 @@ def test_the_asyncio_runtimes_native_router_is_bound_at_once_and_serves_pyzmq() 
         rt = AsyncioRuntime(native=True)
         frames: list[bytes] = []
         multi: list[int] = []
-        router = rt.router(lambda route, frame: (frames.append(frame), router.send_to(route, b"re:" + frame)),
-                           lambda route, parts: multi.append(parts), max_bytes=1 << 16)
+
+        def on_frame(route: bytes, frame: bytes) -> None:
+            frames.append(frame)
+            router.send_to(route, b"re:" + frame)
+
+        router = rt.router(on_frame, lambda route, parts: multi.append(parts), max_bytes=1 << 16)
         port = int(router.addr.rsplit(":", 1)[1])
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # listening before any turn
         ctx = zmq.asyncio.Context()
