@@ -91,7 +91,7 @@ class SegmentLog:
         self._snapshot: SnapshotEvent | None = None
         self.max_gsn: dict[int, int] = {}  # segment seq -> highest record gsn in it
         self.error: BaseException | None = None
-        #: where a batch is encoded (kept across batches: see ``encode_event_into``)
+        #: where a batch is encoded (kept across batches: see ``encode_events_into``)
         self._batch = bytearray()
 
     # -- loading ------------------------------------------------------------------------------

@@ -141,9 +141,10 @@ def encode_events_into(events: list[DiskEvent], buf: bytearray) -> int:
     msgpack array header: one encoder call for a whole batch, into a buffer kept across
     batches. ``buf`` ends just past the last event; the events start at the offset
     returned (the header's length: 1, 3 or 5 bytes). msgspec cuts ``buf`` without giving
-    its memory back, so a batch allocates nothing: a bytes object for each 4 KiB record,
-    grown by reallocation into memory then page-faulted, cost a loaded primary 12 % of
-    its CPU (one ``encode_into`` per event shrinks and regrows the buffer as much)."""
+    its memory back, so a batch no larger than the one before allocates nothing (a larger
+    one grows the buffer once). A bytes object for each 4 KiB record, grown by
+    reallocation into memory then page-faulted, cost a loaded primary 12 % of its CPU;
+    one ``encode_into`` per event would shrink and regrow the buffer as often."""
     _encoder.encode_into(events, buf, 0)
     first = buf[0]
     return 1 if first <= 0x9F else 3 if first == 0xDC else 5  # fixarray, array 16, array 32
