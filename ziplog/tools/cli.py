@@ -86,16 +86,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
-    return v
-
-
 def _nonneg_int(text: str) -> int:
     try:
         v = int(text)
@@ -643,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--process-per-cpu", action="store_true",
                     help="serve the replicas that share a CPU in one storage process (a process per CPU, as on a "
                          "machine hosting more replicas than CPUs) instead of one process per replica")
-    up.add_argument("--poll-us", type=_non_negative_int, default=0, metavar="US",
+    up.add_argument("--poll-us", type=_nonneg_int, default=0, metavar="US",
                     help="storage servers poll up to this long before they sleep (ziplog.server --poll-us): lower "
                          "latency for a few clients, at a cost in CPU (default 0: off; 200 is a good value)")
     up.add_argument("--netns", action="store_true",
