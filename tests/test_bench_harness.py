@@ -15,6 +15,7 @@ from bench.loadgen import ClientPool, ClosedLoopClient, _uniform_schedule
 from bench.report import histogram
 from bench.systems import make
 from bench.systems.base import ClientSpec, Unavailable
+from bench.systems.floor import FloorSystem
 from ziplog.tools.stats import summarize
 
 
@@ -58,6 +59,7 @@ def test_a_systems_server_processes_each_run_on_a_cpu_of_their_own() -> None:
     if len(cpus) < 2:
         pytest.skip("one CPU: nothing to spread the servers over")
     with make("floor") as floor:
+        assert isinstance(floor, FloorSystem)
         placed = [os.sched_getaffinity(pid) for pid in floor.server_pids()]
     assert placed == [{cpus[0]}, {cpus[1]}]
 

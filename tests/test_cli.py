@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -136,7 +136,7 @@ def test_status_table(zk: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_status_table_lists_replicas_that_did_not_answer() -> None:
     from ziplog.tools.cli import format_status, status_rows
-    st = {0: [{"shard": 0, "replica": 0, "answer": "ok", "primary": True, "epoch": 3, "frontier": 9, "stable": 9,
+    st: dict[int, list[dict[str, Any]]] = {0: [{"shard": 0, "replica": 0, "answer": "ok", "primary": True, "epoch": 3, "frontier": 9, "stable": 9,
                "records": 2},
               {"shard": 0, "replica": 1, "addr": None, "answer": "not registered"}],
           1: [{"shard": 1, "replica": 0, "addr": "tcp://h:1", "answer": "unreachable"},

@@ -149,6 +149,7 @@ def test_status_lists_every_replica_the_topology_names_answered_or_not() -> None
     del topo.replicas[1][1]  # shard 1's backup is not registered (restarting)
     call = StatusCall(c, 10 * S, wait_ns=S)
     (addrs, msg), = call.start(0, topo)
+    assert isinstance(addrs, tuple)
     assert sorted(addrs) == ["tcp://s0r0", "tcp://s0r1", "tcp://s1r0"] and isinstance(msg, wire.Status)
     call.on_reply("tcp://s0r0", _status_ok(msg.req_id, 0, 0), 1, topo)
     call.on_reply("tcp://s1r0", _status_ok(msg.req_id, 1, 0), 1, topo)

@@ -157,8 +157,9 @@ def test_junk_on_every_control_plane_edge_changes_nothing(cluster: ziplog.LocalC
     rng = random.Random(20261123)
     gens = recovery_generations(cluster)
     leaders = leader_lines(cluster)
-    nfields = {op: len(cls.__struct_fields__) - 2 for op, cls in
-               {**wire.MEMBER_REQUESTS, wire.SUSPECT: wire.Suspect, wire.RATE: wire.Rate, wire.SIGNED: wire.Signed}.items()}
+    member_classes: dict[int, Any] = {**wire.MEMBER_REQUESTS, wire.SUSPECT: wire.Suspect, wire.RATE: wire.Rate,
+                                      wire.SIGNED: wire.Signed}
+    nfields = {op: len(cls.__struct_fields__) - 2 for op, cls in member_classes.items()}
     member_ops = sorted(wire.MEMBER_REQUESTS)
     storage_junk = _junk_frames(rng, [*member_ops, wire.SIGNED], nfields)
     # recovery steps sealed with this cluster's key but junk inside: a member's bug must

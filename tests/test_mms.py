@@ -14,6 +14,7 @@ from kazoo.client import KazooClient
 import ziplog
 from mms.planner import EpochPlanner, PlannerSettings
 from mms.sequencer import EpochSequencer
+from ziplog.cores.effects import CommitBlock
 from ziplog.io.zk_membership import block_transaction, read_epoch_state
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
@@ -135,9 +136,14 @@ def test_drain_ends_at_marks_the_epoch_a_removed_shard_leaves() -> None:
 def test_epoch_config_at_restates_without_validating(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = EpochConfig(3, (1, 4, 9), (10, 20, 30))
     assert cfg.at(3) is cfg
-    validations = []
+    validations: list[EpochConfig] = []
     original = EpochConfig.__post_init__
-    monkeypatch.setattr(EpochConfig, "__post_init__", lambda self: validations.append(self) or original(self))
+
+    def validating(self: EpochConfig) -> None:
+        validations.append(self)
+        original(self)
+
+    monkeypatch.setattr(EpochConfig, "__post_init__", validating)
     later = cfg.at(7)
     assert validations == [], "at() must not validate again: the leader restates a config every epoch"
     assert later == EpochConfig(7, (1, 4, 9), (10, 20, 30)) and later.base == EpochConfig(7, (1,), (1,)).base
@@ -230,6 +236,7 @@ class SteppedLeader:
     def prepare(self) -> None:
         """As the driver prepares: the commit the sequencer asks for, performed and answered."""
         for commit in self.seq.prepare().coordinate:
+            assert isinstance(commit, CommitBlock)
             results = block_transaction(self.zk, commit).commit()
             assert self.seq.on_commit_result(not any(isinstance(r, Exception) for r in results))
 
@@ -275,6 +282,7 @@ def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None
 
     # The first block's commit is asked for; nothing goes out until it is answered.
     commit, = lead.seq.prepare().coordinate
+    assert isinstance(commit, CommitBlock)
     assert lead.seq.committing and not lead.seq.ready()
     with pytest.raises(AssertionError, match="committed"):
         lead.seq.config()
@@ -285,9 +293,14 @@ def test_leader_plans_only_when_something_can_change(zk_ns: KazooClient) -> None
     # Quiet: a plan per block (every 10 epochs), not one per epoch ...
     lead.own_commit_seen()
     lead.run_to(2)
-    readiness_checks = []
+    readiness_checks: list[int] = []
     complete = topo.shard_complete
-    topo.shard_complete = lambda s: readiness_checks.append(s) or complete(s)  # type: ignore[method-assign]
+
+    def checked(shard: int) -> bool:
+        readiness_checks.append(shard)
+        return complete(shard)
+
+    topo.shard_complete = checked  # type: ignore[method-assign]
     quiet = lead.run_to(35)
     assert set(quiet.values()) == {(0, 1)}
     assert lead.planned_at == [0, 1, 10, 20, 30], f"planned at {lead.planned_at} (generation {topo.generation})"
@@ -356,6 +369,7 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     # down instead of broadcasting epoch 13 with a config nobody committed.
     assert old.seq.next_epoch == 13 and old.seq.needs_plan()
     commit, = old.seq.prepare().coordinate
+    assert isinstance(commit, CommitBlock)
     results = block_transaction(zk_ns, commit).commit()
     assert not old.seq.on_commit_result(not any(isinstance(r, Exception) for r in results)), \
         "a deposed leader's block commit must be refused"

@@ -24,7 +24,7 @@ def test_add_then_remove_shard() -> None:
             after = c.insert_after(b"after removal", on_new)
             assert after.shard == 0 and after.gsn > on_new.gsn
             assert c.read_record(on_new) == b"on the new shard"  # a removed shard stays readable
-            got = []
+            got: list[ziplog.Record] = []
             while not got or got[-1].rid != after:
                 rec = sub.next(timeout=30)
                 assert rec is not None, "subscription stalled across the membership changes"

@@ -102,6 +102,7 @@ def test_subscribers_follow_a_restarted_serving_replica() -> None:
                 async with aio.AsyncClient(cluster.zk_hosts) as ac:
                     async with ac.subscribe(RID_GENESIS) as asub:
                         rec = await asyncio.wait_for(asub.next(), 60)
+                        assert rec is not None
                         async_seen.append(rec.rid)
                         started.set()
                         while not abort.is_set() and not (restarted.is_set() and later
@@ -136,7 +137,7 @@ def test_subscribers_follow_a_restarted_serving_replica() -> None:
                     except ziplog.NoShardAvailableError:
                         assert time.monotonic() < deadline, "shard 1 did not take inserts again"
                 restarted.set()
-                seen = []
+                seen: list[ziplog.RecordId] = []
                 while not set(later) <= set(seen):
                     rec = sub.next(timeout=60)
                     assert rec is not None, "the subscription did not follow the restarted replica"

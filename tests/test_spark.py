@@ -473,7 +473,7 @@ def test_real_time_mode_is_refused_for_a_python_source(cluster: ziplog.LocalClus
     q = None
     try:
         with pytest.raises(Exception, match="REAL_TIME_MODE.INPUT_STREAM_NOT_SUPPORTED"):
-            q = (df.writeStream.format("console").outputMode("update").trigger(realTime="5 seconds")
+            q = (df.writeStream.format("console").outputMode("update").trigger(realTime="5 seconds")  # type: ignore[call-overload]
                  .option("checkpointLocation", str(tmp_path / "ckpt")).start())
             q.processAllAvailable()
     finally:

@@ -36,7 +36,7 @@ def _blocked_behind_shard_0(held_by_shard_1: int) -> tuple[SubscriptionCore, Top
     core = SubscriptionCore(1, 1, explicit=False)
     now = 10**12
     assert _opens(core.start(now, topo)) == {0: "tcp://a1", 1: "tcp://b1"}
-    epochs = [(0, 0, (0, 1))]
+    epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, (0, 1))]
     core.on_frame(0, wire.SubBatch(sub_id=1, records=[(1, b"x")], epochs=epochs, progress=2), topo)
     records = [(10 + 2 * i, bytes(RECORD)) for i in range(held_by_shard_1 // RECORD)]
     core.on_frame(1, wire.SubBatch(sub_id=1, records=records, epochs=epochs, progress=records[-1][0]), topo)
@@ -71,7 +71,7 @@ def test_nothing_moves_while_the_reader_holds_the_records_back() -> None:
     core = SubscriptionCore(1, 1, explicit=False)
     now = 10**12
     core.start(now, topo)
-    epochs = [(0, 0, (0, 1))]
+    epochs: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, (0, 1))]
     n = SUB_CREDIT_BYTES * 3 // 4 // RECORD
     core.on_frame(0, wire.SubBatch(sub_id=1, records=[(1 + 2 * i, bytes(RECORD)) for i in range(n)], epochs=epochs,
                                    progress=2 * n + 2), topo)

@@ -136,7 +136,7 @@ def test_a_trim_frees_the_one_open_segment(tmp_path: Path) -> None:
     log = SegmentLog(tmp_path, fsync="always")
     list(log.load())
     log.start(SnapshotEvent([], 0, 0, 0))
-    ranges = [(0, 0, (0,))]
+    ranges: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, (0,))]
     log.append([EpochEvent(0, 0, (0,))] + [RecordEvent(g, 0, 1, g, b"x" * 1000) for g in range(1, 51)],
                SnapshotEvent(ranges, 60, 50, 0))
     (only,) = log.segments()
@@ -168,7 +168,7 @@ def test_a_trim_frees_a_full_disk_through_the_reserve(tmp_path: Path) -> None:
         log = SegmentLog(small, fsync="always")
         list(log.load())
         log.start(SnapshotEvent([], 0, 0, 0))
-        ranges = [(0, 0, (0,))]
+        ranges: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, (0,))]
         log.append([EpochEvent(0, 0, (0,))], SnapshotEvent(ranges, 0, 0, 0))
         g = 0
         with pytest.raises(OSError) as full:
@@ -219,7 +219,7 @@ def test_trim_then_restart_from_disk(tmp_path: Path) -> None:
             new = c.insert_after(b"after restart", last)
             assert new.gsn > last.gsn
             with c.subscribe(RID_GENESIS) as sub:
-                got = []
+                got: list[ziplog.Record] = []
                 while not got or got[-1].rid != new:
                     rec = sub.next(timeout=30)
                     assert rec is not None

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -96,7 +98,7 @@ def reference_decode(frame: bytes) -> list:
     return msg + optional[len(msg) - 2 - len(schema):] if len(msg) < 2 + len(schema) else msg
 
 
-def edge_decode(frame: bytes) -> object:
+def edge_decode(frame: bytes) -> Any:
     """What a storage server makes of a frame: a member's op as it is decoded inside a
     SIGNED envelope (bare, it earns UNAUTHENTICATED: tested apart), any other bare."""
     try:

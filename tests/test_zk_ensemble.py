@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import pytest
 
@@ -46,7 +46,7 @@ def _wait_until(pred: Callable[[], T], timeout: float, what: str) -> T:
         time.sleep(0.05)
 
 
-def _create_idempotent(client: KazooClient, path: str, value: bytes) -> None:
+def _create_idempotent(client: Any, path: str, value: bytes) -> None:
     """Create ``path``; if a retry finds it already created by a lost reply, check it."""
     try:
         client.create(path, value)

@@ -197,10 +197,10 @@ class TierSim:
         roll = self.rng.random()
         book = self.rng.randrange(BOOKS)
         if roll < 0.85:
-            tags = sorted(set(self.rng.sample(range(TAGS), self.rng.randrange(0, 3))))
+            tags = tuple(sorted(set(self.rng.sample(range(TAGS), self.rng.randrange(0, 3)))))
             shard = self.rng.randrange(2)
             data = r.encode(r.entry(book, b"x", tags))
-            self.oracle.entries.append((gsn, shard, book, tuple(tags)))
+            self.oracle.entries.append((gsn, shard, book, tags))
         elif roll < 0.95:
             mine = [g for g, _, b, _ in self.oracle.entries if b == book]
             point = mine[-self.rng.randrange(1, 6)] if len(mine) >= 6 else 0

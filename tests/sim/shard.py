@@ -159,7 +159,7 @@ class ShardSim:
         self.acked_gsns: list[int] = []
         self.rates = rates
         self.epoch_ms = epoch_ms
-        self.settings = dict(noop_timeout_ns=noop_timeout_ns or r.choice([200 * US, 1 * MS, 3 * MS]),
+        self.settings: dict[str, Any] = dict(noop_timeout_ns=noop_timeout_ns or r.choice([200 * US, 1 * MS, 3 * MS]),
                              park_timeout_ns=200 * MS, stable_push_ns=1 * MS, lag_probe_ns=5 * MS, suspect_timeout_ns=0,
                              # a third of the seeds forward in parts of a few records
                              forward_batch_bytes=random.Random(seed * 7919 + 1).choice([4 << 20, 4 << 20, 200]))
@@ -268,8 +268,9 @@ class ShardSim:
         assert P.log.gsns == B.log.gsns, (ctx, "replicas hold different positions")
         records = P.log.records
         for g in P.log.gsns:
-            a, b = records[g], B.log.records[g]
-            assert (a.client_id, a.seq, a.data) == (b.client_id, b.seq, b.data), (ctx, "replicas disagree at", g)
+            mine, theirs = records[g], B.log.records[g]
+            assert (mine.client_id, mine.seq, mine.data) == (theirs.client_id, theirs.seq, theirs.data), (
+                ctx, "replicas disagree at", g)
             # the gsn must be one of this shard's slots in its epoch
             sched = EpochSchedule(self.configs[epoch_of(g)])
             k = sched.first_slot_after(SHARD, g - 1)

@@ -381,7 +381,7 @@ class SystemSim:
         self.epoch_ns = rng.choice([2, 4, 5, 7, 10]) * MS
         self.epochs_per_commit = rng.choice([1, 3, 10])
         suspect = rng.choice([30, 50, 80]) * MS
-        self.settings = dict(noop_timeout_ns=rng.choice([500 * US, 1 * MS, 2 * MS]), heartbeat_ns=rng.choice([5, 7, 10]) * MS,
+        self.settings: dict[str, Any] = dict(noop_timeout_ns=rng.choice([500 * US, 1 * MS, 2 * MS]), heartbeat_ns=rng.choice([5, 7, 10]) * MS,
                              suspect_timeout_ns=suspect, park_timeout_ns=2_000_000_000,
                              lag_probe_ns=rng.choice([10, 20]) * MS)
         # Batch bounds, drawn apart so that the draws above (and every older seed's world)
@@ -611,7 +611,8 @@ class SystemSim:
         if kind == "epoch" and r.idx > 0:
             return self._watch_guesses(r, frame)
         if kind == "router":
-            return self._watch_request(r, frame, route)
+            self._watch_request(r, frame, route)
+            return None
         if kind == "dealer" and r.idx > 0 and getattr(endpoint, "label", "") == "primary":
             try:
                 fwd = wire.decode_from_primary(frame)
@@ -836,8 +837,8 @@ class SystemSim:
             self.create_shard(s)
         for app in self.clients:
             self.at(self.rng.randint(1, 5) * MS, app.proc.run, app.next_record)
-        for t, kind in self.fault_plan:
-            self.at(t, self.fault, kind)
+        for fault_at, kind in self.fault_plan:
+            self.at(fault_at, self.fault, kind)
         self.at(self.fault_end, self.settle_check)
         for rd in self.readers:
             rd.proc.run(rd.start)

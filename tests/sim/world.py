@@ -182,7 +182,7 @@ class SimProcess:
     def now(self) -> int:
         return self.world.now
 
-    def run(self, fn: Callable[..., None], *args: Any) -> None:
+    def run(self, fn: Callable[..., object], *args: Any) -> None:
         """One turn: ``fn``, then the answer hooks and the turn-end hooks (nothing if the
         process died)."""
         if not self.alive:
@@ -339,6 +339,9 @@ class SimDealer:
             self.proc.world.tap("dealer", self, frame)
             self.proc.run(self.on_frame, frame)
 
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a DEALER connects to one address")
+
     def close(self, linger_ms: int = 0) -> None:
         self.closed = True
         self.proc.world.routes.pop(self.route, None)
@@ -362,6 +365,9 @@ class SimPublisher:
                 continue
             world.at(world.now + rng.randint(p.min_delay, p.max_delay), sub.deliver, frame)
         return True
+
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a PUB is bound, not connected")
 
     def close(self, linger_ms: int = 0) -> None:
         self.closed = True
@@ -414,6 +420,9 @@ class SimPuller:
     def resume(self, discard_queued: bool = False) -> None:
         self.paused = False  # (nothing queues while paused: frames are dropped)
 
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a PULL is bound, not connected")
+
     def deliver(self, frame: bytes) -> None:
         if not self.closed and not self.paused:
             self.proc.world.tap("pull", self, frame)
@@ -444,6 +453,9 @@ class SimPusher:
         p = self.proc.world.bound.get(self.addr)
         if isinstance(p, SimPuller):
             p.deliver(frame)
+
+    def connect(self, addr: str) -> None:
+        raise NotImplementedError("a PUSH connects to one address")
 
     def close(self, linger_ms: int = 0) -> None:
         self.closed = True
@@ -546,9 +558,9 @@ class ZooKeeper:
                 del self.replicas[key]
                 gone = True
         for d in (self.mms, self.fh):
-            for key, (_, s) in list(d.items()):
+            for name, (_, s) in list(d.items()):
                 if s is session:
-                    del d[key]
+                    del d[name]
                     gone = True
         for path, cands in self.elections.items():
             if any(s is session for s, _ in cands):

@@ -72,7 +72,7 @@ class CoordinatorDriver(ElectedDriver):
     kind = "logdb-coordinator"
 
     def __init__(self, rt: Any, election: ElectionPort, election_path: str, replica_id: int,
-                 core: CoordinatorCore, send: Callable[[bytes, bytes], None],
+                 core: CoordinatorCore, send: Callable[[bytes, bytes], object],
                  save_snapshot: Callable[[int, bytes], None], snapshot_ns: int = SNAPSHOT_NS) -> None:
         super().__init__(rt, election, election_path, replica_id)
         self.snapshot_ns = snapshot_ns

@@ -29,7 +29,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["spawn", "stop", "stop_many", "kill", "wait_first", "free_tcp_ports"]
 
@@ -119,7 +119,7 @@ def spawn(
         )
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
     """Send ``sig`` to the child's process group, ignoring "already gone".
 
     The group id equals the child's pid because of ``start_new_session``.  We
@@ -132,7 +132,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _reap(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
+def _reap(proc: subprocess.Popen[Any], timeout: float | None) -> bool:
     """Wait for the child to exit; True if it did within ``timeout``."""
     try:
         proc.wait(timeout=timeout)
@@ -141,7 +141,7 @@ def _reap(proc: subprocess.Popen[bytes], timeout: float | None) -> bool:
         return False
 
 
-def wait_first(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> None:
+def wait_first(procs: Iterable[subprocess.Popen[Any]], timeout: float) -> None:
     """Until one of the children ``procs`` has exited (it is not reaped), or ``timeout``
     passed: their pidfds, polled together."""
     poller = select.poll()
@@ -160,7 +160,7 @@ def wait_first(procs: Iterable[subprocess.Popen[bytes]], timeout: float) -> None
             os.close(fd)
 
 
-def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+def stop(proc: subprocess.Popen[Any], timeout: float = 5.0) -> None:
     """Gracefully stop a child: SIGTERM its group, then SIGKILL after ``timeout``.
 
     Graceful first so servers can flush logs and close sockets cleanly; forced
@@ -170,7 +170,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
     stop_many([proc], timeout)
 
 
-def stop_many(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 5.0) -> None:
+def stop_many(procs: Iterable[subprocess.Popen[Any]], timeout: float = 5.0) -> None:
     """Stop several children concurrently with one shared ``timeout``.
 
     Signalling all of them before waiting makes shutting down an N-process
@@ -188,7 +188,7 @@ def stop_many(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 5.0) ->
             _signal_group(p, signal.SIGKILL)
 
 
-def kill(proc: subprocess.Popen[bytes]) -> None:
+def kill(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL the child's whole process group immediately and reap it.
 
     Used for crash-fault injection (no chance to clean up, like a power cut
