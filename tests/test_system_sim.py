@@ -341,3 +341,14 @@ def test_regression_seeds(seed: int) -> None:
     the client the shard would not hold it (the record landed on two shards). Run without
     the graceful stops added since, so that the seed's world is the one that broke."""
     run(seed, stops=0)
+
+
+@pytest.mark.parametrize("seed", [102616, 108430])
+def test_a_stop_under_way_keeps_its_peer_from_other_faults(seed: int) -> None:
+    """Seeds whose worlds broke the fault model (f = 1), not the system: a graceful stop
+    decided for the end of a replica's next turn let a crash take its peer first, so both
+    replicas of a shard went down (102616: an acknowledged record, never written on the
+    full disks, was lost with both; 108430: neither restarted replica could vouch for the
+    shard, and its recovery waited for ever). A stop under way now makes its shard no
+    longer whole, as the operator's rule (one replica of a whole shard at a time) says."""
+    run(seed)

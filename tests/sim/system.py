@@ -195,6 +195,9 @@ class Rep:
         self.session: Session | None = None
         self.inc = 0
         self.blocked_seen = False
+        #: a graceful stop was decided and waits for the end of this replica's next turn:
+        #: its shard is no longer whole (no other fault may take its peer meanwhile)
+        self.stopping = False
 
     @property
     def up(self) -> bool:
@@ -467,6 +470,7 @@ class SystemSim:
 
     def start_rep(self, r: Rep) -> None:
         r.inc += 1
+        r.stopping = False  # a stop decided for the last incarnation died with it
         name = f"rep{r.shard}.{r.idx}#{r.inc}"
         proc = SimProcess(self.world, name)
         r.session = self.zk.session(name)
@@ -517,6 +521,7 @@ class SystemSim:
         at once; it starts again a while later on the same disk."""
         driver, proc, session = r.driver, r.proc, r.session
         assert driver is not None and proc is not None and session is not None
+        r.stopping = False
         self.outcome.stops += 1
         driver.stop_requested()
         driver.close()
@@ -694,6 +699,8 @@ class SystemSim:
         way or pending: a replica of this shard may fail (f = 1)."""
         if self.zk.meta.get(shard, {}).get("recovering") is not None:
             return False
+        if any(self.reps[(shard, i)].stopping for i in range(REPLICAS)):
+            return False
         rec = self.zk.records.get(shard)
         if rec is not None and rec["phase"] in (PROBING, ACQUIRED):
             return False
@@ -731,7 +738,11 @@ class SystemSim:
                 r = pick[rng.randrange(len(pick))]
                 if r.proc is not None and self.stopper.random() < 0.5:
                     # Mid-turn: after its input was handled, before anything of it was sent
-                    # (decisions whose ACKs never left are written and vouched for).
+                    # (decisions whose ACKs never left are written and vouched for). The
+                    # stop is under way from now on: until that turn ends no other fault
+                    # may take its peer (f = 1; an operator stops one replica of a whole
+                    # shard at a time).
+                    r.stopping = True
                     r.proc.doomed = lambda: self.stop_rep(r)
                 else:
                     self.stop_rep(r)
