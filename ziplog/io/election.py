@@ -328,3 +328,10 @@ class Election:
         self._kick.set()
         self._own = None
         self._end_term.set()
+
+
+def election_leader(zkc: Any, election: str) -> int | None:
+    """The id of the process leading ``election`` (the first contender), if any: what an
+    operator's tool asks (a driver learns it from its own :class:`Election`)."""
+    contenders = zkc.Election(election).contenders()
+    return int(contenders[0]) if contenders else None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ziplog.io import zk as discovery
+from ziplog.io.election import election_leader
 from ziplog.io.segments import replica_dir
 from ziplog.io.zmq_runtime import round_trip
 from ziplog.protocol import frames as wire
@@ -317,12 +318,6 @@ class LocalCluster:
         (:func:`ziplog.tools.rolling.rolling_restart`)."""
         from ziplog.tools.rolling import rolling_restart
         return rolling_restart(self, timeout, on_restart)
-
-
-def election_leader(zkc: Any, election: str) -> int | None:
-    """The id of the process leading ``election`` (the first contender), if any."""
-    contenders = zkc.Election(election).contenders()
-    return int(contenders[0]) if contenders else None
 
 
 def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: Callable[[int], None]) -> int:

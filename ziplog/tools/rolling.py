@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ziplog.protocol import layout
 from ziplog.tools import procs
-from ziplog.tools.cluster import election_leader
+from ziplog.io.election import election_leader
 
 #: how often a restarted process is asked whether it is back (ZooKeeper has no event for
 #: a status answer)
