@@ -190,7 +190,11 @@ class RecoveryCore:
             return
         target = rec.fetch_for.pop(req_id, None)
         if target is not None:
-            rec.reps[target].pending = None
+            t = rec.reps[target]
+            if t.pending is not None and t.pending[1] == wire.FETCH:
+                # (Only a fetch: a retried FETCH's other answer arrives after the INSTALL
+                # the first one led to, and must not cancel it.)
+                t.pending = None
             if isinstance(msg, wire.RecoveryOk):
                 self._on_fetched(rec, target, msg.payload)
             self._advance(rec, now)
@@ -206,6 +210,8 @@ class RecoveryCore:
             r.installed = r.resumed = False
             r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
             r.install_from = None
+            # Fetches for it from before are answered for a state it no longer has.
+            rec.fetch_for = {q: t for q, t in rec.fetch_for.items() if t != replica}
             self._advance(rec, now)
             return
         payload = msg.payload
@@ -276,12 +282,14 @@ class RecoveryCore:
         r = rec.reps.get(target)
         if r is None or r.info is None:
             return
-        got = payload["records"]
+        # A FETCH resent while its answer was on the way is answered twice: each record
+        # is kept once (answers come in gsn order, each from where the last one ended).
+        got = [g for g in payload["records"] if g[0] > r.fetch_lo]
         r.fetched.extend(got)
         r.fetch_trim = max(r.fetch_trim, payload.get("trim", 0))
         if got:
             r.fetch_lo = got[-1][0]
-        r.fetch_done = bool(payload["done"])
+        r.fetch_done = r.fetch_done or bool(payload["done"])
 
     def _last_epoch_with(self, shard: int) -> int | None:
         """The last epoch that included ``shard``, once the latest membership leaves it

@@ -1,8 +1,9 @@
 """A primary stopped gracefully vouches for its log (the clean-close marker), and its next
 incarnation serves again without a failure recovery although its backup shows guesses
 above its frontier; without the marker, or with one that does not match the disk, it
-blocks as before. The cores stepped by hand (``tests/harness.py``), and the segment
-files' marker itself."""
+blocks. A backup in step with no guess outstanding vouches too (what that buys a
+recovery: ``tests/test_recovery_core.py``). The cores stepped by hand
+(``tests/harness.py``), and the segment files' marker itself."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_a_marker_that_does_not_match_the_disk_counts_for_nothing() -> None:
 
 def test_what_a_stop_may_vouch_for() -> None:
     h, frontier = _shard_with_a_guess_above_the_primary()
-    assert h.B.clean_close_frontier() is None, "a backup vouches for nothing"
+    assert h.B.clean_close_frontier() is None, "a backup holding a guess (in its memory only) may not vouch"
     # A restarted primary that has not heard its backups cannot know what it lacks...
     unclean = ReplicaCore(h.P.s)
     unclean.replay(list(h.disk[0]))
@@ -98,6 +99,35 @@ def test_what_a_stop_may_vouch_for() -> None:
     h.handler.on_suspect(0, 0, h.now)
     h.pump()
     assert blocked.frozen and blocked.clean_close_frontier() is None
+
+
+def test_what_a_backups_stop_may_vouch_for() -> None:
+    h = ShardHarness()
+    assert not h.B.qualified and h.B.clean_close_frontier() is None, "not in step yet: it may have lost records"
+    h.B.connect_primary(0)
+    h.pump()
+    h.next_epoch()
+    h.insert(1, b"one")
+    h.pump()
+    assert h.B.qualified and h.B.clean_close_frontier() == h.B.frontier, "in step, every guess decided"
+    h.insert(2, b"two", to=(1,), after=h.P.frontier)  # acknowledged by the backup alone: a guess
+    h.pump()
+    assert h.B.clean_close_frontier() is None, "a guess lives in memory only"
+    # Restarted on the marker (of the state before the guess): it holds everything it
+    # acknowledged, it still guesses nothing until in step, and it may vouch again.
+    disk = list(h.disk[1]) + h.B.flush_marks()
+    clean = ReplicaCore(h.B.s)
+    clean.replay(disk, clean_frontier=h.B.frontier)
+    assert clean.restarted_clean and not clean.qualified
+    assert clean.clean_close_frontier() == clean.frontier
+    unclean = ReplicaCore(h.B.s)
+    unclean.replay(disk)
+    assert not unclean.restarted_clean and unclean.clean_close_frontier() is None
+    # A recovery's freeze ends what either may vouch for.
+    h.B = clean
+    h.handler.on_suspect(0, 1, h.now)
+    h.pump()
+    assert clean.frozen and clean.clean_close_frontier() is None
 
 
 def test_the_segment_files_marker_vouches_for_one_start(tmp_path: Path) -> None:

@@ -199,3 +199,62 @@ def test_after_a_recovery_a_peer_still_silent_is_suspected_again() -> None:
     lv.hear(0, 3_000)  # the link is back: quiet again
     lv.check(3_100, None)
     assert not out.ready().messages
+
+
+def _primary_lost_its_tail_while_its_backup_restarted(vouched: bool) -> tuple[Harness, list[int]]:
+    """Three records decided and forwarded (the backup in step, no guess outstanding);
+    the primary crashes and its disk lost the last one; meanwhile the backup was stopped
+    gracefully (vouching for its log when ``vouched``) and restarts on its disk. Then the
+    primary restarts on what its disk kept, and hears the backup's HELLO."""
+    h = Harness()
+    h.next_epoch()
+    for seq in (1, 2, 3):
+        h.insert(seq, b"r%d" % seq)
+        h.pump()
+    acked = list(h.P.log.gsns)
+    assert len(acked) == 3 and h.B.log.gsns == acked and h.B.qualified
+    marker = h.B.clean_close_frontier()
+    assert marker == h.B.frontier, "in step, no guess outstanding: the backup may vouch"
+    h.disk[1].extend(h.B.flush_marks())  # the stop writes everything (the driver's close)
+    primary_disk = [ev for ev in h.disk[0] if not (isinstance(ev, RecordEvent) and ev.gsn == acked[-1])]
+    h.B = h.new_core(1)
+    h.B.replay(list(h.disk[1]), clean_frontier=marker if vouched else None)
+    assert h.B.restarted_clean is vouched and not h.B.qualified, "restarted: in step again only with its primary"
+    h.P = h.new_core(0)
+    h.P.replay(primary_disk)
+    h.auto_drop = False
+    h.B.connect_primary(h.now)
+    h.pump()
+    assert h.P.blocked is not None, "the backup is ahead of the restarted primary"
+    h.handler.on_suspect(0, 0, h.now)
+    h.pump()
+    return h, acked
+
+
+def test_a_backup_restarted_clean_is_the_source_when_its_primary_lost_its_tail() -> None:
+    """The primary crashed while its backup was being restarted: neither replica is in
+    step, but the backup vouched for its log when it stopped, so it holds every record it
+    acknowledged (all of them: a record is acknowledged by every replica). The recovery
+    takes its state, and nothing acknowledged is lost."""
+    h, acked = _primary_lost_its_tail_while_its_backup_restarted(vouched=True)
+    rec = h.handler.active[0]
+    assert rec.acquired is not None and rec.acquired["source"] == 1, "the clean backup is the source"
+    h.drop()
+    h.pump()
+    assert h.handler.completed == [(0, 0)], h.handler.completed
+    for core in (h.P, h.B):
+        assert [core.log.records[g].data for g in acked] == [b"r1", b"r2", b"r3"]
+        assert core.frontier == epoch_end(0) and not core.frozen
+    assert h.P.log.gsns == h.B.log.gsns
+
+
+def test_without_the_backups_marker_no_replica_may_be_the_source() -> None:
+    """The same, but the backup did not vouch (a crash, or a stop that could not): the
+    primary lost a record the backup may hold only in memory-backed guesses, and the
+    backup cannot show it lost nothing. More replicas failed than the shard tolerates:
+    the recovery waits rather than lose or invent an acknowledged record."""
+    h, _ = _primary_lost_its_tail_while_its_backup_restarted(vouched=False)
+    rec = h.handler.active[0]
+    assert rec.acquired is None and not h.handler.completed
+    h.tick(100 * MS)
+    assert h.handler.active[0].acquired is None

@@ -207,7 +207,8 @@ def test_source_does_not_disown_a_guess_between_install_parts() -> None:
 
     def ask(req: wire.Request) -> wire.Frame:
         request(B, b"handler", req, h.now)
-        return B.ready().messages[-1][1]
+        ready = B.ready()  # (an INSTALL's answer waits for the disk: a durable message)
+        return (ready.messages + ready.durable)[-1][1]
 
     state = ask(wire.Probe(req_id=1, gen=0))
     assert isinstance(state, wire.RecoveryOk) and [gsn, 7, 1, b"acked"] in state.payload["guesses"]
@@ -343,6 +344,17 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
+@pytest.mark.parametrize("seed", [201030, 203172])
+def test_recovery_regression_seeds(seed: int) -> None:
+    """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
+    before the install was on its disk (full, on both replicas), stopped, and came back
+    with the record the install had replaced: the shard's replicas disagreed at that gsn
+    (tests/test_install_durable.py). 203172: the handler resent a FETCH whose answer was
+    on its way and kept both answers' records, so its next INSTALL held one record twice
+    and the handler's own check stopped the recovery."""
+    run(seed)
+
+
 @pytest.mark.parametrize("seed", [102616, 108430])
 def test_a_stop_under_way_keeps_its_peer_from_other_faults(seed: int) -> None:
     """Seeds whose worlds broke the fault model (f = 1), not the system: a graceful stop
@@ -352,3 +364,12 @@ def test_a_stop_under_way_keeps_its_peer_from_other_faults(seed: int) -> None:
     shard, and its recovery waited for ever). A stop under way now makes its shard no
     longer whole, as the operator's rule (one replica of a whole shard at a time) says."""
     run(seed)
+
+
+def test_a_backup_restarted_while_its_primary_was_down_recovers_the_shard() -> None:
+    """108430's world as it was, beyond the fault model: the primary crashed (its disk
+    without its last records), and the backup, stopped gracefully a moment later, came
+    back before it. The backup vouched for its log when it stopped, so the recovery takes
+    its state: every invariant holds and the shard serves again (it waited for ever when
+    no replica could vouch)."""
+    run(108430, stop_guards_peer=False)

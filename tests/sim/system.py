@@ -367,8 +367,12 @@ class SystemSim:
     def __init__(self, seed: int, trace: bool = False, shards: int | None = None, clients: int | None = None,
                  inserts: int | None = None, faults: int | None = None, net: NetParams | None = None,
                  add_shard: bool | None = None, remove_shard: bool | None = None, limit_ms: int = 10_000,
-                 stops: int | None = None) -> None:
+                 stops: int | None = None, stop_guards_peer: bool = True) -> None:
         self.seed = seed
+        #: a graceful stop under way keeps other faults off its peer (False: a crash may
+        #: take the peer while the stop waits for its turn, as an operator restarting a
+        #: replica of a shard whose other replica just failed would)
+        self.stop_guards_peer = stop_guards_peer
         rng = random.Random(seed)
         if net is None:
             net = NetParams(min_delay=rng.choice([5, 20, 50]) * US, max_delay=rng.choice([60, 200, 500]) * US,
@@ -742,7 +746,7 @@ class SystemSim:
                     # stop is under way from now on: until that turn ends no other fault
                     # may take its peer (f = 1; an operator stops one replica of a whole
                     # shard at a time).
-                    r.stopping = True
+                    r.stopping = self.stop_guards_peer
                     r.proc.doomed = lambda: self.stop_rep(r)
                 else:
                     self.stop_rep(r)

@@ -14,6 +14,9 @@ shard):
   from a shard (:class:`Stream`), or replica addresses (a tuple of str: a call's targets);
 * a **persist** item goes to the process's stable storage, in order (a replica's
   decided-stream events, a KV shard's apply batch);
+* a **durable message** leaves only once every persist item handed over so far is on
+  stable storage (a replica's answer to an INSTALL: what it installed replaced records
+  its disk still holds until then);
 * a **coordination** request goes to ZooKeeper and its answer back to the core
   (:class:`ReadHistory`, :class:`CommitBlock`, :class:`WriteRecovery`).
 
@@ -22,8 +25,8 @@ subscriptions, LogDB's coordinator) returns its :data:`Messages` alone. Every dr
 performs one the same way: the messages in order, the persist items in order, the
 coordination requests; only a coordination *write* (:class:`CommitBlock`,
 :class:`WriteRecovery`) holds anything back: the batch's messages and every later batch
-wait until ZooKeeper took it. Nothing else waits (a replica's durability is memory on
-f+1 replicas: its disk is written at the end of the turn)."""
+wait until ZooKeeper took it. Nothing else waits but durable messages (a replica's
+durability is memory on f+1 replicas: its disk is written at the end of the turn)."""
 
 from __future__ import annotations
 
@@ -132,37 +135,45 @@ Coordinate = Union[ReadHistory, CommitBlock, WriteRecovery]
 
 class Ready:
     """One batch of effects: ``messages`` to send, in order; ``persist``: items for stable
-    storage, in order; ``coordinate``: coordination requests to answer."""
+    storage, in order; ``coordinate``: coordination requests to answer; ``durable``:
+    messages to send, in order, once every persist item so far is on stable storage."""
 
-    __slots__ = ("messages", "persist", "coordinate")
+    __slots__ = ("messages", "persist", "coordinate", "durable")
 
     def __init__(self, messages: Messages | None = None, persist: list[Any] | None = None,
-                 coordinate: list[Coordinate] | None = None) -> None:
+                 coordinate: list[Coordinate] | None = None, durable: Messages | None = None) -> None:
         self.messages = [] if messages is None else messages
         self.persist = [] if persist is None else persist
         self.coordinate = [] if coordinate is None else coordinate
+        self.durable = [] if durable is None else durable
 
     def __bool__(self) -> bool:
-        return bool(self.messages or self.persist or self.coordinate)
+        return bool(self.messages or self.persist or self.coordinate or self.durable)
 
     def __repr__(self) -> str:
-        return f"Ready(messages={self.messages!r}, persist={self.persist!r}, coordinate={self.coordinate!r})"
+        return (f"Ready(messages={self.messages!r}, persist={self.persist!r}, coordinate={self.coordinate!r}, "
+                f"durable={self.durable!r})")
 
 
 class Outbox:
     """Where a core's parts put effects as they happen; :meth:`ready` hands them over."""
 
-    __slots__ = ("messages", "persist", "coordinate")
+    __slots__ = ("messages", "persist", "coordinate", "durable")
 
     def __init__(self) -> None:
         self.messages: Messages = []
         self.persist: list[DiskEvent] = []
         self.coordinate: list[Coordinate] = []
+        self.durable: Messages = []
 
     def send(self, dest: Dest, msg: Frame) -> None:
         self.messages.append((dest, msg))
 
+    def send_durable(self, dest: Dest, msg: Frame) -> None:
+        """Send ``msg`` once everything persisted so far is written."""
+        self.durable.append((dest, msg))
+
     def ready(self) -> Ready:
-        r = Ready(self.messages, self.persist, self.coordinate)
-        self.messages, self.persist, self.coordinate = [], [], []
+        r = Ready(self.messages, self.persist, self.coordinate, self.durable)
+        self.messages, self.persist, self.coordinate, self.durable = [], [], [], []
         return r

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ziplog.cores.effects import Peer, ReadHistory, Ready, ShardReplicas
+from ziplog.cores.effects import Messages, Peer, ReadHistory, Ready, ShardReplicas
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.cores.replica.core import Ordered
 from ziplog.cores.replica.parking import Parked
@@ -76,6 +76,9 @@ DISK_FLUSH_NS = 5_000_000
 DISK_RETRY_NS = 200_000_000
 #: The core's timers are looked at no more often than this.
 MIN_TICK_NS = 500_000
+#: answers waiting for the disk (:attr:`Ready.durable`: a replica's INSTALL answers) kept
+#: at most; the failure handler resends an INSTALL it has no answer to, so the latest do
+MAX_DURABLE_WAITING = 64
 #: ``--poll-us``'s default: off (see ziplog.io.zmq_runtime; 200 is haltpoll's default
 #: guest_halt_poll_ns, longer than the gap between one closed-loop client's inserts)
 DEFAULT_POLL_US = 0
@@ -148,6 +151,8 @@ class StorageDriver:
         #: replica) -> (address, endpoint); made on the first notice to the shard
         self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
         self._disk_buf: list[DiskEvent] = []
+        #: messages that leave once everything persisted before them is written
+        self._durable: Messages = []
         self._last_disk_ns = rt.now()
         #: why the last write failed (None: writing works); the batch stays buffered
         self.disk_fault: str | None = None
@@ -363,11 +368,15 @@ class StorageDriver:
         self._perform(core.ready())
         disk = self.disk
         if disk is not None:
-            if (self._disk_buf or disk.error is not None) and now - self._last_disk_ns >= DISK_FLUSH_NS \
-                    and now >= self._disk_retry_at:
+            # An answer waiting for the disk does not wait for the batch interval too.
+            if (self._disk_buf or disk.error is not None) and now >= self._disk_retry_at \
+                    and (now - self._last_disk_ns >= DISK_FLUSH_NS or self._durable):
                 self._flush_disk(now)
         else:
             self._disk_buf.clear()
+        if self._durable and not self._disk_buf and self.disk_fault is None:
+            durable, self._durable = self._durable, []
+            self._send(durable)
         self._schedule(now)
         self._answered = False  # what this turn end sent to clients is not the next turn's
 
@@ -407,27 +416,33 @@ class StorageDriver:
         self._wakeup = self._wakeup_at = None  # the turn that follows does the work
 
     # -- effects ----------------------------------------------------------------------------------
+    def _send(self, messages: Messages) -> None:
+        encode = f.encode
+        router = self.router
+        for dest, msg in messages:
+            if type(dest) is bytes:
+                router.send_to(dest, encode(msg))
+                self._answered = True
+            elif dest is Peer.PRIMARY:
+                if self.primary is not None:
+                    self.primary.send(f.seal(self.key, encode(msg)))
+            elif type(dest) is ShardReplicas:
+                frame = f.seal(self.key, encode(msg))
+                for ep in self._peer_replicas(dest.shard):
+                    ep.send(frame)
+            else:
+                frame = f.seal(self.key, encode(msg))
+                for ep in (self.mms_pushes if dest is Peer.MMS else self.fh_pushes).values():
+                    ep.send(frame)
+
     def _perform(self, ready: Ready) -> None:
         while True:
-            encode = f.encode
-            router = self.router
-            for dest, msg in ready.messages:
-                if type(dest) is bytes:
-                    router.send_to(dest, encode(msg))
-                    self._answered = True
-                elif dest is Peer.PRIMARY:
-                    if self.primary is not None:
-                        self.primary.send(f.seal(self.key, encode(msg)))
-                elif type(dest) is ShardReplicas:
-                    frame = f.seal(self.key, encode(msg))
-                    for ep in self._peer_replicas(dest.shard):
-                        ep.send(frame)
-                else:
-                    frame = f.seal(self.key, encode(msg))
-                    for ep in (self.mms_pushes if dest is Peer.MMS else self.fh_pushes).values():
-                        ep.send(frame)
+            self._send(ready.messages)
             if ready.persist:
                 self._disk_buf.extend(ready.persist)
+            if ready.durable:
+                self._durable.extend(ready.durable)
+                del self._durable[:-MAX_DURABLE_WAITING]
             if not ready.coordinate:
                 return
             for req in ready.coordinate:

@@ -12,6 +12,13 @@ A backup is UNQUALIFIED from (re)start until the primary's first FORWARD shows i
 step (its disk may lag what it acknowledged before a crash): it guesses nothing until
 then. Its link to the primary (:class:`Link`) is CONNECTING until the primary answers
 its HELLO, then IN_STEP.
+
+A backup stopped gracefully while in step and holding no unconfirmed guess vouches for
+its log (the clean-close marker, as a primary does): every record it acknowledged is
+then on its disk. Its next incarnation, restarted on the marker, still guesses nothing
+until it is in step again, but it holds everything it ever acknowledged, so a failure
+recovery may take its state: a shard whose primary crashed (losing what its disk had
+not written) while its backup was being restarted recovers from the backup.
 """
 
 from __future__ import annotations
@@ -106,6 +113,9 @@ class BackupFollower:
         self.error = error
         self.stats = stats
         self.qualification = Qualification.UNQUALIFIED
+        #: restarted on the clean-close marker of an incarnation that held everything it
+        #: acknowledged, and none of it was lost since (see the module's documentation)
+        self.restarted_clean = False
         self.link = Link.DOWN
         self.hello_sent_at: int | None = None
         self.spec: Speculation | None = None
@@ -130,6 +140,23 @@ class BackupFollower:
     @property
     def qualified(self) -> bool:
         return self.qualification is Qualification.QUALIFIED
+
+    @property
+    def holds_everything_acked(self) -> bool:
+        """Every record this backup ever acknowledged is in its log or its guesses: it is
+        in step with the primary, or it restarted clean (a recovery may take its state;
+        only being in step lets it guess)."""
+        return self.qualification is Qualification.QUALIFIED or self.restarted_clean
+
+    @property
+    def guessing(self) -> bool:
+        """It holds guesses the primary has not decided yet (only its memory has them)."""
+        return self.spec is not None and bool(self.spec.by_gsn)
+
+    def restart_clean(self) -> None:
+        """The replayed disk is everything the previous incarnation held, and it held
+        every record it acknowledged (in step, no guess outstanding)."""
+        self.restarted_clean = True
 
     def current_epoch(self) -> int:
         return self.spec.config.epoch if self.spec is not None else -1
@@ -410,6 +437,7 @@ class BackupFollower:
 
     def installing(self) -> None:
         self.spec = None
+        self.restarted_clean = False  # the recovery's state replaces what the disk vouched for
 
     def installed(self) -> None:
         pass

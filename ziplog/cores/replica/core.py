@@ -370,29 +370,32 @@ class ReplicaCore:
     def replay(self, events: Iterable[DiskEvent], clean_frontier: int | None = None) -> None:
         """Rebuild the decided log from persisted events. ``clean_frontier``: what the
         last incarnation vouched for at a graceful stop (:meth:`clean_close_frontier`);
-        a primary whose replayed log ends exactly there restarts clean."""
+        a replica whose replayed log ends exactly there restarts clean."""
         self.log.replay(events)
         role = self.role
         if isinstance(role, PrimarySequencer):
             role.mark_forward_point()
-            if clean_frontier is not None and clean_frontier == self.log.frontier:
-                role.restart_clean()
+        if clean_frontier is not None and clean_frontier == self.log.frontier:
+            role.restart_clean()
 
     @property
     def restarted_clean(self) -> bool:
-        """A primary whose last incarnation vouched for the log it replayed."""
-        role = self.role
-        return isinstance(role, PrimarySequencer) and role.restarted_clean
+        """A replica whose last incarnation vouched for the log it replayed."""
+        return self.role.restarted_clean
 
     def clean_close_frontier(self) -> int | None:
-        """What a graceful stop may vouch for, once every event decided is written: the
-        frontier of a primary that holds every record any replica acknowledged (serving,
-        or restarted clean and not deciding yet), in no recovery and with no disk fault.
-        None otherwise: a backup (a primary never needs its word), or a primary that
-        cannot know, whose next incarnation must hear its backups out."""
+        """What a graceful stop may vouch for, once every event decided is written, in no
+        recovery and with no disk fault: the frontier of a primary that holds every record
+        any replica acknowledged (serving, or restarted clean and not deciding yet), or of
+        a backup that holds every record it acknowledged in its log alone (in step, or
+        restarted clean, with no guess outstanding: guesses live in memory only). None
+        otherwise: a replica that cannot know, whose next incarnation must hear the
+        others out."""
         role = self.role
-        if (not isinstance(role, PrimarySequencer) or not role.holds_everything_acked
-                or self.recovery.phase is not RecoveryPhase.NORMAL or self.log.disk_fault is not None):
+        if (not role.holds_everything_acked or self.recovery.phase is not RecoveryPhase.NORMAL
+                or self.log.disk_fault is not None):
+            return None
+        if isinstance(role, BackupFollower) and role.guessing:
             return None
         return self.log.frontier
 

@@ -127,6 +127,12 @@ class RecoveryParticipant:
             payload = self._resume(msg.stable, msg.refused, now)
         if isinstance(payload, str):
             self.error(route, msg.req_id, f.E_STALE, payload)
+        elif isinstance(msg, f.Install):
+            # The install replaced records above its base that this replica's disk holds
+            # until the install's events are written: a restart before that would bring
+            # the replaced records back, unseen by the handler, which counted this part
+            # done. So the answer waits for the disk (a full one: until it has room).
+            self.out.send_durable(route, f.RecoveryOk(req_id=msg.req_id, payload=payload))
         else:
             self.out.send(route, f.RecoveryOk(req_id=msg.req_id, payload=payload))
 
@@ -146,7 +152,12 @@ class RecoveryParticipant:
             # source may tell their clients the shard does not hold them: drop them now.
             for p in self.parking.all_inserts():
                 self.error(p.route, p.msg.req_id, f.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
-        qualified = self.role.qualified
+        role = self.role
+        # A backup restarted on its clean-close marker holds everything it acknowledged,
+        # as one in step does: its state may be the recovery's. A primary's marker lets
+        # it serve again without a recovery; in a recovery it counts only once its
+        # backups showed it lacks nothing (it serves).
+        qualified = role.qualified if role.is_primary else role.holds_everything_acked
         state: dict[str, Any] = {
             "replica": self.replica, "gen": gen, "qualified": qualified, "frozen": self.frozen,
             "frontier": log.frontier, "stable": log.stable, "trim": log.trim_point,
