@@ -36,10 +36,14 @@ STOP_MID_BATCH = textwrap.dedent("""
         while tracker.getActiveJobsIds():  # the cancelled job ends before the session stops
             q.awaitTermination(0.1)
         # ... and so does its killed task, whose last status update would otherwise reach a
-        # scheduler that spark.stop() already shut (Spark then logs a rejected execution)
-        executors = spark.sparkContext._jsc.sc().statusTracker()
-        while any(e.numRunningTasks() for e in executors.getExecutorInfos()):
+        # scheduler that spark.stop() already shut (Spark then logs a rejected execution).
+        # The task scheduler's own count, not the status store's: that one drops to 0 when
+        # the cancelled stage ends, before the kill's status update arrives.
+        scheduler = spark.sparkContext._jsc.sc().taskScheduler()
+        while scheduler.rootPool().runningTasks():
             q.awaitTermination(0.1)
+        scheduler.runningTasksByExecutors()  # its lock: the update's hand-off is done
+
     finally:
         spark.stop()
 """)
