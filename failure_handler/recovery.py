@@ -72,6 +72,10 @@ class HandlerSettings:
     #: An INSTALL carries at most this many bytes of records (or one larger record): a
     #: replica's ROUTER refuses larger messages, so a big roll-forward goes in parts.
     install_bytes: int = wire.INSTALL_PART_BYTES
+    #: While every replica answered PROBE and none may be the source (more replicas
+    #: failed than the shard tolerates), each is probed again this often: one restarted
+    #: on its clean-close marker, or in step again, is then found.
+    reprobe_ns: int = 1_000_000_000
 
 
 @dataclass
@@ -88,6 +92,8 @@ class _Replica:
     resumed: bool = False
     pending: tuple[int, int] | None = None  # (req_id, op) of the request in flight
     sent_at: int = -(1 << 62)
+    #: when its PROBE answer (``info``) arrived
+    probed_at: int = -(1 << 62)
 
 
 @dataclass
@@ -217,6 +223,7 @@ class RecoveryCore:
         payload = msg.payload
         if op == wire.PROBE:
             r.info = payload
+            r.probed_at = now
             if payload.get("resumed"):  # a previous leader got this far
                 r.installed = r.resumed = True
             else:
@@ -241,16 +248,39 @@ class RecoveryCore:
 
     def next_deadline(self) -> int | None:
         """When :meth:`tick` next has a request to resend (a recovery waiting for its
-        record to be written resends nothing until then)."""
+        record to be written resends nothing until then), or a replica to probe again."""
         best = None
         for rec in self.active.values():
             if rec.persisting:
                 continue
+            stuck = self._without_source(rec)
             for r in rec.reps.values():
                 if r.pending is not None:
                     t = r.sent_at + self.s.retry_ns
                     best = t if best is None else min(best, t)
+                elif stuck:
+                    t = r.probed_at + self.s.reprobe_ns
+                    best = t if best is None else min(best, t)
         return best
+
+    def waiting_for_a_source(self) -> dict[int, str]:
+        """Shards whose recovery cannot go on, and why: every replica answered PROBE and
+        none holds everything it acknowledged (more replicas failed than the shard
+        tolerates). Such a recovery waits, probing again, rather than lose or invent an
+        acknowledged record; the shard's undecided slots hold every subscriber back."""
+        out = {}
+        for shard, rec in self.active.items():
+            if self._without_source(rec):
+                said = ", ".join(f"{i} at {r.info['frontier']}" for i, r in sorted(rec.reps.items())
+                                 if r.info is not None)
+                out[shard] = (f"recovery {rec.gen}: no replica can vouch for every record it acknowledged (replicas "
+                              f"{said}): more failed than the shard tolerates; probing again every "
+                              f"{self.s.reprobe_ns // 1_000_000} ms")
+        return out
+
+    def _without_source(self, rec: ShardRecovery) -> bool:
+        return (rec.phase == PROBING and rec.acquired is None and not rec.persisting and len(rec.reps) == rec.replicas
+                and all(r.info is not None for r in rec.reps.values()))
 
     # -- the protocol ---------------------------------------------------------------------------
     def _start(self, shard: int, now: int) -> None:
@@ -322,6 +352,13 @@ class RecoveryCore:
             if r.info is None and self._due(r, now):
                 self._send(rec, i, wire.Probe(req_id=next(self._req), gen=rec.gen), now)
         if rec.acquired is None:
+            if self._without_source(rec):
+                # Nobody may be the source: ask again from time to time (an answer of a
+                # replica that can is acquired at once).
+                for i, r in rec.reps.items():
+                    if (r.pending is None and now - r.probed_at >= self.s.reprobe_ns) or \
+                            (r.pending is not None and self._due(r, now)):
+                        self._send(rec, i, wire.Probe(req_id=next(self._req), gen=rec.gen), now)
             return
         acq = rec.acquired
         if not rec.authority_told and now - rec.authority_sent_at >= self.s.retry_ns:

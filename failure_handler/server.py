@@ -52,6 +52,8 @@ log = logging.getLogger("failure_handler")
 TICK_NS = 50_000_000
 #: A suspicion's reason is logged up to this many characters.
 REASON_CHARS = 200
+#: a recovery without a source says so this often
+STUCK_LOG_NS = 10_000_000_000
 
 
 class HandlerCoordination(Protocol):
@@ -88,6 +90,8 @@ class FailureHandlerDriver(ElectedDriver):
         self.key = key
         self.bad_input = ThrottledLog(log, rt)
         self.suspect_log = ThrottledLog(log, rt, logging.INFO)
+        #: a recovery that found no replica to be its source says so, every 10 s
+        self.stuck_log = ThrottledLog(log, rt, logging.ERROR, interval_ns=STUCK_LOG_NS)
         self.coord = coord
         self.settings = settings or HandlerSettings()
         self.group, self.groups = group, groups
@@ -228,6 +232,8 @@ class FailureHandlerDriver(ElectedDriver):
         if core is None:
             return
         core.tick(self.rt.now())
+        for shard, why in core.waiting_for_a_source().items():
+            self.stuck_log(f"shard {shard} cannot recover", why)
         self._act()
         self._arm()
 
@@ -292,6 +298,9 @@ class FailureHandlerDriver(ElectedDriver):
                      lb),
             gauge("ziplog_fh_recoveries_active", "recoveries under way (while leading)",
                   len(core.active) if core is not None else 0, lb),
+            gauge("ziplog_fh_recoveries_without_source", "recoveries that found no replica holding every record it "
+                  "acknowledged (more replicas failed than the shard tolerates): they wait, probing again",
+                  len(core.waiting_for_a_source()) if core is not None else 0, lb),
         ]
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from failure_handler.recovery import DONE
 from tests.harness import MS, ShardHarness
 from ziplog.cores.client.waits import InsertWait, Redirect
 from ziplog.protocol import frames as wire
-from ziplog.protocol.events import RecordEvent
+from ziplog.protocol.events import DiskEvent, RecordEvent
 from ziplog.protocol.gsna import epoch_end
 
 SHARDS = (0, 1)
@@ -258,3 +258,35 @@ def test_without_the_backups_marker_no_replica_may_be_the_source() -> None:
     assert rec.acquired is None and not h.handler.completed
     h.tick(100 * MS)
     assert h.handler.active[0].acquired is None
+
+
+def test_a_recovery_without_a_source_says_why_and_probes_again() -> None:
+    """No replica may be the source: the handler's core says why (its driver logs it and
+    counts it), probes every replica again each ``reprobe_ns``, and acquires as soon as
+    one answers that it holds everything it acknowledged (here the backup's next
+    incarnation, restarted on a marker that vouches for its disk)."""
+    h, acked = _primary_lost_its_tail_while_its_backup_restarted(vouched=False)
+    why = h.handler.waiting_for_a_source()
+    assert list(why) == [0] and "no replica can vouch" in why[0], why
+    every = h.handler.s.reprobe_ns
+    assert h.handler.next_deadline() == h.now + every, "the next probe is due then"
+    h.B = h.new_core(1)
+    h.B.replay(list(h.disk[1]), clean_frontier=_replayed_frontier(h.disk[1]))
+    assert h.B.restarted_clean
+    h.now += every
+    h.handler.tick(h.now)
+    h.pump()
+    rec = h.handler.active[0]
+    assert rec.acquired is not None and rec.acquired["source"] == 1, "probed again, the clean backup is the source"
+    assert not h.handler.waiting_for_a_source()
+    h.drop()
+    h.pump()
+    assert h.handler.completed == [(0, 0)]
+    assert [h.P.log.records[g].data for g in acked] == [b"r1", b"r2", b"r3"]
+
+
+def _replayed_frontier(disk: list[DiskEvent]) -> int:
+    """The frontier a replica replays ``disk`` to (what a marker must name)."""
+    probe = Harness().new_core(1)
+    probe.replay(list(disk))
+    return probe.frontier
