@@ -92,6 +92,8 @@ class FailureHandlerDriver(ElectedDriver):
         self.suspect_log = ThrottledLog(log, rt, logging.INFO)
         #: a recovery that found no replica to be its source says so, every 10 s
         self.stuck_log = ThrottledLog(log, rt, logging.ERROR, interval_ns=STUCK_LOG_NS)
+        #: how many did at the last timer (read by the metrics thread: a plain int)
+        self.without_source = 0
         self.coord = coord
         self.settings = settings or HandlerSettings()
         self.group, self.groups = group, groups
@@ -139,6 +141,7 @@ class FailureHandlerDriver(ElectedDriver):
     def lead_end(self) -> None:
         self.term += 1
         self.core = None
+        self.without_source = 0
         self.pull.pause()
         self.queue.clear()
         self.writing = False
@@ -232,8 +235,10 @@ class FailureHandlerDriver(ElectedDriver):
         if core is None:
             return
         core.tick(self.rt.now())
-        for shard, why in core.waiting_for_a_source().items():
+        stuck = core.waiting_for_a_source()
+        for shard, why in stuck.items():
             self.stuck_log(f"shard {shard} cannot recover", why)
+        self.without_source = len(stuck)
         self._act()
         self._arm()
 
@@ -300,7 +305,7 @@ class FailureHandlerDriver(ElectedDriver):
                   len(core.active) if core is not None else 0, lb),
             gauge("ziplog_fh_recoveries_without_source", "recoveries that found no replica holding every record it "
                   "acknowledged (more replicas failed than the shard tolerates): they wait, probing again",
-                  len(core.waiting_for_a_source()) if core is not None else 0, lb),
+                  self.without_source if core is not None else 0, lb),
         ]
 
     def close(self) -> None:
