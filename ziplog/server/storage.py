@@ -609,8 +609,9 @@ class StorageDriver:
             self._flush_disk(self.rt.now())
             clean = None
             if self.disk_fault is not None:
-                self.log.error("stopping with %d events not written (%s): this replica restarts behind its "
-                          "peer, which holds them", len(self._disk_buf), self.disk_fault)
+                self.log.error("stopping with %d events not written (%s): the next start replays less than this "
+                          "replica held; only a peer that is up still holds the rest", len(self._disk_buf),
+                          self.disk_fault)
             elif self.stopping_on_request and not self._disk_buf:
                 clean = self.core.clean_close_frontier()
             try:
