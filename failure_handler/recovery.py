@@ -347,18 +347,14 @@ class RecoveryCore:
         n = rec.replicas
         for i in range(n):
             rec.reps.setdefault(i, _Replica())
-        # Every replica's state for this generation (probing also freezes it).
+        # Every replica's state for this generation (probing also freezes it); while
+        # nobody may be the source, asked again from time to time (an answer of a replica
+        # that can is acquired at once).
+        stuck = self._without_source(rec)
         for i, r in rec.reps.items():
-            if r.info is None and self._due(r, now):
+            if self._due(r, now) and (r.info is None or (stuck and now - r.probed_at >= self.s.reprobe_ns)):
                 self._send(rec, i, wire.Probe(req_id=next(self._req), gen=rec.gen), now)
         if rec.acquired is None:
-            if self._without_source(rec):
-                # Nobody may be the source: ask again from time to time (an answer of a
-                # replica that can is acquired at once).
-                for i, r in rec.reps.items():
-                    if (r.pending is None and now - r.probed_at >= self.s.reprobe_ns) or \
-                            (r.pending is not None and self._due(r, now)):
-                        self._send(rec, i, wire.Probe(req_id=next(self._req), gen=rec.gen), now)
             return
         acq = rec.acquired
         if not rec.authority_told and now - rec.authority_sent_at >= self.s.retry_ns:

@@ -137,7 +137,8 @@ class ShardHarness:
         while True:
             ready = core.ready()
             self.disk[i].extend(ready.persist)
-            for dest, msg in ready.messages:
+            # The harness's disk takes every batch at once: what waits for it leaves now.
+            for dest, msg in ready.messages + ready.durable:
                 moved = True
                 if i in drop_from:
                     continue
@@ -166,13 +167,6 @@ class ShardHarness:
                     self.handler.on_reply(0, i, wire.decode_recovery_reply(frame), self.now)
                 else:
                     raise AssertionError(f"a message to an unknown route {dest!r}")
-            # The harness's disk takes every batch at once: what waits for it leaves now.
-            for dest, msg in ready.durable:
-                moved = True
-                if i in drop_from:
-                    continue
-                assert dest == b"handler", dest
-                self.handler.on_reply(0, i, wire.decode_recovery_reply(wire.encode(msg)), self.now)
             if not ready.coordinate:
                 return moved
             for req in ready.coordinate:

@@ -271,7 +271,7 @@ def test_a_recovery_without_a_source_says_why_and_probes_again() -> None:
     every = h.handler.s.reprobe_ns
     assert h.handler.next_deadline() == h.now + every, "the next probe is due then"
     h.B = h.new_core(1)
-    h.B.replay(list(h.disk[1]), clean_frontier=_replayed_frontier(h.disk[1]))
+    h.B.replay(list(h.disk[1]), clean_frontier=_replayed_frontier(h, h.disk[1]))
     assert h.B.restarted_clean
     h.now += every
     h.handler.tick(h.now)
@@ -285,8 +285,8 @@ def test_a_recovery_without_a_source_says_why_and_probes_again() -> None:
     assert [h.P.log.records[g].data for g in acked] == [b"r1", b"r2", b"r3"]
 
 
-def _replayed_frontier(disk: list[DiskEvent]) -> int:
+def _replayed_frontier(h: Harness, disk: list[DiskEvent]) -> int:
     """The frontier a replica replays ``disk`` to (what a marker must name)."""
-    probe = Harness().new_core(1)
+    probe = h.new_core(1)
     probe.replay(list(disk))
     return probe.frontier

@@ -525,7 +525,6 @@ class SystemSim:
         at once; it starts again a while later on the same disk."""
         driver, proc, session = r.driver, r.proc, r.session
         assert driver is not None and proc is not None and session is not None
-        r.stopping = False
         self.outcome.stops += 1
         driver.stop_requested()
         driver.close()
