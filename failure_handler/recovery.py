@@ -197,12 +197,17 @@ class RecoveryCore:
         target = rec.fetch_for.pop(req_id, None)
         if target is not None:
             t = rec.reps[target]
-            if t.pending is not None and t.pending[1] == wire.FETCH:
-                # (Only a fetch: a retried FETCH's other answer arrives after the INSTALL
-                # the first one led to, and must not cancel it.)
-                t.pending = None
             if isinstance(msg, wire.RecoveryOk):
+                if t.pending is not None and t.pending[1] == wire.FETCH:
+                    # (Only a fetch: a retried FETCH's other answer arrives after the INSTALL
+                    # the first one led to, and must not cancel it.)
+                    t.pending = None
                 self._on_fetched(rec, target, msg.payload)
+            else:
+                # The holder refused (STALE: it restarted and forgot the generation, say):
+                # it is probed again before anyone fetches from it, and the target's fetch
+                # waits for its retry timer rather than going straight back to it.
+                self._forget(rec, replica)
             self._advance(rec, now)
             return
         if r.pending is None or r.pending[0] != req_id:
@@ -212,12 +217,7 @@ class RecoveryCore:
         if not isinstance(msg, wire.RecoveryOk):
             # STALE: the replica restarted (it forgot the generation) or is ahead of this
             # step: learn its state again.
-            r.info = None
-            r.installed = r.resumed = False
-            r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
-            r.install_from = None
-            # Fetches for it from before are answered for a state it no longer has.
-            rec.fetch_for = {q: t for q, t in rec.fetch_for.items() if t != replica}
+            self._forget(rec, replica)
             self._advance(rec, now)
             return
         payload = msg.payload
@@ -241,6 +241,17 @@ class RecoveryCore:
             if rec.acquired is not None and replica == rec.acquired["source"]:
                 rec.refused = [list(k) for k in payload.get("refused", [])]
         self._advance(rec, now)
+
+    def _forget(self, rec: ShardRecovery, replica: int) -> None:
+        """What the handler knew of a replica's state this generation is void (it
+        restarted, or is ahead of the step it was asked): it is probed again."""
+        r = rec.reps.setdefault(replica, _Replica())
+        r.info = None
+        r.installed = r.resumed = False
+        r.fetched, r.fetch_lo, r.fetch_done = [], 0, False
+        r.install_from = None
+        # Fetches for it from before are answered for a state it no longer has.
+        rec.fetch_for = {q: t for q, t in rec.fetch_for.items() if t != replica}
 
     def tick(self, now: int) -> None:
         for rec in list(self.active.values()):

@@ -54,6 +54,8 @@ class ShardHarness:
         #: called with each WriteRecovery once written (a test may drop the shard then)
         self.on_persist: Any = None
         self.epoch = -1
+        #: every message a replica sent, in order: (replica, destination, message)
+        self.sent: list[tuple[int, Any, wire.Frame]] = []
 
     def new_core(self, replica: int) -> ReplicaCore:
         return ReplicaCore(ReplicaSettings(0, replica, self.replicas, **self.settings))
@@ -140,6 +142,7 @@ class ShardHarness:
             # The harness's disk takes every batch at once: what waits for it leaves now.
             for dest, msg in ready.messages + ready.durable:
                 moved = True
+                self.sent.append((i, dest, msg))
                 if i in drop_from:
                     continue
                 frame = wire.encode(msg)

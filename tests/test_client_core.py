@@ -131,6 +131,50 @@ def test_an_insert_that_keeps_waiting_in_vain_ends_at_its_deadline_with_the_refu
     assert tried[0][1] == tried[1][1] != tried[2][1] == tried[3][1]
 
 
+def test_an_insert_while_no_shard_is_live_waits_for_one_and_is_placed() -> None:
+    """A restart of a process serving a replica of every shard (or a view that has not
+    seen the registrations yet): nothing is live for a moment. The insert waits for
+    ZooKeeper to show a shard, within its deadline, and goes there."""
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    topo.replicas = {0: {0: "tcp://s0r0"}, 1: {1: "tcp://s1r1"}}  # one replica of each is restarting
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    assert call.start(0, topo) == [] and call.state is InsertState.WAITING_FOR_SHARD and call.wake_at == 30 * S
+    back = _topology([0, 1])
+    (addrs, msg), = call.on_topology(S, back)
+    assert isinstance(msg, wire.Insert) and isinstance(addrs, tuple) and addrs[0] in ("tcp://s0r0", "tcp://s1r0")
+    shard = int(addrs[0][len("tcp://s")])
+    call.on_reply(f"tcp://s{shard}r0", _ack(msg.req_id, 9, 0, True), 2 * S, back)
+    call.on_reply(f"tcp://s{shard}r1", _ack(msg.req_id, 9, 1, False), 2 * S, back)
+    assert call.done and call.result() == RecordId(9, shard)
+
+
+def test_an_insert_no_shard_takes_ends_at_its_deadline() -> None:
+    c, topo = _client(Policy.random()), _topology([0])
+    topo.replicas = {0: {1: "tcp://s0r1"}}
+    call = InsertCall(c, b"data", 0, None, 2 * S)
+    assert call.start(0, topo) == [] and call.state is InsertState.WAITING_FOR_SHARD
+    call.on_timer(2 * S, topo)
+    assert call.done and isinstance(call.error, NoShardAvailableError)
+
+
+def test_an_insert_every_live_shard_refused_for_now_goes_again_under_a_new_id() -> None:
+    """Both shards refuse it (a primary restarting: NOT_READY) and hold no copy: after a
+    retry interval every shard is tried again, under a new id, and it is placed."""
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (addrs, first), = call.start(0, topo)
+    assert isinstance(first, wire.Insert) and isinstance(addrs, tuple)
+    shard = int(str(addrs[0])[len("tcp://s")])
+    (addrs2, second), = _refused(call, first, wire.E_NOT_READY, topo, S, shard=shard)
+    assert isinstance(second, wire.Insert) and second.seq == first.seq and isinstance(addrs2, tuple)
+    other = int(addrs2[0][len("tcp://s")])
+    assert other != shard
+    assert _refused(call, second, wire.E_NOT_READY, topo, S, shard=other) == []
+    assert call.state is InsertState.WAITING_FOR_SHARD and call.wake_at == S + RETRY_AFTER_NS
+    (_, third), = call.on_timer(call.wake_at, topo)
+    assert isinstance(third, wire.Insert) and third.seq != first.seq
+
+
 def test_a_full_primary_still_ends_an_insert_at_once() -> None:
     c, topo = _client(Policy.fixed(0)), _topology([0])
     call = InsertCall(c, b"data", 0, None, 30 * S)

@@ -66,11 +66,32 @@ def test_every_edge_decodes_any_bytes_or_refuses_them(frame: bytes) -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(inner=frames, mac=st.one_of(st.binary(max_size=40), values))
-def test_a_forged_or_misshapen_envelope_is_refused(inner: bytes, mac: Any) -> None:
-    env = pack([wire.PROTOCOL_VERSION, wire.SIGNED, inner, mac])
-    with pytest.raises(wire.ProtocolError):
-        wire.open_signed(KEY, env, wire.decode_member_request)
+@given(inner=frames, mac=st.one_of(st.binary(max_size=40), values), version=st.one_of(st.just(1), values),
+       extra=st.lists(values, max_size=3), drop=st.integers(0, 2))
+def test_a_forged_or_misshapen_envelope_is_refused_unauthenticated(inner: bytes, mac: Any, version: Any,
+                                                                   extra: list[Any], drop: int) -> None:
+    """Whatever the envelope's shape and whatever it carries, an envelope whose MAC is
+    not the cluster's earns UNAUTHENTICATED, as a storage ROUTER opens it: nothing
+    inside is read before the MAC vouches for it (a bad inner frame's own code would say
+    what the server made of unauthenticated bytes)."""
+    fields = [inner, mac, *extra][:max(0, 2 + len(extra) - drop)] if drop else [inner, mac, *extra]
+    env = pack([version, wire.SIGNED, *fields])
+    with pytest.raises(wire.ProtocolError) as exc:
+        msg = wire.decode_request(env)
+        assert type(msg) is wire.Signed
+        wire.open_envelope(KEY, msg, wire.decode_member_request)
+    assert exc.value.code == wire.E_UNAUTHENTICATED, exc.value
+
+
+@settings(max_examples=500, deadline=None)
+@given(op=st.sampled_from(sorted(wire.MEMBER_OPS)), version=st.one_of(st.just(1), values),
+       fields=st.lists(values, max_size=7))
+def test_a_bare_sealed_op_is_refused_unauthenticated_whatever_it_holds(op: int, version: Any, fields: list[Any]) -> None:
+    """An authority op sent bare at a storage ROUTER earns UNAUTHENTICATED before its
+    version or fields are judged (and whether or not msgpack can build them)."""
+    with pytest.raises(wire.ProtocolError) as exc:
+        wire.decode_request(pack([version, op, *fields]))
+    assert exc.value.code == wire.E_UNAUTHENTICATED, exc.value
 
 
 def test_the_frames_found_by_hand_are_refused() -> None:

@@ -290,3 +290,85 @@ def _replayed_frontier(h: Harness, disk: list[DiskEvent]) -> int:
     probe = h.new_core(1)
     probe.replay(list(disk))
     return probe.frontier
+
+
+def test_a_holder_that_refuses_a_fetch_is_probed_again_before_anyone_fetches_from_it() -> None:
+    """Three replicas (f = 2): replica 2 lags the acquired stable point and needs
+    records fetched from a holder. The holder answers the FETCH STALE (it restarted and
+    forgot the generation): it is probed again, and no FETCH goes back to it before it
+    answers (it used to be asked again at once, for as long as it answered STALE)."""
+    from failure_handler.recovery import RecoveryCore
+    from ziplog.cores.effects import ReplicaOf
+
+    rc = RecoveryCore()
+    rc.load(0, 3, None, 0)
+    rc.on_history([[0, [0, 1]]], 0)
+    assert rc.on_suspect(0, 0, 0)
+    for a in rc.ready().coordinate:
+        rc.on_persisted(0, 0, 0)
+    probes = {d.replica: m for d, m in rc.ready().messages if isinstance(m, wire.Probe) and isinstance(d, ReplicaOf)}
+    assert sorted(probes) == [0, 1, 2]
+    x = epoch_end(0) - 10
+    state = {"gen": 0, "frozen": True, "trim": 0, "last_epoch": 0, "installed": False, "resumed": False,
+             "membership": [[0, 0, [0, 1]]], "records": [], "guesses": []}
+    rc.on_reply(0, 1, wire.RecoveryOk(req_id=probes[1].req_id, payload={
+        **state, "replica": 1, "qualified": True, "frontier": x, "stable": x}), 0)
+    rc.ready()
+    rc.on_persisted(0, 0, 0)  # the acquired state is durable
+    rc.on_history([[0, [0, 1]], [1, [1]]], 0)  # the MMS dropped the shard
+    rc.ready()
+    rc.on_reply(0, 2, wire.RecoveryOk(req_id=probes[2].req_id, payload={
+        **state, "replica": 2, "qualified": False, "frontier": 5, "stable": 5}), 0)
+    fetches = [(d, m) for d, m in rc.ready().messages if isinstance(m, wire.Fetch) and isinstance(d, ReplicaOf)]
+    assert [d.replica for d, _ in fetches] == [1], fetches
+    now = 1 * MS
+    rc.on_reply(0, 1, wire.Error(req_id=fetches[0][1].req_id, code=wire.E_STALE, message="restarted"), now)
+    sent = rc.ready().messages
+    assert [d for d, m in sent if isinstance(m, wire.Fetch)] == [], "fetched from the refusing holder again at once"
+    rc.tick(now + rc.s.retry_ns)
+    sent = rc.ready().messages
+    assert ReplicaOf(0, 1) in [d for d, m in sent if isinstance(m, wire.Probe)], "the holder is probed again"
+    assert not [d for d, m in sent if isinstance(m, wire.Fetch) and d == ReplicaOf(0, 1)], "fetched before it answered"
+    probe = next(m for d, m in sent if isinstance(m, wire.Probe) and d == ReplicaOf(0, 1))
+    rc.on_reply(0, 1, wire.RecoveryOk(req_id=probe.req_id, payload={
+        **state, "replica": 1, "qualified": True, "frontier": x, "stable": x}), now + rc.s.retry_ns)
+    assert [d for d, m in rc.ready().messages if isinstance(m, wire.Fetch)] == [ReplicaOf(0, 1)], "fetched once it answered"
+
+
+def test_a_replica_frozen_for_a_recovery_comes_back_frozen_after_a_restart() -> None:
+    """The freeze is a promise that outlives the process: the backup, frozen and
+    installed, restarts before the recovery resumes it; it comes back frozen (installed),
+    says no HELLO, and so the restarted primary, which the recovery has not reached yet,
+    stays STARTING instead of serving its own log beside the recovery's. The recovery
+    then ends as usual, and the restarted backup answers it as before its restart."""
+    h = Harness()
+    h.next_epoch()
+    h.insert(1, b"one")
+    h.pump()
+    # The primary crashes; the backup suspects it and the recovery freezes the backup.
+    p_disk = list(h.disk[0]) + h.P.flush_marks()
+    h.P = None
+    h.now += 400 * MS
+    h.B.tick(h.now)
+    h.pump()
+    h.handler.on_suspect(0, 1, h.now)
+    h.pump()
+    assert h.B.frozen
+    # The backup restarts from its disk (the freeze, fsynced before its PROBE answer).
+    h.B = h.new_core(1)
+    h.B.replay(list(h.disk[1]))
+    assert h.B.frozen and h.B.recovery.gen == 0
+    sent = len(h.sent)
+    h.B.connect_primary(h.now)
+    # The primary comes back too, before the recovery's PROBE reaches it.
+    h.P = h.new_core(0)
+    h.P.replay(p_disk)
+    h.pump()
+    assert not [m for i, _, m in h.sent[sent:] if i == 1 and isinstance(m, wire.Hello)], "a frozen replica said HELLO"
+    assert h.P.role.state.value == "starting"  # type: ignore[union-attr]
+    for _ in range(5):
+        h.now += 20 * MS
+        h.handler.tick(h.now)  # the PROBE to the primary goes again
+        h.tick()
+    assert h.handler.completed == [(0, 0)]
+    assert not h.P.frozen and not h.B.frozen and h.P.log.gsns == h.B.log.gsns

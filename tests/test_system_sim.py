@@ -188,7 +188,7 @@ def test_backup_keeps_an_acknowledged_guess_across_an_epoch() -> None:
     h, w = _acked_guess_only_on_the_backup()
     h.send_epoch(1, (0,), to=(1,))  # the next epoch's broadcast reaches the backup
     h.B.on_request(b"handler", wire.Probe(req_id=1, gen=0), h.now)
-    reply = h.B.ready().messages[-1][1]
+    reply = h.B.ready().durable[-1][1]  # a PROBE answer leaves once the freeze is on disk
     assert isinstance(reply, wire.RecoveryOk)
     state = reply.payload
     assert [w.decided, 7, 1, b"acked"] in state["guesses"], "the only copy of an acknowledged record is gone"

@@ -19,20 +19,19 @@ def test_a_write_goes_on_after_a_short_one(tmp_path: Path, blob: bytes, most: in
     """``_write_all`` against the reference (the bytes themselves), with the kernel made to
     take at most ``most`` bytes per call; the bytearray written may be resized after."""
     import os
-    from unittest import mock
 
     from ziplog.io import segments
-    real = os.write
+    from ziplog.io.files import OsFiles
 
-    def short_write(fd: int, data: bytes) -> int:
-        return real(fd, bytes(data)[:most])
+    class ShortWrites(OsFiles):
+        def write(self, fd: int, data: memoryview) -> int:
+            return os.write(fd, bytes(data)[:most])
 
     path = tmp_path / f"short-{len(blob)}-{most}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     buf = bytearray(blob)
     try:
-        with mock.patch.object(segments.os, "write", short_write):
-            segments._write_all(fd, buf)
+        segments._write_all(ShortWrites(), fd, buf)
     finally:
         os.close(fd)
     assert path.read_bytes() == blob

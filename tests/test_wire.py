@@ -78,14 +78,20 @@ def reference_decode(frame: bytes) -> list:
     if type(msg) is not list or len(msg) < 2:
         raise wire.ProtocolError(wire.E_MALFORMED, "not an array")
     version, op = msg[0], msg[1]
+    if type(op) is int and op == wire.SIGNED and not (
+            len(msg) == 4 and version == wire.PROTOCOL_VERSION and type(version) is int
+            and type(msg[2]) is bytes and type(msg[3]) is bytes):
+        # an envelope that is not [1, SIGNED, frame, mac] vouches for nothing: nothing
+        # else about it is judged before its MAC
+        raise wire.ProtocolError(wire.E_UNAUTHENTICATED, "envelope", None)
     req_id = msg[2] if len(msg) > 2 and _U[1](msg[2]) else None
-    if type(version) is not int or version != wire.PROTOCOL_VERSION:
-        raise wire.ProtocolError(wire.E_VERSION, "version", req_id)
     if type(op) is int and op in wire.MEMBER_OPS and op not in wire.MEMBER_REQUESTS:
         # a suspicion or a rate report (the failure handler's and the membership
         # service's, taken only sealed): bare at a storage server it earns what every
-        # authority op does bare (tested apart), not UNKNOWN_OP
+        # authority op does bare (tested apart), not UNKNOWN_OP, whatever its version
         raise wire.ProtocolError(wire.E_UNAUTHENTICATED, "sealed only", req_id)
+    if type(version) is not int or version != wire.PROTOCOL_VERSION:
+        raise wire.ProtocolError(wire.E_VERSION, "version", req_id)
     schema = _REFERENCE_SCHEMAS.get(op) if type(op) is int else None
     if schema is None:
         raise wire.ProtocolError(wire.E_UNKNOWN_OP, "op", req_id)

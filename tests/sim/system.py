@@ -277,6 +277,10 @@ class App:
         out = sim.outcome
         now = sim.world.now
         self.call = None
+        for seq in call.given_up:  # ids the call gave up and went on under a new one: nowhere
+            self.issued[seq] = call.data
+            self.abandoned.add(seq)
+        self.issued[call.seq] = call.data
         try:
             rid = call.result()
         except NoShardAvailableError:

@@ -462,12 +462,16 @@ class SimPusher:
 
 
 class SimDisk:
-    """A replica's disk: what its incarnations wrote. A SIGKILL keeps what was written,
-    minus sometimes a few events at the tail (what the OS had not written out); a
-    graceful stop keeps all of it, and the clean-close marker it may write."""
+    """A replica's disk: what its incarnations wrote, and how much of it was synced. A
+    SIGKILL keeps what was written; a power loss (:meth:`lose_tail`) may lose what was
+    written since the last sync; a graceful stop syncs all of it, and leaves the
+    clean-close marker it may write."""
 
     def __init__(self) -> None:
         self.written: list[DiskEvent] = []
+        #: how many of ``written`` are on stable storage
+        self.synced = 0
+        self.syncs = 0
         #: the clean-close marker: the frontier the last incarnation vouched for
         self.clean_frontier: int | None = None
         self.error: BaseException | None = None
@@ -487,6 +491,10 @@ class SimDisk:
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         self.written.extend(events)
 
+    def sync(self) -> None:
+        self.syncs += 1
+        self.synced = len(self.written)
+
     def drop_below(self, gsn: int) -> int:
         return 0
 
@@ -495,11 +503,13 @@ class SimDisk:
         return frontier
 
     def close(self, clean_frontier: int | None = None) -> None:
+        self.sync()
         self.clean_frontier = clean_frontier
 
     def lose_tail(self, n: int) -> None:
+        """A power loss: at most the last ``n`` events, of those not synced, are gone."""
         if n > 0:
-            del self.written[max(0, len(self.written) - n):]
+            del self.written[max(self.synced, len(self.written) - n):]
 
 
 # ================================================================================================

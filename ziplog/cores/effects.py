@@ -15,8 +15,9 @@ shard):
 * a **persist** item goes to the process's stable storage, in order (a replica's
   decided-stream events, a KV shard's apply batch);
 * a **durable message** leaves only once every persist item handed over so far is on
-  stable storage (a replica's answer to an INSTALL: what it installed replaced records
-  its disk still holds until then);
+  stable storage: written and fsynced, whatever the fsync policy (a replica's answer to
+  an INSTALL: what it installed replaced records its disk still holds until then, and a
+  power loss would bring them back);
 * a **coordination** request goes to ZooKeeper and its answer back to the core
   (:class:`ReadHistory`, :class:`CommitBlock`, :class:`WriteRecovery`).
 

@@ -162,6 +162,10 @@ class Disk(Protocol):
         was written, and the caller appends it again later. ``snapshot`` is the state
         after it (a new segment opens with it)."""
 
+    def sync(self) -> None:
+        """Block until everything appended so far is on stable storage, whatever the
+        fsync policy (OSError when it cannot be): what a durable answer waits for."""
+
     def drop_below(self, gsn: int) -> int:
         """Delete whole segments whose records all lie below ``gsn``."""
 

@@ -4,13 +4,23 @@ Events (msgpack arrays, see :mod:`ziplog.protocol.events`) are appended in batch
 server's loop thread after the acks went out: the server acks before the
 record reaches disk (as the dissertation argues, f+1 replicas in memory survive
 f failures), and batching turns many small writes into one. A write only
-reaches the OS; fsync, which can take milliseconds, runs on a helper thread.
-``fsync`` policy:
+reaches the OS; a sync (``fdatasync`` of the open segment, and an ``fsync`` of the
+directory when a file was created in it since the last one), which can take
+milliseconds, runs per ``fsync`` policy:
 
 * ``never``    - leave it to the OS (fastest; survives process crashes, not power loss)
-* ``interval`` - the helper thread fsyncs at most every ``fsync_interval`` seconds
+* ``interval`` - a helper thread syncs at most every ``fsync_interval`` seconds
   (the default policy; ``ziplog.server`` defaults to 1 s)
-* ``always``   - fsync every batch on the writing thread before it continues
+* ``always``   - sync every batch on the writing thread before it continues
+
+Whatever the policy, the log syncs where its own structure depends on it:
+
+* **a segment is whole on disk before the next one exists** (:meth:`SegmentLog._open_next`
+  syncs it and the directory first), so a power loss can cut only the newest segment's
+  tail, never leave a later segment beyond a gap in an older one (a newer segment's
+  opening snapshot would then claim positions whose records are gone);
+* :meth:`SegmentLog.sync` (a replica's durable answer waits for it: an INSTALL is
+  answered "durable" only once fsynced) and :meth:`SegmentLog.close`.
 
 Each segment starts with a snapshot event (membership history, frontier,
 stable, trim point), so recovery never needs an older segment:
@@ -26,24 +36,32 @@ not trimmed. A torn write at the tail (crash mid-append) is detected on load and
 off.
 
 A replica stopped gracefully may leave a **clean-close marker** beside the segments
-(:meth:`SegmentLog.close` with a frontier): the files synced first, then the marker,
-synced, naming the frontier they end at. The next start takes it
-(:meth:`SegmentLog.take_clean_close`) and deletes it, durably, before the replica does
-anything: the marker vouches for one start only, so a crash of that incarnation is never
-taken for a clean stop.
+(:meth:`SegmentLog.close` with a frontier): every segment synced first (older ones were
+at their rotation), then the marker, synced, naming the frontier they end at. The next
+start takes it (:meth:`SegmentLog.take_clean_close`) and deletes it, durably, before the
+replica does anything: the marker vouches for one start only, so a crash of that
+incarnation is never taken for a clean stop. A load that had to cut a torn tail off any
+segment shows the disk lost what was written after the marker's sync; the marker then
+vouches for nothing.
+
+Every file operation goes through a :class:`~ziplog.io.files.Files` (the operating
+system's by default), so the simulation runs this same log on files that lose, at a power
+loss, whatever was not synced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
+import msgspec
+
+from ziplog.io.files import OS_FILES, Files
 from ziplog.protocol.events import (
     DiskEvent,
     RecordEvent,
@@ -71,16 +89,25 @@ def replica_dir(data_dir: Path, shard: int, replica: int) -> Path:
 
 
 class SegmentLog:
-    def __init__(self, directory: Path, fsync: str = "interval", fsync_interval: float = 0.05,
-                 segment_bytes: int = SEGMENT_BYTES, reserve_bytes: int = RESERVE_BYTES) -> None:
+    def __init__(self, directory: Path | str, fsync: str = "interval", fsync_interval: float = 0.05,
+                 segment_bytes: int = SEGMENT_BYTES, reserve_bytes: int = RESERVE_BYTES, files: Files = OS_FILES,
+                 clock: Callable[[], float] = time.monotonic, background: bool = True) -> None:
+        """``files`` and ``clock`` are the operating system's unless a simulation runs the
+        log; ``background`` False syncs the ``interval`` policy on the writing thread
+        when due, instead of on a helper thread."""
         assert fsync in ("never", "interval", "always"), fsync
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._d = str(self.dir)
+        self.files = files
+        self.clock = clock
+        self.background = background
+        files.makedirs(self._d)
         self.fsync = fsync
         self.fsync_interval = fsync_interval
         self.segment_bytes = segment_bytes
         self.reserve_bytes = reserve_bytes
         self._thread: threading.Thread | None = None
+        self._started = False
         self._fd: int | None = None
         #: the segment ``_fd`` writes (None: none open; the next batch opens one)
         self._open_seq: int | None = None
@@ -88,15 +115,23 @@ class SegmentLog:
         self._size = 0
         self._seq = 0
         self._last_sync = 0.0
+        #: a file was created in the directory since it was last synced (set before the
+        #: sync that clears it reads it, so a creation is never missed)
+        self._dir_dirty = False
         self._snapshot: SnapshotEvent | None = None
         self.max_gsn: dict[int, int] = {}  # segment seq -> highest record gsn in it
         self.error: BaseException | None = None
+        #: the load cut a torn tail off a segment: something written was lost
+        self.torn = False
         #: where a batch is encoded (kept across batches: see ``encode_events_into``)
         self._batch = bytearray()
 
+    def _path(self, name: str) -> str:
+        return f"{self._d}/{name}"
+
     # -- loading ------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
-        return sorted(self.dir.glob("seg-*.log"))
+        return sorted(self.dir / n for n in self.files.listdir(self._d) if n.startswith("seg-") and n.endswith(".log"))
 
     def load(self) -> Iterator[DiskEvent]:
         """Every event persisted, oldest first. Truncates a torn tail in place."""
@@ -104,22 +139,22 @@ class SegmentLog:
             seq = int(path.stem.split("-")[1])
             self._seq = max(self._seq, seq)
             good = 0
-            with open(path, "rb") as f:
-                blob = f.read()
+            blob = self.files.read(str(path))
             for ev, end in decode_events(blob):
                 good = end
                 if type(ev) is RecordEvent:
                     self.max_gsn[seq] = max(self.max_gsn.get(seq, 0), ev.gsn)
                 yield ev
             if good < len(blob):
-                with open(path, "r+b") as f:
-                    f.truncate(good)
+                self.torn = True
+                self.files.truncate(str(path), good)
 
     # -- writing ------------------------------------------------------------------------------
     # The server's loop thread writes (a write to the page cache costs microseconds and
-    # needs no hand-off); only fsync, which can take milliseconds, runs on a helper thread.
-    # Handing every batch to a writer thread instead costs a thread wake-up and a GIL
-    # hand-over per batch, right where the next request is being served.
+    # needs no hand-off); only the interval policy's sync, which can take milliseconds,
+    # runs on a helper thread. Handing every batch to a writer thread instead costs a
+    # thread wake-up and a GIL hand-over per batch, right where the next request is being
+    # served.
     #
     # A batch is written all or nothing: a write that fails (ENOSPC, EIO) is cut back off
     # the file and raised, so the caller keeps the batch and appends it again later, and
@@ -132,38 +167,41 @@ class SegmentLog:
         self._sync_wanted = threading.Event()
         self._stopping = False
         self._rotate_due = True
-        self._thread = threading.Thread(target=self._run, name="segment-fsync", daemon=True)
-        self._thread.start()
+        self._started = True
+        if self.background and self.fsync == "interval":
+            self._thread = threading.Thread(target=self._run, name="segment-fsync", daemon=True)
+            self._thread.start()
         self._ensure_reserve()
 
     def _open_next(self) -> None:
         """Open the next segment and write its opening snapshot; on failure nothing is
-        left behind and the current segment stays open."""
+        left behind and the current segment stays open. The segment before it is synced
+        first, under every policy (once a segment, so it costs nothing that counts): the
+        segments before the open one are always whole on disk. A previous incarnation's
+        last segment too: what it wrote may still be in the page cache only."""
         assert self._snapshot is not None
-        seq = self._seq + 1
-        path = self.dir / f"seg-{seq:08d}.log"
-        opening = encode_event(self._snapshot)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        try:
-            _write_all(fd, opening)
-        except OSError:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
+        files = self.files
         old = self._fd
+        self._sync_newest()
+        seq = self._seq + 1
+        path = self._path(f"seg-{seq:08d}.log")
+        opening = encode_event(self._snapshot)
+        fd = files.open_append(path)
+        self._dir_dirty = True
+        try:
+            _write_all(files, fd, opening)
+        except OSError:
+            files.close(fd)
+            files.unlink(path)
+            raise
         self._fd, self._seq, self._size = fd, seq, len(opening)
         self._open_seq = seq
         self._rotate_due = False
         if old is not None:
-            if self.fsync != "never":
-                try:
-                    os.fsync(old)
-                except OSError as exc:
-                    self.error = exc
-            os.close(old)
+            files.close(old)
 
     def append(self, events: Sequence[DiskEvent], snapshot: SnapshotEvent) -> None:
-        """Write a batch (to the OS; fsync follows per policy), all or nothing: on OSError
+        """Write a batch (to the OS; a sync follows per policy), all or nothing: on OSError
         nothing of it is in the file and the caller appends it again later. ``snapshot``
         is the state after the batch, which the next segment opens with."""
         if self.error is not None:
@@ -184,10 +222,10 @@ class SegmentLog:
         fd, before = self._fd, self._size
         assert fd is not None
         try:
-            _write_all(fd, batch, start)
+            _write_all(self.files, fd, batch, start)
         except OSError:
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
+                self.files.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
             raise
         self._size = before + size
         seq = self._seq
@@ -196,21 +234,27 @@ class SegmentLog:
         self._snapshot = snapshot
         if self.fsync == "always":
             try:
-                os.fsync(fd)
+                self._sync_open()
             except OSError as exc:
                 self.error = exc  # the batch is written: raised by the next append, before it writes
-        elif self.fsync == "interval" and time.monotonic() - self._last_sync >= self.fsync_interval:
-            self._last_sync = time.monotonic()
-            self._sync_wanted.set()
+        elif self.fsync == "interval" and self.clock() - self._last_sync >= self.fsync_interval:
+            self._last_sync = self.clock()
+            if self._thread is not None:
+                self._sync_wanted.set()
+            else:
+                try:
+                    self._sync_open()
+                except OSError as exc:
+                    self.error = exc
         if self._size >= self.segment_bytes:
             self._rotate_due = True
 
     def _sync_again(self) -> None:
-        """An fsync failed since the last append: try again before writing anything more."""
+        """A sync failed since the last append: try again before writing anything more."""
         err = self.error
         if self._fd is not None and self.fsync != "never":
             try:
-                os.fsync(self._fd)
+                self._sync_open()
             except OSError as exc:
                 raise OSError(exc.errno, f"segment fsync failed: {exc.strerror}") from err
         self.error = None
@@ -221,70 +265,101 @@ class SegmentLog:
             self._sync_wanted.clear()
             if self._stopping:
                 return
-            fd = self._fd
-            if self.fsync != "never" and fd is not None:
-                try:
-                    os.fsync(fd)
-                except OSError as exc:  # EBADF: rotated and closed meanwhile (synced then)
-                    if exc.errno != errno.EBADF:
-                        self.error = exc  # raised by the next append, before it writes
+            try:
+                self._sync_open()
+            except OSError as exc:  # EBADF: rotated and closed meanwhile (synced then)
+                if exc.errno != errno.EBADF:
+                    self.error = exc  # raised by the next append, before it writes
 
-    def sync(self, timeout: float = 10.0) -> None:
-        """Block until everything appended so far is on disk."""
-        if self._thread is None or self._fd is None or self.fsync == "never":
+    def sync(self) -> None:
+        """Block until everything appended so far is on stable storage, whatever the
+        policy (OSError when it cannot be)."""
+        if not self._started:
             return
-        os.fsync(self._fd)
-        self._last_sync = time.monotonic()
+        self._sync_open()
+        self._last_sync = self.clock()
+
+    def _sync_open(self) -> None:
+        """The open segment's bytes, and the directory if a file was created in it."""
+        fd = self._fd
+        if fd is not None:
+            self.files.fdatasync(fd)
+        self._sync_dir()
+
+    def _sync_newest(self) -> None:
+        """The newest segment on stable storage (open here, or the last one loaded: a
+        previous incarnation's writes may be in the page cache only), and the directory."""
+        if self._fd is not None:
+            self.files.fdatasync(self._fd)
+        elif self._seq > 0:
+            self.files.sync_path(self._path(f"seg-{self._seq:08d}.log"))
+            self._dir_dirty = True  # its entry, too
+        self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        if self._dir_dirty:
+            self._dir_dirty = False
+            try:
+                self.files.fsync_dir(self._d)
+            except OSError:
+                self._dir_dirty = True
+                raise
 
     def close(self, clean_frontier: int | None = None, timeout: float = 10.0) -> None:
-        """Stop writing. With ``clean_frontier`` (the caller's promise: every event it
-        decided is appended, and the log ends at this frontier) the segments are fsynced,
-        whatever the policy, and then the clean-close marker is written and fsynced, so
-        that a marker on disk always has the events it vouches for before it."""
-        if self._thread is None:
+        """Stop writing, everything synced. With ``clean_frontier`` (the caller's promise:
+        every event it decided is appended, and the log ends at this frontier) the
+        clean-close marker is then written and synced, so that a marker on disk always
+        has the events it vouches for on disk before it."""
+        if not self._started:
             return
         try:
             self.sync()
             if clean_frontier is not None:
-                if self._fd is not None and self.fsync == "never":
-                    os.fsync(self._fd)  # sync() leaves it to the OS under that policy
                 self._write_clean_close(clean_frontier)
         finally:
+            self._started = False
             self._stopping = True
             self._sync_wanted.set()
-            self._thread.join(timeout)
-            self._thread = None
+            if self._thread is not None:
+                self._thread.join(timeout)
+                self._thread = None
             if self._fd is not None:
-                os.close(self._fd)
+                self.files.close(self._fd)
                 self._fd = None
                 self._open_seq = None
 
     def _write_clean_close(self, frontier: int) -> None:
-        tmp = self.dir / (CLEAN_CLOSE_NAME + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        files = self.files
+        tmp = self._path(CLEAN_CLOSE_NAME + ".tmp")
+        fd = files.open_append(tmp)
         try:
-            _write_all(fd, str(frontier).encode())
-            os.fsync(fd)
+            _write_all(files, fd, str(frontier).encode())
+            files.fdatasync(fd)
         finally:
-            os.close(fd)
-        os.replace(tmp, self.dir / CLEAN_CLOSE_NAME)
-        self._sync_dir()
+            files.close(fd)
+        files.replace(tmp, self._path(CLEAN_CLOSE_NAME))
+        files.fsync_dir(self._d)
 
     def take_clean_close(self) -> int | None:
         """The frontier the last incarnation vouched for when it stopped gracefully, or
-        None (no marker: it crashed, or could not write everything). The marker is gone
-        from the disk, durably, before this returns a frontier: None if it cannot be."""
-        path = self.dir / CLEAN_CLOSE_NAME
+        None (no marker: it crashed, or could not write everything; or the load found a
+        torn tail, so the disk lost what was written before the marker). The marker is
+        gone from the disk, durably, before this returns a frontier: None if it cannot
+        be."""
+        files = self.files
+        path = self._path(CLEAN_CLOSE_NAME)
         try:
-            text = path.read_bytes()
+            text = files.read(path)
         except FileNotFoundError:
             return None
         except OSError:
             text = b""
         try:
-            path.unlink()
-            self._sync_dir()
+            files.unlink(path)
+            files.fsync_dir(self._d)
         except OSError:
+            return None
+        if self.torn:
             return None
         try:
             frontier = int(text.decode("ascii"))
@@ -292,68 +367,59 @@ class SegmentLog:
             return None
         return frontier if frontier >= 0 else None
 
-    def _sync_dir(self) -> None:
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
     def drop_below(self, gsn: int) -> int:
-        """Delete whole segments whose records all lie below ``gsn`` (also while writes
-        fail: it is how a trim gives space back). The newest one (open, or the last one
-        loaded) too: it is first replaced by a new segment opening with the state it ends
-        in, its trim point raised to ``gsn`` (every record below ``gsn`` is trimmed and
-        stable: the caller's promise). Raises OSError when even the reserve cannot make
-        room for that."""
+        """Delete the oldest segments, as long as each one's records all lie below
+        ``gsn`` (also while writes fail: it is how a trim gives space back). Only a prefix
+        of the segments goes: a recovery's truncation in a later segment undoes records
+        of an earlier one, so a later segment never goes while an earlier one stays. The
+        newest one (open, or the last one loaded) too: it is first replaced by a new
+        segment opening with the state it ends in, its trim point raised to ``gsn``
+        (every record below ``gsn`` is trimmed and stable: the caller's promise). Raises
+        OSError when even the reserve cannot make room for that."""
         removed = 0
         paths = self.segments()
         if not paths:
             return 0
+        files = self.files
         # The newest segment is never simply deleted: the directory must hold a snapshot
         # (on disk before anything older goes).
         newest = int(paths[-1].stem.split("-")[1])
+        synced = False
         for path in paths[:-1]:
             seq = int(path.stem.split("-")[1])
-            if self.max_gsn.get(seq, 0) < gsn:
-                self._sync_open()
-                path.unlink(missing_ok=True)
-                self.max_gsn.pop(seq, None)
-                removed += 1
+            if self.max_gsn.get(seq, 0) >= gsn:
+                return removed
+            if not synced:
+                self._sync_newest()  # what replaces the segments that go is on disk first
+                synced = True
+            files.unlink(str(path))
+            self.max_gsn.pop(seq, None)
+            removed += 1
         seq = newest
         if self._snapshot is not None and seq in self.max_gsn and self.max_gsn[seq] < gsn:
             snap = self._snapshot
-            self._snapshot = SnapshotEvent(snap.ranges, snap.frontier, snap.stable, max(snap.trim, gsn))
+            self._snapshot = msgspec.structs.replace(snap, trim=max(snap.trim, gsn))
             try:
                 self._open_next()
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._release_reserve():
                     raise
                 self._open_next()  # the reserve's room holds a snapshot many times over
-            self._sync_open()
-            old = self.dir / f"seg-{seq:08d}.log"
-            old.unlink(missing_ok=True)
+            self._sync_open()  # the new segment that replaces it is on disk first
+            files.unlink(self._path(f"seg-{seq:08d}.log"))
             self.max_gsn.pop(seq, None)
             removed += 1
             self._ensure_reserve()
         return removed
 
-    def _sync_open(self) -> None:
-        """The open segment (its opening snapshot at least) and its directory entry on
-        disk, under any policy but ``never``."""
-        if self._fd is None or self.fsync == "never":
-            return
-        os.fsync(self._fd)
-        self._sync_dir()
-
     # -- the reserve -----------------------------------------------------------------------------
     def _release_reserve(self) -> bool:
         """Delete the reserve file (room for a new segment on a full disk); False if
         there was none."""
-        path = self.dir / RESERVE_NAME
-        if not path.exists():
+        path = self._path(RESERVE_NAME)
+        if self.files.size(path) is None:
             return False
-        path.unlink(missing_ok=True)
+        self.files.unlink(path)
         return True
 
     def _ensure_reserve(self) -> None:
@@ -362,28 +428,22 @@ class SegmentLog:
         want = self.reserve_bytes
         if self._snapshot is not None:
             want = max(want, 4 * len(encode_event(self._snapshot)))
-        path = self.dir / RESERVE_NAME
+        path = self._path(RESERVE_NAME)
+        size = self.files.size(path)
+        if size is not None and size >= want:
+            return
         try:
-            if path.stat().st_size >= want:
-                return
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, want)  # real blocks: a sparse file would reserve nothing
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.files.allocate(path, want)
         except OSError:
-            path.unlink(missing_ok=True)
+            self.files.unlink(path)
 
 
-def _write_all(fd: int, blob: bytes | bytearray, start: int = 0) -> None:
+def _write_all(files: Files, fd: int, blob: bytes | bytearray, start: int = 0) -> None:
     """Write all of ``blob`` from ``start`` on (a short write goes on from where it
     stopped). Every view of it is released on return, so a bytearray may be resized
     again."""
     with memoryview(blob) as view:
         done = start
         while done < len(view):
-            done += os.write(fd, view[done:])
+            with view[done:] as rest:  # released even when the write raises (its traceback keeps it)
+                done += files.write(fd, rest)

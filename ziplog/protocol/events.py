@@ -30,6 +30,12 @@ EV_TRIM = 3
 EV_STABLE = 4
 EV_SNAPSHOT = 5
 EV_TRUNCATE = 6
+EV_RECOVERY = 7
+
+#: :class:`RecoveryEvent` phases
+RECOVERY_FROZEN = 0
+RECOVERY_INSTALLED = 1
+RECOVERY_RESUMED = 2
 
 
 class _Event(msgspec.Struct, array_like=True, gc=False, frozen=True, forbid_unknown_fields=True):
@@ -81,13 +87,27 @@ class StableEvent(_Event, tag=EV_STABLE, frozen=True):
     stable: U64
 
 
+class RecoveryEvent(_Event, tag=EV_RECOVERY, frozen=True):
+    """Disk only: this replica's part in failure recovery generation ``gen`` reached
+    ``phase``: FROZEN (it promised the failure handler to store nothing new), INSTALLED
+    (the recovery's state, up to ``end``, is written before it), RESUMED (the recovery
+    is over here). A restart takes it up where the disk says: a replica frozen for a
+    recovery that has not resumed it comes back frozen (its promise outlives it)."""
+
+    gen: U64
+    phase: Annotated[int, msgspec.Meta(ge=RECOVERY_FROZEN, le=RECOVERY_RESUMED)]
+    end: U64 = 0
+
+
 class SnapshotEvent(_Event, tag=EV_SNAPSHOT, frozen=True):
-    """Disk only: the state a segment file opens with, so no older segment is needed."""
+    """Disk only: the state a segment file opens with, so no older segment is needed
+    (``recovery``: the last :class:`RecoveryEvent` written, if any)."""
 
     ranges: list[tuple[U64, U64, Members]]
     frontier: U64
     stable: U64
     trim: U64
+    recovery: RecoveryEvent | None = None
 
 
 class TruncateEvent(_Event, tag=EV_TRUNCATE, frozen=True):
@@ -120,7 +140,8 @@ StreamEvent = Union[RecordEvent, FrontierEvent, EpochEvent]
 #: What an INSTALL carries.
 InstallEvent = Union[RecordEvent, EpochEvent]
 #: What a segment file holds.
-DiskEvent = Union[RecordEvent, FrontierEvent, EpochEvent, TrimEvent, StableEvent, SnapshotEvent, TruncateEvent]
+DiskEvent = Union[RecordEvent, FrontierEvent, EpochEvent, TrimEvent, StableEvent, SnapshotEvent, TruncateEvent,
+                  RecoveryEvent]
 
 _encoder = msgspec.msgpack.Encoder()
 _disk_decoder = msgspec.msgpack.Decoder(DiskEvent)  # type: ignore[arg-type]

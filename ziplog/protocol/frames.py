@@ -531,13 +531,32 @@ class _EdgeDecoder:
         an unusual but valid way, such as a version of an edge that does not check it.)
         Every value read from the frame may be any msgpack value (an array where an int
         belongs, a map, a float, a huge integer): each is type-checked before it is used."""
+        # Authority is judged first: a frame whose op is a sealed op, or a SIGNED envelope
+        # that is not exactly [1, SIGNED, frame:bin, mac:bin], earns UNAUTHENTICATED
+        # whatever else is wrong with it (its version, its fields, bytes msgpack cannot
+        # build): nothing an outsider sends as authority is parsed further.
+        peeked = _second_element(frame) if self.sealed_ops else None
+        if peeked is not None and peeked in self.sealed_ops and peeked not in self.table:
+            raise ProtocolError(E_UNAUTHENTICATED, f"op {peeked} is accepted only sealed by a cluster member",
+                                request_id_of(frame))
+        envelope = peeked == SIGNED
         try:
             msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types; all mean the same here
+            if envelope:
+                raise ProtocolError(E_UNAUTHENTICATED, "a SIGNED envelope must be [1, 50, frame:bin, mac:bin]") from None
             raise ProtocolError(E_MALFORMED, f"not a msgpack frame ({type(exc).__name__})") from None
         if type(msg) is not list or len(msg) < 2:
             raise ProtocolError(E_MALFORMED, "frame must be a msgpack array [version, op, ...]")
         version, op = msg[0], msg[1]
+        if envelope:
+            # An envelope is authenticated before anything it carries is read: one that is
+            # not exactly [1, SIGNED, frame:bin, mac:bin] vouches for nothing, whatever
+            # else is wrong with it (a well-formed one gets here only when the typed
+            # decoder refused it for a reason this check also finds).
+            if not (len(msg) == 4 and type(version) is int and version == PROTOCOL_VERSION
+                    and type(msg[2]) is bytes and type(msg[3]) is bytes):
+                raise ProtocolError(E_UNAUTHENTICATED, "a SIGNED envelope must be [1, 50, frame:bin, mac:bin]")
         req_id = msg[2] if len(msg) > 2 and type(msg[2]) is int and 0 <= msg[2] <= MAX_U64 else None
         if self.check_version and (type(version) is not int or version != PROTOCOL_VERSION):
             raise ProtocolError(E_VERSION, f"protocol version {_show(version)} unsupported, want {PROTOCOL_VERSION}",
@@ -561,6 +580,21 @@ class _EdgeDecoder:
         except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(E_BAD_ARGUMENT, f"op {op}: a field cannot be read ({type(exc).__name__})",
                                 req_id) from None
+
+
+def _second_element(frame: bytes) -> Any:
+    """The second element of a frame that is a msgpack array (its op), read without
+    building the first (whatever it is), or None."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(frame), 1 << 10))
+        unpacker.feed(frame)
+        if unpacker.read_array_header() < 2:
+            return None
+        unpacker.skip()
+        op = unpacker.unpack()
+    except Exception:  # not an array, cut short, or an op msgpack cannot build: no op here
+        return None
+    return op if type(op) is int else None
 
 
 def _optional_tail(cls: type[Frame]) -> int:

@@ -374,11 +374,28 @@ class StorageDriver:
                 self._flush_disk(now)
         else:
             self._disk_buf.clear()
-        if self._durable and not self._disk_buf and self.disk_fault is None:
+        if (self._durable and not self._disk_buf and self.disk_fault is None and now >= self._disk_retry_at
+                and self._synced(now)):
             durable, self._durable = self._durable, []
             self._send(durable)
         self._schedule(now)
         self._answered = False  # what this turn end sent to clients is not the next turn's
+
+    def _synced(self, now: int) -> bool:
+        """Everything written so far is on stable storage (a durable answer says so,
+        whatever the fsync policy); False when the sync failed: the answers wait, and the
+        sync is tried again after DISK_RETRY_NS (the failure handler resends what it has
+        no answer to)."""
+        disk = self.disk
+        if disk is None:
+            return True
+        try:
+            disk.sync()
+        except OSError as exc:
+            self.trouble_log("cannot sync the segment files for a durable answer", exc)
+            self._disk_retry_at = now + DISK_RETRY_NS
+            return False
+        return True
 
     def _take_ordered(self, now: int) -> None:
         """The turn's input is read: the core takes the inserts, notices and epochs it

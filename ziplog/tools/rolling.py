@@ -6,7 +6,8 @@ started again, one at a time, the next only once the last is back at work:
    registered again in ZooKeeper under a new session.
 3. Storage replicas, shard by shard, backups first and the primary last; back:
    registered again under a new session and answering status as a member of a shard
-   that takes inserts again. A process serving replicas of several shards (a process
+   that takes inserts again (live, its primary serving, every backup in step). It
+   returns once every shard is so. A process serving replicas of several shards (a process
    per CPU) is restarted once, and is back when every replica in it is.
 
 What an operator does by hand on a real cluster (``docs/DEPLOY.md``) in the same order,
@@ -110,6 +111,10 @@ def rolling_restart(cluster: Any, timeout: float = 60.0,
                           and _serving(client, *key), timeout)
                 restarted.update(group)
                 note("storage", "+".join(f"shard{s}-replica{r}" for s, r in group), t)
+        # Done only once every shard serves (a shard restarted early may have been
+        # recovered since, say): an insert right after this returns finds them all.
+        for shard in list(cluster.shard_ids):
+            _wait(f"shard {shard}", lambda: _serving(client, shard, 0), timeout)
     return done
 
 
@@ -118,11 +123,19 @@ def _replica_path(shard: int, replica: int) -> str:
 
 
 def _serving(client: Any, shard: int, replica: int) -> bool:
-    """The replica answers status as a member of its shard, and the shard takes inserts."""
+    """The replica answers status as a member of its shard, and the shard takes inserts:
+    it is live, its primary serves (not starting: it decides again) and every backup is
+    in step with it."""
     if shard not in client.live_shards():
         return False
     entries = client.status(wait=1.0).get(shard, [])
-    if len(entries) <= replica:
+    if len(entries) <= replica or not entries:
         return False
-    e = entries[replica]
-    return bool(e.get("answer") == "ok" and not e.get("frozen"))
+    for i, e in enumerate(entries):
+        if e.get("answer") != "ok" or e.get("frozen"):
+            return False
+        if i == 0 and e.get("state") != "serving":
+            return False
+        if i > 0 and (not e.get("qualified") or e.get("link") != "in_step"):
+            return False
+    return True

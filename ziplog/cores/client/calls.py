@@ -86,7 +86,8 @@ STALLED_REFUSALS = frozenset((wire.E_TIMEOUT,))
 
 
 class InsertState(enum.Enum):
-    #: a pinned shard is not live right now: wait (within the deadline) for it to return
+    #: no shard this call may use is live right now (or every one refused this id, none
+    #: for good): wait (within the deadline) for one to return
     WAITING_FOR_SHARD = "waiting_for_shard"
     #: sent to every replica of ``shard``; resent every retry interval until settled
     SENT = "sent"
@@ -100,7 +101,10 @@ class InsertCall(Call):
     duplicate with the gsn they gave it); a shard that provably holds no copy
     (``Redirect``) is left for another under the same (client id, seq), so the record
     still appears once, or, when the policy pins the shard and the refusal is not final,
-    tried again on it under a new seq. The deadline covers the whole call."""
+    tried again on it under a new seq. When no shard it may use is live (a restart, a
+    recovery), it waits for one; when every live shard refused it, none for good, it
+    tries them all again under a new seq after a retry interval: a planned restart stalls
+    an insert, it does not fail it. The deadline covers the whole call."""
 
     def __init__(self, client: ClientState, data: bytes, after_gsn: int, key: bytes | None, deadline_ns: int) -> None:
         super().__init__(deadline_ns)
@@ -109,6 +113,9 @@ class InsertCall(Call):
         self.after = after_gsn
         self.key = key
         self.seq = client.next_seq()
+        #: ids this call gave up, each one provably held by no shard (one per retry
+        #: interval at most: bounded by the deadline)
+        self.given_up: list[int] = []
         self.excluded: set[int] = set()
         #: the last final refusal a primary gave (what to say if no shard is left)
         self.refusal: wire.Error | None = None
@@ -142,6 +149,19 @@ class InsertCall(Call):
                 # Every shard tried refused it for good and holds no copy: the record is
                 # nowhere, and what stopped it is the answer.
                 return self.fail(from_reply(self.refusal.code, self.refusal.message))
+            if client.policy.kind != "fixed":
+                if self.excluded:
+                    # Every live shard refused this id, none for good, and holds no copy:
+                    # after a retry interval, every shard again under a new id.
+                    self._start_over(now)
+                    return []
+                if any(s not in topo.removed for s in topo.replica_counts):
+                    # No shard is live right now (a restart of a process serving a replica
+                    # of each, a recovery, a view that has not seen the registrations yet):
+                    # wait for ZooKeeper to show one, within this call's deadline.
+                    self.state = InsertState.WAITING_FOR_SHARD
+                    self.wake_at = self.deadline_ns
+                    return []
             if client.policy.kind == "fixed":
                 return self.fail(NoShardAvailableError(f"shard {client.policy.shard} is not live"))
             return self.fail(NoShardAvailableError("no live shard accepts inserts"))
@@ -165,6 +185,7 @@ class InsertCall(Call):
         retry interval, then choose again among every shard under a new id."""
         if self.refusal is not None and self.refusal.code in STALLED_REFUSALS:
             self.stalled = self.refusal
+        self.given_up.append(self.seq)
         self.seq = self.client.next_seq()
         self.refusal = None
         self.excluded.clear()
@@ -214,7 +235,9 @@ class InsertCall(Call):
             if now >= self.deadline_ns:
                 if self.stalled is not None:
                     return self.fail(from_reply(self.stalled.code, self.stalled.message))
-                return self.fail(NoShardAvailableError(f"shard {self.client.policy.shard} is not live"))
+                if self.client.policy.kind == "fixed":
+                    return self.fail(NoShardAvailableError(f"shard {self.client.policy.shard} is not live"))
+                return self.fail(NoShardAvailableError("no shard took inserts within the deadline"))
             return self._choose(now, topo)
         if self.state is not InsertState.SENT:
             return []

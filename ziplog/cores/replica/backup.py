@@ -55,6 +55,25 @@ class Link(enum.Enum):
     IN_STEP = "in_step"
 
 
+#: Qualification changes: a backup qualifies only by state that vouches for every record
+#: any replica acknowledged (a SERVING primary's whole catch-up or FORWARD, or a
+#: recovery's RESUME), and no event unqualifies it within an incarnation (a restart is a
+#: new incarnation, UNQUALIFIED).
+_QUALIFICATIONS = {
+    Qualification.UNQUALIFIED: {Qualification.QUALIFIED},
+    Qualification.QUALIFIED: {Qualification.QUALIFIED},
+}
+
+#: Link changes: DOWN only before the first HELLO or FORWARD; (re)connecting from any
+#: state (a new address, a RESUME, a HELLO repeated); IN_STEP only by a FORWARD that
+#: applies.
+_LINKS = {
+    Link.DOWN: {Link.CONNECTING, Link.IN_STEP},
+    Link.CONNECTING: {Link.CONNECTING, Link.IN_STEP},
+    Link.IN_STEP: {Link.CONNECTING, Link.IN_STEP},
+}
+
+
 @dataclass(slots=True)
 class Guess:
     key: Key
@@ -133,6 +152,15 @@ class BackupFollower:
         #: next_deadline ask every turn)
         self.prefix_every_ns = settings.prefix_every_ns
 
+    def _qualify(self) -> None:
+        q = Qualification.QUALIFIED
+        assert q in _QUALIFICATIONS[self.qualification], ("illegal qualification change", self.qualification, q)
+        self.qualification = q
+
+    def _link_to(self, link: Link) -> None:
+        assert link in _LINKS[self.link], ("illegal link change", self.link, link)
+        self.link = link
+
     # -- what others ask ----------------------------------------------------------------------------
     deciding = False
     blocked = None
@@ -165,7 +193,7 @@ class BackupFollower:
     def connect_primary(self, now: int, frozen: bool) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
         the primary answers (it may not be up yet, or the hello may be lost)."""
-        self.link = Link.CONNECTING
+        self._link_to(Link.CONNECTING)
         self.hello_sent_at = now
         if not frozen:  # frozen: our state is the recovery's business, not a primary's
             self.out.send(Peer.PRIMARY, self.hello())
@@ -186,14 +214,17 @@ class BackupFollower:
                 self.hello_sent_at = now
             return
         self.hello_sent_at = None
-        self.link = Link.IN_STEP
+        self._link_to(Link.IN_STEP)
         # A FORWARD that does not end with the primary's frontier is one part of a
         # catch-up: more follows, asked for at once. Only a whole one puts us in step.
         partial = not body.events or type(body.events[-1]) is not FrontierEvent
         if not partial:
-            # In step with the primary: we now hold everything it decided, which includes
-            # everything any replica acknowledged before we (re)started.
-            self.qualification = Qualification.QUALIFIED
+            # In step with the primary: we now hold everything it decided. Only a SERVING
+            # primary sends a FORWARD that ends with its frontier (PrimarySequencer.
+            # _catch_up), and one serves only once every backup showed it is not ahead:
+            # what it decided includes everything any replica acknowledged before we
+            # (re)started (ARCHITECTURE, Stability: who may qualify a backup).
+            self._qualify()
         changed = False
         sp = self.spec
         for ev in body.events:
@@ -443,7 +474,7 @@ class BackupFollower:
         pass
 
     def resumed(self, now: int) -> None:
-        self.qualification = Qualification.QUALIFIED  # every replica now holds exactly the recovered state
+        self._qualify()  # every replica now holds exactly the recovered state
         self.connect_primary(now, frozen=False)
 
     def status(self) -> dict[str, object]:

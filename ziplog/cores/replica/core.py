@@ -372,6 +372,7 @@ class ReplicaCore:
         last incarnation vouched for at a graceful stop (:meth:`clean_close_frontier`);
         a replica whose replayed log ends exactly there restarts clean."""
         self.log.replay(events)
+        self.recovery.restore(self.log.recovery_mark)
         role = self.role
         if isinstance(role, PrimarySequencer):
             role.mark_forward_point()

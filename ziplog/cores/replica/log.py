@@ -22,6 +22,7 @@ from ziplog.protocol.events import (
     FrontierEvent,
     Members,
     RecordEvent,
+    RecoveryEvent,
     SnapshotEvent,
     StableEvent,
     TrimEvent,
@@ -52,6 +53,9 @@ class DecidedLog:
         #: None: while set, it takes no new records (it keeps, serves and retries writing
         #: everything it holds)
         self.disk_fault: str | None = None
+        #: this replica's last step in a failure recovery, as persisted (its disk's
+        #: word on it after a restart; every new segment's snapshot repeats it)
+        self.recovery_mark: RecoveryEvent | None = None
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -192,6 +196,11 @@ class DecidedLog:
             kept.append([first, min(last, keep_epoch), members])
         self.membership = kept
 
+    def mark_recovery(self, mark: RecoveryEvent) -> None:
+        """Persist a step of this replica's part in a failure recovery."""
+        self.recovery_mark = mark
+        self.out.persist.append(mark)
+
     # -- disk -----------------------------------------------------------------------------------
     def replay(self, events: Iterable[DiskEvent]) -> None:
         """Rebuild from persisted events (see ``ziplog.io.segments``); nothing is persisted
@@ -227,6 +236,11 @@ class DecidedLog:
                 self.frontier = max(self.frontier, ev.frontier)
                 self.stable = max(self.stable, ev.stable)
                 self.trim_point = max(self.trim_point, ev.trim)
+                if ev.recovery is not None:
+                    self.recovery_mark = ev.recovery
+            elif t is RecoveryEvent:
+                assert isinstance(ev, RecoveryEvent)
+                self.recovery_mark = ev
         self.stable = min(self.stable, self.frontier)
         self.out.persist.clear()
         self.drop_trimmed()
@@ -234,7 +248,7 @@ class DecidedLog:
     def snapshot(self) -> SnapshotEvent:
         """What a new segment file opens with."""
         return SnapshotEvent([(f, la, tuple(m)) for f, la, m in self.membership], self.frontier, self.stable,
-                             self.trim_point)
+                             self.trim_point, self.recovery_mark)
 
     def flush_marks(self) -> list[DiskEvent]:
         """The watermarks written with every batch of events on disk."""

@@ -388,10 +388,31 @@ class PrimarySequencer:
             return
         self.backup_routes[replica] = route
         self.prefixes[replica] = frontier
-        # Catch the backup up: everything decided above its frontier, in parts of at most
-        # forward_batch_bytes. A part ends with a record and no FRONTIER event (the backup's
-        # frontier is then that record's gsn, and it asks for the next part at once); the
-        # last part ends with our frontier.
+        if self.state is PrimaryState.STARTING:
+            # A catch-up ending with our frontier puts a backup in step and makes it
+            # QUALIFIED: it vouches that the backup now holds every record any replica
+            # acknowledged. A starting primary cannot vouch for that (it may have lost
+            # records another backup still holds, as its HELLO may yet show), so every
+            # catch-up waits until each backup said it is not ahead.
+            self.awaiting.discard(replica)
+            if not self.awaiting:
+                # Every backup is known to be behind us: we hold everything any replica
+                # acknowledged, and it is safe to decide again, from the latest broadcast.
+                self._become(PrimaryState.SERVING)
+                for r in sorted(self.backup_routes):
+                    self._catch_up(self.backup_routes[r], self.prefixes[r])
+                self._take_stashed(now)
+            return
+        self._catch_up(route, frontier)
+
+    def _catch_up(self, route: bytes, frontier: int) -> None:
+        """Send a backup at ``frontier`` everything decided above it, in parts of at most
+        forward_batch_bytes. A part ends with a record and no FRONTIER event (the backup's
+        frontier is then that record's gsn, and it asks for the next part at once); the
+        last part ends with our frontier, which puts the backup in step (QUALIFIED): only
+        a SERVING primary may say that."""
+        assert self.state is PrimaryState.SERVING, ("a catch-up from a primary that does not serve", self.state)
+        log = self.log
         events: list[StreamEvent] = []
         size, records, partial = 0, 0, False
         for ev in log.stream_after(frontier):
@@ -406,13 +427,6 @@ class PrimarySequencer:
         if not partial:
             events.append(FrontierEvent(log.frontier, log.last_epoch, self.next_slot))
         self.out.send(route, f.Forward(stable=log.stable, body=f.ForwardBody(frontier, epoch_hint(frontier), events)))
-        if replica in self.awaiting:
-            self.awaiting.discard(replica)
-            if not self.awaiting:
-                # Every backup is known to be behind us: we hold everything any replica
-                # acknowledged, and it is safe to decide again, from the latest broadcast.
-                self._become(PrimaryState.SERVING)
-                self._take_stashed(now)
 
     def _take_stashed(self, now: int) -> None:
         if self.stashed is not None:
@@ -527,7 +541,9 @@ class PrimarySequencer:
     def flush(self, now: int) -> None:
         """End of a turn: one FORWARD with the turn's decisions. Batching per turn keeps
         the per-record message count low under load without delaying anything when
-        idle."""
+        idle. Only a SERVING primary sends FORWARDs (see :meth:`_catch_up`)."""
+        if self.state is not PrimaryState.SERVING:
+            return
         log = self.log
         s = self.s
         # Every FORWARD carries the stable watermark; a FORWARD of its own is only
@@ -556,6 +572,7 @@ class PrimarySequencer:
 
     def _forward(self, now: int) -> None:
         """Send the buffered decisions, ending with our frontier, to every backup."""
+        assert self.state is PrimaryState.SERVING, ("a FORWARD from a primary that does not serve", self.state)
         log = self.log
         prev_f, prev_e = self.fwd_mark
         events = self.fwd_events

@@ -8,6 +8,14 @@ state as the recovery's (it then answers for that state: a record it holds is AC
 ``final`` at that gsn, any other gets NOT_HELD); back to NORMAL on RESUME, after an
 INSTALL of the recovered state. A PROBE of a newer generation freezes again from any
 phase.
+
+The promise outlives the process: freezing, installing and resuming are each written to
+the replica's disk (``RecoveryEvent``), and the answers to PROBE, INSTALL and RESUME
+leave only once that is fsynced (durable messages). A replica that restarts frozen for
+a recovery that has not resumed it comes back frozen (:meth:`restore`): it says no HELLO
+and decides nothing, so a primary that the recovery has not reached yet (it was down
+when the PROBEs went out) cannot take the restarted replica's word for where the shard
+is, and a restarted primary cannot serve beside a recovery it promised to wait for.
 """
 
 from __future__ import annotations
@@ -19,7 +27,15 @@ from ziplog.cores.effects import Outbox
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.parking import Parking
 from ziplog.protocol import frames as f
-from ziplog.protocol.events import EpochEvent, RecordEvent, TruncateEvent
+from ziplog.protocol.events import (
+    RECOVERY_FROZEN,
+    RECOVERY_INSTALLED,
+    RECOVERY_RESUMED,
+    EpochEvent,
+    RecordEvent,
+    RecoveryEvent,
+    TruncateEvent,
+)
 from ziplog.protocol.gsna import epoch_of
 
 if TYPE_CHECKING:
@@ -74,6 +90,18 @@ class RecoveryParticipant:
         assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
         self.phase = phase
 
+    def restore(self, mark: RecoveryEvent | None) -> None:
+        """At start, the disk's word on this replica's last recovery step: frozen (and
+        maybe installed) for generation ``mark.gen`` and not resumed: frozen again."""
+        if mark is None or mark.phase == RECOVERY_RESUMED:
+            return
+        self.gen = mark.gen
+        self._become(RecoveryPhase.FROZEN)
+        self.role.frozen()
+        if mark.phase == RECOVERY_INSTALLED:
+            self.installed_gen = mark.gen
+            self.installed_end = mark.end
+
     @property
     def frozen(self) -> bool:
         return self.phase is not RecoveryPhase.NORMAL
@@ -127,11 +155,13 @@ class RecoveryParticipant:
             payload = self._resume(msg.stable, msg.refused, now)
         if isinstance(payload, str):
             self.error(route, msg.req_id, f.E_STALE, payload)
-        elif isinstance(msg, f.Install):
-            # The install replaced records above its base that this replica's disk holds
-            # until the install's events are written: a restart before that would bring
-            # the replaced records back, unseen by the handler, which counted this part
-            # done. So the answer waits for the disk (a full one: until it has room).
+        elif isinstance(msg, (f.Probe, f.Install, f.Resume)):
+            # What the answer says must outlive a power loss, so it waits for the disk
+            # (a full one: until it has room), fsynced. An install replaced records above
+            # its base that the disk holds until the install's events are written: a
+            # restart before that would bring the replaced records back, unseen by the
+            # handler, which counted this part done. A freeze and a resume are promises
+            # a restart keeps (:meth:`restore`).
             self.out.send_durable(route, f.RecoveryOk(req_id=msg.req_id, payload=payload))
         else:
             self.out.send(route, f.RecoveryOk(req_id=msg.req_id, payload=payload))
@@ -148,6 +178,7 @@ class RecoveryParticipant:
             self.installed_end = -1
             self.not_held = {}
             self.role.frozen()
+            log.mark_recovery(RecoveryEvent(gen, RECOVERY_FROZEN))
             # Inserts parked for an epoch would be decided after the recovery, though the
             # source may tell their clients the shard does not hold them: drop them now.
             for p in self.parking.all_inserts():
@@ -238,6 +269,7 @@ class RecoveryParticipant:
         self.out.persist.extend(log.flush_marks()[:1])
         self.installed_gen = self.gen
         self.installed_end = end
+        log.mark_recovery(RecoveryEvent(self.gen, RECOVERY_INSTALLED, end))
         self.role.installed()
         # The handler sends INSTALL only once the state it installs is durable in
         # ZooKeeper: these positions are final, and subscribers need not wait for the
@@ -256,6 +288,7 @@ class RecoveryParticipant:
         for client_id, seq in refused:
             self.role.refused_for_recovery((client_id, seq), now)
         self._become(RecoveryPhase.NORMAL)
+        self.log.mark_recovery(RecoveryEvent(self.gen, RECOVERY_RESUMED))
         self.log.advance_stable(stable)
         self.role.resumed(now)
         self.on_resume(now)
