@@ -7,6 +7,7 @@ everything appended before it."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,33 @@ def test_a_trim_deletes_only_the_oldest_segments() -> None:
     log = DecidedLog(Outbox())
     log.replay(SegmentLog(DIR, files=files).load())
     assert 5 not in log.gsns, log.gsns
+
+
+def test_the_interval_policy_syncs_a_tail_left_idle(tmp_path: Path) -> None:
+    """The helper thread syncs a batch appended just before writes stopped, without
+    waiting for another append: under `interval` nothing waits much longer than one
+    interval to be on disk."""
+    import threading
+
+    from ziplog.io.files import OsFiles
+
+    class Watched(OsFiles):
+        def __init__(self) -> None:
+            self.synced = threading.Event()
+
+        def fdatasync(self, fd: int) -> None:
+            super().fdatasync(fd)
+            self.synced.set()
+
+    files = Watched()
+    disk = SegmentLog(tmp_path, fsync="interval", fsync_interval=0.05, files=files)
+    disk.load()
+    disk.start(SnapshotEvent([(0, 0, (0,))], 0, 0, 0))
+    try:
+        disk.append([EpochEvent(0, 0, (0,)), RecordEvent(1, 0, 7, 1, b"r"), FrontierEvent(1, 0, 0)],
+                    SnapshotEvent([(0, 0, (0,))], 1, 0, 0))
+        files.synced.clear()  # the rotation that opened the segment synced the directory only, and no data
+        disk.append([RecordEvent(2, 0, 7, 2, b"s"), FrontierEvent(2, 0, 0)], SnapshotEvent([(0, 0, (0,))], 2, 0, 0))
+        assert files.synced.wait(30), "the idle tail was never synced"
+    finally:
+        disk.close()

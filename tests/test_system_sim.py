@@ -79,7 +79,15 @@ def test_every_fault_kind_was_exercised() -> None:
     for what in ("crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
                  "suspicions", "blocked", "redirects", "final_acks", "retries", "shards_added", "shards_removed",
                  "resubscribes", "fast", "slow", "disks_filled", "disk_refusals", "forward_parts", "install_parts",
-                 "notices", "killed_after_notice", "stops", "clean_restarts"):
+                 "notices", "killed_after_notice", "stops", "clean_restarts",
+                 # the widened world: three-replica shards and control planes, every fsync
+                 # policy, power losses (also right after a stop, and of a replica installed
+                 # and not resumed), two replicas of a shard at once, restarts at the same
+                 # address and what their peers queued meanwhile, PROBEs held back, replicas
+                 # back frozen for a recovery that had not resumed them
+                 "replicas3", "control3", "fsync_never", "fsync_interval", "fsync_always", "power_losses",
+                 "power_lost_bytes", "stop_power_losses", "double_crashes", "same_address_restarts", "requeued",
+                 "probes_held", "frozen_restarts"):
         assert total.get(what, 0) > 0, (what, total)
     # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
     assert total["recoveries"] >= total["crashes_primary"] // 2, total
@@ -121,7 +129,7 @@ def test_the_checker_catches_a_lost_acknowledged_record() -> None:
     sim = _finished(4)
     c = next(c for c in sim.clients if c.acked)
     seq, gsn, shard, after, data = c.acked[0]
-    for i in range(2):
+    for i in range(sim.replicas):
         core = sim.reps[(shard, i)].core
         assert core is not None
         del core.log.records[gsn]

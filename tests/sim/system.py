@@ -10,13 +10,23 @@ the network (seeded delays, reordering, duplication and loss), the clock, the di
 ZooKeeper (versioned nodes, sessions that expire a while after their process dies,
 elections, watches that reach each process after a delay).
 
-Faults are seeded: SIGKILL of storage replicas (restarting from what their disk held,
-minus sometimes a few events at the tail), of the failure handler leader and of the MMS
-leader (another replica takes over once the dead one's session expires; the dead one
-comes back as a follower); a shard added and a shard removed mid-run. At most one replica
-of a shard is down at a time, and a second one is killed only once the shard is whole
-again (f = 1). Afterwards the faults stop, everything settles, and :meth:`SystemSim.check`
-verifies the log.
+Each seed draws its world: shards of 2 or 3 replicas (f = 1 or 2), 2 or 3 replicas of
+the membership service and of the failure handler, an fsync policy, a segment size, loss
+rates per kind of connection. Storage replicas write with the production segment log
+(``ziplog.io.segments``) on simulated files (``tests/sim/files.py``) that keep, at a
+power loss, only what POSIX promises: what was synced, and a seeded part of the rest.
+
+Faults are seeded: storage replicas killed (SIGKILL: the files keep what was written) or
+their machine losing power (the files keep what was synced and a seeded part of the
+rest), also two replicas of a three-replica shard at once, and power lost right after a
+graceful stop; restarts at the same address (a server with a fixed ``--port``: what its
+peers queued meanwhile may reach the new incarnation) or at a new one; PROBEs to a
+primary held back while later epochs reach it; the failure handler leader and the MMS
+leader killed (another replica takes over once the dead one's session expires; the dead
+one comes back as a follower); a shard added and a shard removed mid-run. A replica of a
+shard fails only while fewer than f of its replicas are failed (down, restarting, not yet
+in step, frozen); afterwards the faults stop, everything settles, and
+:meth:`SystemSim.check` verifies the log.
 
 ``run(seed)`` returns an :class:`Outcome`; any broken invariant raises ``AssertionError``
 naming the seed and the command that replays it with a trace. A failure whose cause the
@@ -58,15 +68,16 @@ from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
 from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.protocol.types import RID_GENESIS, Policy
+from ziplog.io.segments import SegmentLog
 from ziplog.server.storage import StorageDriver
 
+from .files import SimFiles
 from .world import (
     CLUSTER_KEY,
     MS,
     US,
     NetParams,
     Session,
-    SimDisk,
     SimElection,
     SimHandlerCoordination,
     SimMembershipCoordination,
@@ -81,8 +92,6 @@ __all__ = ["KNOWN_BUGS", "KnownBug", "NetParams", "Outcome", "SystemSim", "run"]
 
 #: ``ziplog.Client`` default timeout of one insert_after.
 CLIENT_TIMEOUT_NS = 30_000_000_000
-REPLICAS = 2
-CONTROL_REPLICAS = 2
 REPLAY = "python -m tests.sim --system --seed {seed} --trace"
 #: A seed that needs more events than this is looping, not settling.
 MAX_EVENTS = 2_000_000
@@ -127,6 +136,23 @@ class Outcome:
     killed_after_notice: int = 0  # primaries killed after a notice moved them, before they forwarded it
     stops: int = 0  # replicas stopped gracefully (SIGTERM) and started again
     clean_restarts: int = 0  # primaries that restarted on a clean-close marker matching their disk
+    # -- the world's draws and the widened fault model ---------------------------------------------
+    replicas3: int = 0  # seeds whose shards have three replicas (f = 2)
+    control3: int = 0  # seeds with three MMS and three failure handler replicas
+    fsync_never: int = 0  # seeds per fsync policy
+    fsync_interval: int = 0
+    fsync_always: int = 0
+    power_losses: int = 0  # crashes that took the machine's power (what was not synced may be gone)
+    power_lost_bytes: int = 0  # written but not synced bytes such crashes could take
+    stop_power_losses: int = 0  # power lost right after a graceful stop
+    double_crashes: int = 0  # two replicas of a three-replica shard crashed at once
+    same_address_restarts: int = 0  # replicas that came back at the address they had
+    requeued: int = 0  # frames a DEALER held while its peer was down and sent to the next incarnation
+    probes_held: int = 0  # PROBEs to a primary held back while later epochs reached it
+    starting_hellos: int = 0  # (A's window) a STARTING primary of a 3-replica shard took one HELLO, then blocked
+    installed_power_losses: int = 0  # (B's window) power lost by a replica installed by a recovery (resumed or not)
+    frozen_restarts: int = 0  # replicas that came back frozen for a recovery that had not resumed them
+    cuts: int = 0  # replicas cut from their peers (alive, serving clients) past the suspicion timeout
     trace: list[str] = field(default_factory=list)
     #: what a simulation on top of the log counts (``tests/sim/logdb_system.py``)
     logdb: dict[str, int] = field(default_factory=dict)
@@ -136,7 +162,10 @@ class Outcome:
               "crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
               "suspicions", "blocked", "shards_added", "shards_removed", "resubscribes", "epochs", "events",
               "disks_filled", "disk_refusals", "disk_full_errors", "forward_parts", "install_parts", "notices",
-              "killed_after_notice", "stops", "clean_restarts")
+              "killed_after_notice", "stops", "clean_restarts", "replicas3", "control3", "fsync_never",
+              "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
+              "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
+              "installed_power_losses", "frozen_restarts", "cuts")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -183,13 +212,16 @@ class KnownBug(AssertionError):
 # ==============================================================================================
 # processes
 class Rep:
-    """One storage server slot (shard, replica): its process while up, its disk always."""
+    """One storage server slot (shard, replica): its process while up, its machine's
+    files always."""
 
     def __init__(self, shard: int, idx: int, settings: ReplicaSettings) -> None:
         self.shard = shard
         self.idx = idx
         self.settings = settings
-        self.disk = SimDisk()
+        self.files = SimFiles()
+        self.dir = f"/data/shard{shard}-replica{idx}"
+        self.disk: SegmentLog | None = None
         self.proc: SimProcess | None = None
         self.driver: StorageDriver | None = None
         self.session: Session | None = None
@@ -198,6 +230,8 @@ class Rep:
         #: a graceful stop was decided and waits for the end of this replica's next turn:
         #: its shard is no longer whole (no other fault may take its peer meanwhile)
         self.stopping = False
+        #: a STARTING primary took one backup's HELLO (A's window, while it lasts)
+        self.took_hello_starting = False
 
     @property
     def up(self) -> bool:
@@ -383,7 +417,31 @@ class SystemSim:
                             reorder=rng.choice([0.0, 0.05, 0.2]), duplicate=rng.choice([0.0, 0.01, 0.05]),
                             client_loss=rng.choice([0.0, 0.005, 0.02]), peer_loss=rng.choice([0.0, 0.0, 0.005]),
                             epoch_loss=rng.choice([0.0, 0.01, 0.05]), control_loss=rng.choice([0.0, 0.0, 0.01]))
+        # The widened world, drawn apart so that the draws before it stay as they were.
+        widen = random.Random(seed * 7919 + 3)
+        self.widen = widen
+        self.replicas = widen.choice([2, 3])
+        self.control_replicas = widen.choice([2, 3])
+        self.fsync = widen.choice(["never", "interval", "always"])
+        self.fsync_interval = widen.choice([0.001, 0.005, 0.02])
+        self.segment_bytes = widen.choice([2 << 10, 16 << 10, 64 << 20])
+        #: chance a crash takes the machine's power, and a stop is followed by a power loss
+        self.power_loss = widen.choice([0.0, 0.5, 0.5, 1.0])
+        #: chance a replica restarts at the address it had
+        self.same_address = widen.choice([0.0, 0.5, 1.0])
+        #: chance a PROBE to a primary is held back for a while (while later epochs reach it)
+        self.hold_probes = widen.choice([0.0, 0.3, 1.0])
+        #: chance a replica loses power a moment after an INSTALL, or a RESUME, reached it
+        #: (B's window: installed and answered, resumed, what the install wrote not synced
+        #: but for the answer's sake)
+        self.power_after_install = widen.choice([0.0, 0.0, 0.3, 0.6])
+        if net.notice_loss == NetParams.notice_loss:
+            net.notice_loss = widen.choice([0.0, 0.02, 0.1])
         self.world = World(rng.getrandbits(64), net, trace)
+        self.world.requeue_unbound = widen.choice([0.0, 0.5]) if self.same_address else 0.0
+        self.world.holds.append(self._hold)
+        #: (shard, generation) of every PROBE to a primary the hold-back considered
+        self.held_probes: set[tuple[int, int]] = set()
         self.rng = rng
         self.limit_ns = limit_ms * MS
         self.outcome = Outcome(seed=seed)
@@ -418,8 +476,8 @@ class SystemSim:
         # -- processes --------------------------------------------------------------------------
         self.reps: dict[tuple[int, int], Rep] = {}
         self.by_proc: dict[SimProcess, Rep] = {}
-        self.mms = [Control("mms", i) for i in range(CONTROL_REPLICAS)]
-        self.fh = [Control("fh", i) for i in range(CONTROL_REPLICAS)]
+        self.mms = [Control("mms", i) for i in range(self.control_replicas)]
+        self.fh = [Control("fh", i) for i in range(self.control_replicas)]
         self.fh_drivers: list[FailureHandlerDriver] = []
         self.configs: dict[int, EpochConfig] = {}
         # -- what the checker and the known-bug classifier watch --------------------------------
@@ -440,9 +498,15 @@ class SystemSim:
         nfaults = faults if faults is not None else rng.choice([0, 1, 2, 3, 3, 4, 5, 6])
         #: kills timed by the protocol itself (a primary right after a notice moved it)
         self.faults_left = 1 if nfaults else 0
+        #: power losses timed by an INSTALL's arrival
+        self.faults_left_install = 2
         self.fault_plan: list[tuple[int, str]] = []
         for _ in range(nfaults):
             kind = rng.choices(["replica", "handler", "mms", "disk"], weights=[6, 2, 2, 2])[0]
+            if kind == "replica" and self.replicas == 3 and widen.random() < 0.3:
+                kind = "replica2"  # two replicas of one shard at once
+            elif kind == "replica" and widen.random() < 0.25:
+                kind = "cut"  # alive, but cut from its peers
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), kind))
         if add_shard if add_shard is not None else rng.random() < 0.3:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "add"))
@@ -457,6 +521,10 @@ class SystemSim:
         #: also stop some primaries while they are blocked (one must not vouch for a log
         #: it knows lacks records a backup holds)
         self.stop_blocked = nstops > 0
+        out = self.outcome
+        out.replicas3 = int(self.replicas == 3)
+        out.control3 = int(self.control_replicas == 3)
+        setattr(out, f"fsync_{self.fsync}", 1)
 
     @property
     def now(self) -> int:
@@ -471,28 +539,42 @@ class SystemSim:
     # ==========================================================================================
     # storage replicas
     def create_shard(self, shard: int) -> None:
-        for i in range(REPLICAS):
-            r = Rep(shard, i, ReplicaSettings(shard, i, REPLICAS, **self.settings))
+        for i in range(self.replicas):
+            r = Rep(shard, i, ReplicaSettings(shard, i, self.replicas, **self.settings))
             self.reps[(shard, i)] = r
             self.start_rep(r)
+
+    def shard_reps(self, shard: int) -> list[Rep]:
+        return [self.reps[(shard, i)] for i in range(self.replicas)]
 
     def start_rep(self, r: Rep) -> None:
         r.inc += 1
         r.stopping = False  # a stop decided for the last incarnation died with it
+        r.took_hello_starting = False
         name = f"rep{r.shard}.{r.idx}#{r.inc}"
-        proc = SimProcess(self.world, name)
+        same = r.inc > 1 and self.widen.random() < self.same_address
+        if same:
+            self.outcome.same_address_restarts += 1
+        proc = SimProcess(self.world, name, host=f"rep{r.shard}.{r.idx}" if same or r.inc == 1 else None)
         r.session = self.zk.session(name)
         coord = SimStorageCoordination(self.zk, proc, r.session)
         r.proc = proc
         r.blocked_seen = False
+        # A process opens its data directory afresh, as ziplog.server does.
+        r.disk = SegmentLog(r.dir, fsync=self.fsync, fsync_interval=self.fsync_interval,
+                            segment_bytes=self.segment_bytes, files=r.files, clock=lambda: self.world.now / 1e9,
+                            background=False)
         r.driver = StorageDriver(r.settings, proc, proc, coord, r.disk, CLUSTER_KEY)
         self.by_proc[proc] = r
         proc.at_turn_end(lambda: self._rep_turn(r))
         core = r.driver.core
         if core.restarted_clean:
             self.outcome.clean_restarts += 1
-        self.tr(f"rep {r.shard}.{r.idx}: up as {name} (clean: {core.restarted_clean}; replayed {len(r.disk.written)} events: frontier {core.frontier} "
-                f"records {len(core.log.gsns)} last epoch {core.last_epoch})")
+        if core.frozen:
+            self.outcome.frozen_restarts += 1
+        self.tr(f"rep {r.shard}.{r.idx}: up as {name} at {r.driver.addr} (clean: {core.restarted_clean}; frozen: "
+                f"{core.frozen}; replayed frontier {core.frontier} records {len(core.log.gsns)} last epoch "
+                f"{core.last_epoch})")
         proc.run(r.driver.start)
 
     def _rep_turn(self, r: Rep) -> None:
@@ -500,25 +582,35 @@ class SystemSim:
         if core is not None and core.blocked is not None and not r.blocked_seen:
             r.blocked_seen = True
             self.outcome.blocked += 1
+            if r.took_hello_starting:
+                self.outcome.starting_hellos += 1
             self.tr(f"rep {r.shard}.{r.idx}: BLOCKED: {core.blocked}")
             if self.stop_blocked and self.stopper.random() < 0.5:
                 self.at(self.now + self.stopper.randint(0, 5) * MS, self._stop_if_up, r, r.proc)
 
-    def crash_rep(self, r: Rep) -> None:
-        """SIGKILL: memory is gone; the disk keeps what was written, minus sometimes a few
-        events at the tail (what the OS had not written out)."""
+    def crash_rep(self, r: Rep, power: bool | None = None) -> None:
+        """SIGKILL (memory is gone; the files keep what was written), or the machine's
+        power lost (the files keep what was synced, and a seeded part of the rest)."""
         rng = self.rng
         core = r.core
         assert core is not None and r.proc is not None
-        lost = 0 if rng.random() < 0.5 else rng.randint(0, rng.choice([0, 5, 50]))
+        if power is None:
+            power = self.widen.random() < self.power_loss
+        unsynced = r.files.unsynced_bytes()
         self.tr(f"CRASH rep {r.shard}.{r.idx} (frontier {core.frontier} stable {core.stable} "
-                f"records {len(core.log.gsns)}; disk loses its last {lost} of {len(r.disk.written)} events)")
+                f"records {len(core.log.gsns)}; {'POWER LOST: ' if power else ''}{unsynced} bytes written, not synced)")
         if r.idx == 0:
             self.outcome.crashes_primary += 1
         else:
             self.outcome.crashes_backup += 1
+        if power:
+            self.outcome.power_losses += 1
+            self.outcome.power_lost_bytes += unsynced
+            if core.recovery.installed_gen >= 0:
+                self.outcome.installed_power_losses += 1
         r.proc.kill()
-        r.disk.lose_tail(lost)
+        if power:
+            r.files.power_loss(self.widen)
         session = r.session
         self.at(self.now + rng.choice([20, 60, 150]) * MS, self.expire, session)
         self.at(self.now + rng.randint(10, 120) * MS, self.start_rep, r)
@@ -532,11 +624,19 @@ class SystemSim:
         self.outcome.stops += 1
         driver.stop_requested()
         driver.close()
-        self.tr(f"STOP rep {r.shard}.{r.idx} (frontier {driver.core.frontier}; clean-close marker: "
-                f"{r.disk.clean_frontier})")
+        marker = r.files.size(f"{r.dir}/clean-close") is not None
+        self.tr(f"STOP rep {r.shard}.{r.idx} (frontier {driver.core.frontier}; clean-close marker: {marker})")
         proc.kill()
+        if self.widen.random() < self.power_loss / 2:
+            # the machine loses power right after the stop: what the stop synced stays
+            self.outcome.stop_power_losses += 1
+            r.files.power_loss(self.widen)
         self.zk.expire(session)
         self.at(self.now + self.rng.randint(10, 120) * MS, self.start_rep, r)
+
+    def _power_off_if_up(self, r: Rep, proc: SimProcess) -> None:
+        if r.proc is proc and r.up and self.may_fail(r.shard):
+            self.crash_rep(r, power=True)
 
     def _stop_if_up(self, r: Rep, proc: SimProcess) -> None:
         if r.proc is proc and r.up:
@@ -634,6 +734,29 @@ class SystemSim:
                 self.outcome.forward_parts += 1
         return None
 
+    def _hold(self, endpoint: Any, frame: bytes, route: bytes) -> int:
+        """B's window: a recovery's first PROBE to a primary held back a while (its other
+        replicas are frozen, installed, maybe resumed meanwhile, and later epochs reach it
+        first); the handler's resends go as usual."""
+        if not self.hold_probes:
+            return 0
+        r = self.by_proc.get(endpoint.proc)
+        if r is None or r.idx != 0:
+            return 0
+        try:
+            msg = wire.open_signed(CLUSTER_KEY, frame, wire.decode_member_request)
+        except wire.ProtocolError:
+            return 0
+        if type(msg) is not wire.Probe or (r.shard, msg.gen) in self.held_probes:
+            return 0
+        self.held_probes.add((r.shard, msg.gen))  # the first of a generation only: its resends go
+        if self.widen.random() >= self.hold_probes:
+            return 0
+        self.outcome.probes_held += 1
+        delay = self.widen.randint(5, 60) * MS
+        self.tr(f"HOLD a PROBE to rep {r.shard}.0 for {delay / MS:.0f} ms")
+        return delay
+
     def _watch_guesses(self, r: Rep, frame: bytes) -> Callable[[], None] | None:
         """What bug B1 did: a new epoch's speculation forgot guesses the primary had not
         confirmed."""
@@ -672,12 +795,19 @@ class SystemSim:
                 self.faults_left -= 1
                 self.outcome.killed_after_notice += 1
                 r.proc.doomed = lambda: self.crash_rep(r)
+        if (isinstance(msg, (wire.Install, wire.Resume)) and self.power_after_install and self.faults_left_install > 0
+                and self.now < self.fault_end and self.widen.random() < self.power_after_install
+                and self.may_fail(r.shard)):
+            self.faults_left_install -= 1
+            self.at(self.now + self.widen.randint(0, 5_000) * US, self._power_off_if_up, r, r.proc)
         if isinstance(msg, wire.Install):
             self._check_install(r, msg)
             records = [ev for ev in msg.events if isinstance(ev, RecordEvent)]
             if records and records[-1].gsn == msg.end:
                 self.outcome.install_parts += 1
         elif isinstance(msg, wire.Hello) and core is not None and not core.frozen and route is not None:
+            if self.replicas > 2 and core.is_primary and core.status().get("state") == "starting":
+                r.took_hello_starting = True
             d = self.world.routes.get(route)
             b = self.by_proc.get(d.proc) if d is not None else None
             bcore = b.core if b is not None else None
@@ -701,44 +831,68 @@ class SystemSim:
 
     # ==========================================================================================
     # faults
+    def failed_replicas(self, shard: int) -> int:
+        """Replicas of ``shard`` that count as failed: down, stopping, or not (yet)
+        holding every record any replica acknowledged (a restarted backup not in step
+        again, a primary not serving or blocked). A replica frozen by a recovery, or cut
+        from its peers, is not failed for that: it holds what it held (a false suspicion
+        starts a recovery too)."""
+        failed = 0
+        for r in self.shard_reps(shard):
+            core = r.core
+            if (r.stopping or core is None or not core.qualified or core.blocked is not None
+                    or (core.is_primary and not core.role.deciding)):
+                failed += 1
+        return failed
+
     def shard_whole(self, shard: int) -> bool:
-        """Both replicas up, each holding everything it acknowledged, no recovery under
-        way or pending: a replica of this shard may fail (f = 1)."""
-        if self.zk.meta.get(shard, {}).get("recovering") is not None:
-            return False
-        if any(self.reps[(shard, i)].stopping for i in range(REPLICAS)):
-            return False
-        rec = self.zk.records.get(shard)
-        if rec is not None and rec["phase"] in (PROBING, ACQUIRED):
+        """No replica of this shard is failed, and no recovery is under way or pending."""
+        if (self.zk.meta.get(shard, {}).get("recovering") is not None
+                or (self.zk.records.get(shard) or {}).get("phase") in (PROBING, ACQUIRED)):
             return False
         lead = self.leader("fh")
         if lead is not None and lead.driver.core is not None and shard in lead.driver.core.active:
             return False
-        for i in range(REPLICAS):
-            core = self.reps[(shard, i)].core
-            if core is None or not core.qualified or core.frozen or core.blocked is not None:
-                return False
-            if core.is_primary and not core.role.deciding:
-                return False
-        return True
+        return self.failed_replicas(shard) == 0
+
+    def may_fail(self, shard: int, more: int = 1) -> bool:
+        """``more`` replicas of ``shard`` may fail now: the shard tolerates f = replicas - 1."""
+        return self.failed_replicas(shard) + more <= self.replicas - 1
 
     def fault(self, kind: str) -> None:
         rng = self.rng
         if kind == "replica":
-            cands = [r for r in self.reps.values() if self.shard_whole(r.shard)]
+            cands = [r for r in self.reps.values() if r.up and self.may_fail(r.shard)]
             if cands:
                 self.crash_rep(cands[rng.randrange(len(cands))])
+        elif kind == "cut":
+            cands = [r for r in self.reps.values() if r.up and self.may_fail(r.shard)]
+            if cands:
+                r = cands[rng.randrange(len(cands))]
+                assert r.proc is not None
+                until = self.now + self.widen.randint(2, 4) * r.settings.suspect_timeout_ns
+                self.outcome.cuts += 1
+                self.tr(f"CUT rep {r.shard}.{r.idx} from its peers until {until / MS:.3f} ms")
+                self.world.cut_from_peers[r.proc] = until
+        elif kind == "replica2":
+            shards = sorted({r.shard for r in self.reps.values() if self.may_fail(r.shard, 2)})
+            if shards:
+                shard = shards[rng.randrange(len(shards))]
+                pair = self.widen.sample(self.shard_reps(shard), 2)
+                self.outcome.double_crashes += 1
+                for r in pair:
+                    self.crash_rep(r)
         elif kind == "disk":
             # Both replicas of a shard fill at once (they write the same bytes): the
             # common case, not a double failure. Space comes back a while later.
             shard = rng.choice(sorted({s for s, _ in self.reps}))
             self.outcome.disks_filled += 1
             self.tr(f"DISK FULL on both replicas of shard {shard}")
-            for i in range(REPLICAS):
-                self.reps[(shard, i)].disk.full = True
+            for r in self.shard_reps(shard):
+                r.files.full = True
             self.at(self.now + rng.choice([20, 80, 250]) * MS, self.free_disk, shard)
         elif kind == "stop":
-            cands = [r for r in self.reps.values() if self.shard_whole(r.shard)]
+            cands = [r for r in self.reps.values() if r.up and self.may_fail(r.shard)]
             primaries = [r for r in cands if r.idx == 0]
             pick = primaries if primaries and rng.random() < 0.7 else cands
             if pick:
@@ -773,11 +927,10 @@ class SystemSim:
 
     def free_disk(self, shard: int) -> None:
         self.tr(f"DISK SPACE back on shard {shard}")
-        for i in range(REPLICAS):
-            disk = self.reps[(shard, i)].disk
-            disk.full = False
-            self.outcome.disk_refusals += disk.refused_writes
-            disk.refused_writes = 0
+        for r in self.shard_reps(shard):
+            r.files.full = False
+            self.outcome.disk_refusals += r.files.refused_writes
+            r.files.refused_writes = 0
 
     # ==========================================================================================
     # run
@@ -796,7 +949,7 @@ class SystemSim:
             core = r.core
             if core is None:
                 return f"rep {s}.{i} down"
-            if r.disk.full or (r.driver is not None and r.driver.disk_fault is not None):
+            if r.files.full or (r.driver is not None and r.driver.disk_fault is not None):
                 return f"rep {s}.{i} cannot write its disk yet"
             if core.frozen or core.blocked is not None or (core.is_primary and not core.role.deciding):
                 return f"rep {s}.{i} frozen={core.frozen} blocked={core.blocked} state={core.status().get('state')}"
@@ -809,12 +962,15 @@ class SystemSim:
             return f"recovery active for shards {sorted(lead.driver.core.active)}"
         total = 0
         for s in {s for s, _ in self.reps}:
-            P, B = self.reps[(s, 0)].core, self.reps[(s, 1)].core
-            assert P is not None and B is not None
-            if P.log.gsns != B.log.gsns:
-                return f"shard {s}: replicas hold different positions ({len(P.log.gsns)} vs {len(B.log.gsns)} records)"
-            if P.log.gsns and (P.stable < P.log.gsns[-1] or B.stable < B.log.gsns[-1]):
-                return f"shard {s}: records not yet stable (last {P.log.gsns[-1]}, stable {P.stable}/{B.stable})"
+            cores = [r.core for r in self.shard_reps(s)]
+            P = cores[0]
+            assert P is not None
+            for B in cores[1:]:
+                assert B is not None
+                if P.log.gsns != B.log.gsns:
+                    return f"shard {s}: replicas hold different positions ({len(P.log.gsns)} vs {len(B.log.gsns)} records)"
+                if P.log.gsns and (P.stable < P.log.gsns[-1] or B.stable < B.log.gsns[-1]):
+                    return f"shard {s}: records not yet stable (last {P.log.gsns[-1]}, stable {P.stable}/{B.stable})"
             total += len(P.log.gsns)
         for rd in self.readers:
             if len(rd.delivered) < total:
@@ -872,6 +1028,7 @@ class SystemSim:
                 raise AssertionError(f"more than {MAX_EVENTS} events by {world.now / MS:.3f} ms of simulated time "
                                      f"(a livelock?): {self.settled()}")
         self.outcome.events = world.events
+        self.outcome.requeued = world.requeued
         self.outcome.sim_ms = world.now / MS
         self.check()
         return self.outcome
@@ -899,18 +1056,25 @@ class SystemSim:
         keys: dict[tuple[int, int], int] = {}
         history = self.zk.history
         for s in sorted({s for s, _ in self.reps}):
-            P, B = self.reps[(s, 0)].core, self.reps[(s, 1)].core
-            assert P is not None and B is not None
-            assert P.log.gsns == B.log.gsns, (f"shard {s}: replicas hold different positions", P.log.gsns, B.log.gsns)
-            for core in (P, B):
+            cores = [r.core for r in self.shard_reps(s)]
+            P = cores[0]
+            assert P is not None and all(c is not None for c in cores)
+            for B in cores[1:]:
+                assert B is not None
+                assert P.log.gsns == B.log.gsns, (f"shard {s}: replicas hold different positions", P.log.gsns, B.log.gsns)
+            for core in cores:
+                assert core is not None
                 # one membership per epoch everywhere: the replica's history is ZooKeeper's
                 for first, last, members in core.log.membership:
                     for f2, l2, m2 in history_ranges(history, first, last):
                         assert tuple(m2) == tuple(members), (f"rep {s}.{core.s.replica}: epochs {f2}..{l2} had members "
                                                               f"{list(members)}, the history says {list(m2)}")
             for g in P.log.gsns:
-                a, b = P.log.records[g], B.log.records[g]
-                assert (a.client_id, a.seq, a.data) == (b.client_id, b.seq, b.data), (f"shard {s}: replicas disagree at gsn {g}")
+                a = P.log.records[g]
+                for B in cores[1:]:
+                    assert B is not None
+                    b = B.log.records[g]
+                    assert (a.client_id, a.seq, a.data) == (b.client_id, b.seq, b.data), (f"shard {s}: replicas disagree at gsn {g}")
                 cfg = self.configs.get(epoch_of(g))
                 assert cfg is not None, (f"shard {s}: record at gsn {g} in epoch {epoch_of(g)}, which was never broadcast")
                 assert s in cfg.shards, (f"shard {s}: record at gsn {g} in epoch {epoch_of(g)} without being a member", cfg)

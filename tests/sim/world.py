@@ -8,7 +8,12 @@ the production drivers run unchanged.
 * Frames cross a lossy network: per connection kind (``NetParams``) a seeded delay,
   reordering, duplication and loss; a subscription's connection is one TCP stream (in
   order, nothing lost).
-* :class:`SimDisk` keeps what a replica wrote across its incarnations.
+* :class:`SimDisk` keeps what a replica wrote across its incarnations (a model of the
+  disk port); the system simulation runs the production segment log instead, on
+  ``tests/sim/files.py``'s files that lose what was not synced at a power loss.
+* A process may be given a fixed host name: its next incarnation then binds the same
+  addresses (a server restarted with ``--port``), and frames its peers' DEALERs queued
+  while it was down may reach the new incarnation (ZeroMQ reconnects and sends them).
 * :class:`ZooKeeper` models the coordination service: versioned nodes, ephemeral
   registrations owned by sessions that expire a while after their process dies,
   elections, watches that reach each process's view after a delay. The per-process
@@ -77,6 +82,19 @@ class World:
         #: observers of deliveries: fn(kind, endpoint, frame, route) before a frame reaches
         #: its process; what one returns (a callable) is called right after
         self.taps: list[Callable[[str, Any, bytes, bytes | None], Callable[[], None] | None]] = []
+        #: hold-backs: fn(endpoint, frame, route) -> ns to hold a frame back before it
+        #: reaches a ROUTER (0: deliver now); a frame is held at most once
+        self.holds: list[Callable[[Any, bytes, bytes], int]] = []
+        #: chance that a frame reaching an address nothing is bound to (its process is
+        #: down) waits in its sender's queue and is tried again, as ZeroMQ's DEALER keeps
+        #: what it could not send while it reconnects (for up to REQUEUE_FOR_NS)
+        self.requeue_unbound = 0.0
+        self.requeued = 0
+        #: every address ever bound
+        self.ever_bound: set[str] = set()
+        #: processes cut from their peers (every frame on a backup's link to its primary,
+        #: either way, is lost while one end is cut): process -> until when
+        self.cut_from_peers: dict["SimProcess", int] = {}
         self.events = 0
 
     # -- scheduling -------------------------------------------------------------------------------
@@ -144,6 +162,13 @@ class World:
         self.fifo_last[key] = t
         self.at(t, deliver, *args)
 
+    def peer_link_cut(self, a: "SimProcess", b: "SimProcess | None") -> bool:
+        cut = self.cut_from_peers
+        if not cut:
+            return False
+        now = self.now
+        return cut.get(a, -1) > now or (b is not None and cut.get(b, -1) > now)
+
     def tap(self, kind: str, endpoint: Any, frame: bytes, route: bytes | None = None) -> list[Callable[[], None]]:
         after = []
         for fn in self.taps:
@@ -151,6 +176,10 @@ class World:
             if post is not None:
                 after.append(post)
         return after
+
+
+#: how long a frame waits in a DEALER's queue for its peer to be back
+REQUEUE_FOR_NS = 200 * MS
 
 
 class _Timer:
@@ -166,9 +195,12 @@ class _Timer:
 class SimProcess:
     """One process incarnation: the Runtime and Network ports of its drivers."""
 
-    def __init__(self, world: World, name: str) -> None:
+    def __init__(self, world: World, name: str, host: str | None = None) -> None:
         self.world = world
         self.name = name
+        #: what its addresses are named after: the incarnation's name, or a fixed host
+        #: that every incarnation binds again
+        self.host = host or name
         self.alive = True
         self._turn_answers: list[Callable[[], bool]] = []
         self._turn_end: list[Callable[[], None]] = []
@@ -224,7 +256,7 @@ class SimProcess:
 
     # -- Network ----------------------------------------------------------------------------------
     def _addr(self, kind: str) -> str:
-        return f"sim://{self.name}/{kind}{next(self._n)}"
+        return f"sim://{self.host}/{kind}{next(self._n)}"
 
     def router(self, on_frame: Callable[[bytes, bytes], None], on_multipart: Callable[[bytes, int], None],
                host: str = "", port: int = 0, max_bytes: int = -1) -> "SimRouter":
@@ -282,8 +314,16 @@ class SimRouter:
         self.on_frame = on_frame
         self.closed = False
         proc.world.bound[addr] = self
+        proc.world.ever_bound.add(addr)
 
-    def deliver(self, route: bytes, frame: bytes) -> None:
+    def deliver(self, route: bytes, frame: bytes, held: bool = False) -> None:
+        world = self.proc.world
+        if not held and world.holds:
+            for hold in world.holds:
+                delay = hold(self, frame, route)
+                if delay > 0:
+                    world.at(world.now + delay, self.deliver, route, frame, True)
+                    return
         if not self.closed:
             after = self.proc.world.tap("router", self, frame, route)
             self.proc.run(self.on_frame, route, frame)
@@ -296,6 +336,8 @@ class SimRouter:
         if d is None or d.closed or self.closed:
             return False
         loss = LOSS_OF_LABEL.get(d.label, "client_loss")
+        if d.label == "primary" and world.peer_link_cut(self.proc, d.proc):
+            return True  # lost on a cut link
         if loss is None:
             world.stream((route, "down"), d.deliver, frame)
         else:
@@ -329,10 +371,19 @@ class SimDealer:
             world.datagram(getattr(world.p, loss), self._arrive, frame)
         return True
 
-    def _arrive(self, frame: bytes) -> None:
-        r = self.proc.world.bound.get(self.addr)
+    def _arrive(self, frame: bytes, since: int | None = None) -> None:
+        world = self.proc.world
+        r = world.bound.get(self.addr)
         if isinstance(r, SimRouter):
+            if self.label == "primary" and world.peer_link_cut(self.proc, r.proc):
+                return  # lost on a cut link
             r.deliver(self.route, frame)
+        elif (r is None and not self.closed and self.addr in world.ever_bound and world.requeue_unbound
+              and world.now - (since if since is not None else world.now) < REQUEUE_FOR_NS
+              and world.rng.random() < world.requeue_unbound):
+            world.requeued += 1
+            world.at(world.now + world.rng.randint(1, 20) * MS, self._arrive, frame,
+                     world.now if since is None else since)
 
     def deliver(self, frame: bytes) -> None:
         if not self.closed:
@@ -413,6 +464,7 @@ class SimPuller:
         self.closed = False
         self.paused = paused
         proc.world.bound[addr] = self
+        proc.world.ever_bound.add(addr)
 
     def pause(self) -> None:
         self.paused = True
@@ -592,9 +644,12 @@ class ZooKeeper:
         """Make ``view`` show the current state (fields replaced whole)."""
         view.replica_counts = {s: int(m.get("replicas", 0)) for s, m in self.meta.items()}
         reps: dict[int, dict[int, str]] = {s: {} for s in self.meta}
-        for (s, i), (addr, _) in self.replicas.items():
+        owners: dict[int, dict[int, int]] = {s: {} for s in self.meta}
+        for (s, i), (addr, session) in self.replicas.items():
             reps.setdefault(s, {})[i] = addr
+            owners.setdefault(s, {})[i] = session.id
         view.replicas = reps
+        view.replica_owners = owners
         view.removed = frozenset(s for s, m in self.meta.items() if m.get("removed"))
         view.recovering = frozenset(s for s, m in self.meta.items() if m.get("recovering") is not None)
         view.history = [list(h) for h in self.history]

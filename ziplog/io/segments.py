@@ -9,8 +9,9 @@ directory when a file was created in it since the last one), which can take
 milliseconds, runs per ``fsync`` policy:
 
 * ``never``    - leave it to the OS (fastest; survives process crashes, not power loss)
-* ``interval`` - a helper thread syncs at most every ``fsync_interval`` seconds
-  (the default policy; ``ziplog.server`` defaults to 1 s)
+* ``interval`` - a helper thread syncs each batch within about ``fsync_interval``
+  seconds of its write, at most once per interval, an idle tail too (the default
+  policy; ``ziplog.server`` defaults to 1 s)
 * ``always``   - sync every batch on the writing thread before it continues
 
 Whatever the policy, the log syncs where its own structure depends on it:
@@ -93,8 +94,9 @@ class SegmentLog:
                  segment_bytes: int = SEGMENT_BYTES, reserve_bytes: int = RESERVE_BYTES, files: Files = OS_FILES,
                  clock: Callable[[], float] = time.monotonic, background: bool = True) -> None:
         """``files`` and ``clock`` are the operating system's unless a simulation runs the
-        log; ``background`` False syncs the ``interval`` policy on the writing thread
-        when due, instead of on a helper thread."""
+        log; ``background`` False syncs the ``interval`` policy on the writing thread,
+        when an append finds the interval passed, instead of on a helper thread (which
+        also syncs a tail left idle for an interval)."""
         assert fsync in ("never", "interval", "always"), fsync
         self.dir = Path(directory)
         self._d = str(self.dir)
@@ -165,6 +167,10 @@ class SegmentLog:
         """Begin writing: the next batch opens a fresh segment with ``snapshot``."""
         self._snapshot = snapshot
         self._sync_wanted = threading.Event()
+        self._stop = threading.Event()
+        #: appended since the helper thread last began a sync (set by the writing thread,
+        #: cleared by the helper just before it syncs)
+        self._unsynced = False
         self._stopping = False
         self._rotate_due = True
         self._started = True
@@ -237,15 +243,18 @@ class SegmentLog:
                 self._sync_open()
             except OSError as exc:
                 self.error = exc  # the batch is written: raised by the next append, before it writes
-        elif self.fsync == "interval" and self.clock() - self._last_sync >= self.fsync_interval:
-            self._last_sync = self.clock()
-            if self._thread is not None:
+        elif self.fsync == "interval" and self._thread is not None:
+            if not self._unsynced:
+                self._unsynced = True
                 self._sync_wanted.set()
-            else:
-                try:
-                    self._sync_open()
-                except OSError as exc:
-                    self.error = exc
+        elif self.fsync == "interval" and self.clock() - self._last_sync >= self.fsync_interval:
+            # no helper thread (a simulation): the append that finds the interval passed
+            # syncs (an idle tail waits for the next append: a power loss may take more)
+            self._last_sync = self.clock()
+            try:
+                self._sync_open()
+            except OSError as exc:
+                self.error = exc
         if self._size >= self.segment_bytes:
             self._rotate_due = True
 
@@ -260,11 +269,20 @@ class SegmentLog:
         self.error = None
 
     def _run(self) -> None:
+        # Woken by the first append after a sync; syncs once the interval since the last
+        # sync has passed. Every batch is on disk within about one interval of its write,
+        # the tail appended before writes stopped too; at most one sync per interval, and
+        # an idle log costs nothing.
         while True:
             self._sync_wanted.wait()
             self._sync_wanted.clear()
             if self._stopping:
                 return
+            rest = self._last_sync + self.fsync_interval - self.clock()
+            if rest > 0 and self._stop.wait(rest):
+                return
+            self._unsynced = False
+            self._last_sync = self.clock()
             try:
                 self._sync_open()
             except OSError as exc:  # EBADF: rotated and closed meanwhile (synced then)
@@ -319,6 +337,7 @@ class SegmentLog:
         finally:
             self._started = False
             self._stopping = True
+            self._stop.set()
             self._sync_wanted.set()
             if self._thread is not None:
                 self._thread.join(timeout)

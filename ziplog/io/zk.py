@@ -172,6 +172,16 @@ class Topology(TopologyView):
             raise _Stale(str(exc)) from exc
         return data  # type: ignore[no-any-return]
 
+    def _read_owned(self, path: str) -> tuple[bytes, int] | None:
+        """An ephemeral node's data and the session that owns it (None: it is gone)."""
+        try:
+            data, stat = self.zk.retry(self.zk.get, path)
+        except NoNodeError:
+            return None
+        except KazooException as exc:
+            raise _Stale(str(exc)) from exc
+        return data, int(stat.ephemeralOwner)
+
     def _on_session_state(self, state: str) -> None:
         """kazoo's connection thread: never block it; re-read on a worker."""
         if state == KazooState.CONNECTED and self._stale:
@@ -203,16 +213,22 @@ class Topology(TopologyView):
 
     def _on_replicas(self, shard: int, kids: list[str]) -> None:
         addrs: dict[int, str] = {}
+        owners: dict[int, int] = {}
         for k in kids:
-            data = self._read(f"{SHARDS}/{shard}/{k}")
-            if data is None:
+            got = self._read_owned(f"{SHARDS}/{shard}/{k}")
+            if got is None:
                 continue
+            data, owner = got
             info = dec(data) or {}
             if "addr" in info:
                 addrs[int(k)] = info["addr"]
+                owners[int(k)] = owner
         reps = dict(self.replicas)
         reps[shard] = addrs
+        owned = dict(self.replica_owners)
+        owned[shard] = owners
         self.replicas = reps
+        self.replica_owners = owned
         self.changed()
 
     def _on_membership(self, data: bytes | None, stat: Any) -> None:

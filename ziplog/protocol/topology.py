@@ -16,6 +16,9 @@ from typing import Any, Callable
 class TopologyView:
     def __init__(self) -> None:
         self.replicas: dict[int, dict[int, str]] = {}  # shard -> replica -> addr
+        #: shard -> replica -> the ZooKeeper session that registered it: another one at the
+        #: same address is another incarnation (a server restarted on its fixed --port)
+        self.replica_owners: dict[int, dict[int, int]] = {}
         self.replica_counts: dict[int, int] = {}
         self.removed: frozenset[int] = frozenset()
         self.recovering: frozenset[int] = frozenset()

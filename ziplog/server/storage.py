@@ -143,6 +143,8 @@ class StorageDriver:
         self.addr = advertised(self.router.addr, advertise)
         self.primary: Endpoint | None = None
         self.primary_addr: str | None = None
+        #: the ZooKeeper session that registered the primary we are linked to
+        self.primary_owner: int | None = None
         self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
         self.epoch_pubs: set[str] = set()
         self.mms_pushes: dict[str, Endpoint] = {}
@@ -220,14 +222,20 @@ class StorageDriver:
             if pull not in self.fh_pushes:
                 self.fh_pushes[pull] = net.pusher(pull)
         if not self.settings.is_primary:
-            addr = topo.replicas.get(self.settings.shard, {}).get(0)
-            if addr and addr != self.primary_addr:
+            shard = self.settings.shard
+            addr = topo.replicas.get(shard, {}).get(0)
+            owner = topo.replica_owners.get(shard, {}).get(0)
+            # A new address, or another incarnation at the same one (a primary restarted
+            # on a fixed port: our old connection would carry on to it, and the restarted
+            # primary, waiting for every backup's HELLO, would never hear ours).
+            if addr and (addr != self.primary_addr or owner != self.primary_owner):
                 if self.primary is not None:
                     self.primary.close()
                 self.primary = net.dealer(addr, self.guard.frames("the primary's link", self.on_primary_frame),
                                           "primary", max_bytes=f.forward_limit(self.settings.forward_batch_bytes,
                                                                                self.settings.max_record_bytes))
                 self.primary_addr = addr
+                self.primary_owner = owner
                 self.core.connect_primary(self.rt.now())
                 self._perform(self.core.ready())
 
