@@ -144,6 +144,12 @@ def check(history: History, ours: Callable[[bytes], bool] = lambda data: True, c
 
     # 1, 4. acknowledged: at their rid, once, after their dependency
     top = longest[-1][0].gsn if longest else 0
+    where_in: dict[str, dict[bytes, list[RecordId]]] = {}
+    for name, seq in deliveries.items():
+        index: dict[bytes, list[RecordId]] = {}
+        for rid, data in seq:
+            index.setdefault(data, []).append(rid)
+        where_in[name] = index
     for op in inserts:
         if op.outcome != OK:
             continue
@@ -154,7 +160,7 @@ def check(history: History, ours: Callable[[bytes], bool] = lambda data: True, c
             reached = seq[-1][0].gsn if seq else 0
             if not complete and op.rid.gsn > reached:
                 continue
-            where = [rid for rid, data in seq if data == op.data]
+            where = where_in[name].get(op.data, [])
             if where != [op.rid]:
                 problems.append(f"subscriber {name}: acknowledged {op.data[:40]!r} at {op.rid} was delivered at "
                                 f"{where or 'no gsn'}")

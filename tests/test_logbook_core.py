@@ -258,7 +258,7 @@ def test_a_long_chain_of_undecided_commits_is_decided_without_deep_recursion() -
     conflicts with its predecessor iff that one took effect (so they alternate). Deciding
     the last of thousands must not recurse through all of them."""
     from ziplog.logbook.core import objects as o
-    n = 5000
+    n = 2000  # past the interpreter's recursion limit (1000) twice over
     updates: dict[int, Any] = {2 * i: o.TxnCommit(txn=i, start=2 * i - 3 if i > 1 else 0, writes=[("x", "v", i)])
                                for i in range(1, n + 1)}
     replay = o.Replay()
