@@ -34,8 +34,10 @@ run: setup
 	$(PY) -m ziplog.logbook.demo
 	$(PY) -m ziplog.tools.spark_demo
 
+# two workers (a module stays in one): the suite's clusters wait on timers and disks as
+# much as they compute
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # every experiment, full length (about an hour); `python -m bench latency --quick` for two minutes
 bench: setup

@@ -17,9 +17,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """The tests run the compiled hot path (``ziplog/native.py``) as ``make setup`` built
     it: a source edited since is compiled again first, never tested stale. With
     ZIPLOG_PURE=1 they run the sources."""
-    if os.environ.get("ZIPLOG_PURE") != "1":
+    if os.environ.get("ZIPLOG_PURE") != "1" and "PYTEST_XDIST_WORKER" not in os.environ:
+        # (built once, by the process that hands tests to the workers, before they start)
         from ziplog.tools.build_native import main as build_native
         build_native([])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One ZooKeeper ensemble for the session (per worker process), which every
+    LocalCluster uses under a root of its own unless it asks for its own ensemble (a
+    test that kills or cuts ZooKeeper nodes does): three JVMs per cluster cost more CPU
+    than the rest of a small cluster."""
+    from ziplog.tools import cluster
+    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
+
+    with ZooKeeperEnsemble(tmp_path_factory.mktemp("shared-zookeeper"), size=3) as ensemble:
+        cluster.SHARED_ZOOKEEPER = ensemble.hosts
+        try:
+            yield ensemble.hosts
+        finally:
+            cluster.SHARED_ZOOKEEPER = None
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ziplog.LocalCluster]:
-    with ziplog.local_cluster(shards=3, replicas=2) as c:
+    with ziplog.local_cluster(shards=3, replicas=2, own_zookeeper=True) as c:  # kills a ZooKeeper node
         # Restart killed replicas only after the suspicion timeout (500 ms), so that every
         # kill here goes through failure recovery (a quick restart of a replica that lost
         # nothing needs none).

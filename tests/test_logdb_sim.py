@@ -33,7 +33,7 @@ def _state(path: Path, index: int) -> tuple[int, dict, list]:
         store.close()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_a_crash_before_any_statement_leaves_data_and_position_together(tmp_path: Path, seed: int) -> None:
     log = make_log(seed, turns=25)  # ~120 statements a shard, each a crash point (a forked child)
     end = log.turns[-1][1]
@@ -86,7 +86,7 @@ def test_logdb_on_the_simulated_system_is_serializable_and_applies_each_commit_o
     serializability, the outcomes clients were told, exactly-once application and the
     coordinators' agreement (``python -m tests.sim --logdb --seeds 2000`` runs more)."""
     totals: dict[str, int] = {}
-    for seed in range(40):
+    for seed in range(25):
         out = logdb_system.run(seed)
         for k, v in out.logdb.items():
             totals[k] = totals.get(k, 0) + v

@@ -47,7 +47,8 @@ CUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ziplog.LocalCluster]:
-    with ziplog.local_cluster(shards=2, replicas=2, data_dir=tmp_path_factory.mktemp("partitions")) as c:
+    with ziplog.local_cluster(shards=2, replicas=2, data_dir=tmp_path_factory.mktemp("partitions"),
+                              own_zookeeper=True) as c:  # cuts a replica from its ZooKeeper nodes' ports
         yield c
 
 

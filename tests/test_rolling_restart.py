@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def test_a_rolling_restart_under_load_loses_nothing(tmp_path: Path) -> None:
-    with ziplog.local_cluster(shards=2, replicas=2, data_dir=tmp_path) as cluster:
+    with ziplog.local_cluster(shards=2, replicas=2, data_dir=tmp_path, own_zookeeper=True) as cluster:
         load = Load(cluster)
         try:
             load.wait_acked(200)

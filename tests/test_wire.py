@@ -70,10 +70,29 @@ _REFERENCE_SCHEMAS = {
 _REFERENCE_OPTIONAL = {wire.INSERT: [0], wire.NOTICE: [0]}
 
 
+def _reference_op(frame: bytes) -> object:
+    """A frame's second element, read one msgpack object at a time (the first skipped
+    unbuilt), or None when the bytes do not get that far."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(frame)
+    try:
+        if unpacker.read_array_header() < 2:
+            return None
+        unpacker.skip()
+        return unpacker.unpack()
+    except Exception:
+        return None
+
+
 def reference_decode(frame: bytes) -> list:
     try:
         msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
     except Exception:
+        # authority is judged before msgpack: bytes whose second element reads as a
+        # sealed op or SIGNED earn UNAUTHENTICATED even when the rest cannot be built
+        op = _reference_op(frame)
+        if type(op) is int and op in wire.MEMBER_OPS | {wire.SIGNED}:
+            raise wire.ProtocolError(wire.E_UNAUTHENTICATED, "sealed only", None) from None
         raise wire.ProtocolError(wire.E_MALFORMED, "not msgpack") from None
     if type(msg) is not list or len(msg) < 2:
         raise wire.ProtocolError(wire.E_MALFORMED, "not an array")

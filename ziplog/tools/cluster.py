@@ -9,6 +9,7 @@ with the parent: see ``ziplog.tools.procs``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -31,13 +32,44 @@ from ziplog.tools.placement import Placement
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 
 
+#: An ensemble already running that every LocalCluster of this process uses, each under a
+#: root of its own, unless told ``own_zookeeper`` or placed on other hosts: starting three
+#: JVMs costs more CPU than the rest of a small cluster (the test suite sets it, once per
+#: worker process). None: each cluster starts its own.
+SHARED_ZOOKEEPER: str | None = None
+
+
+class ZooKeeperRoot:
+    """A cluster's share of an ensemble someone else runs: its own root node (kazoo's
+    chroot), the same for the same ``data_dir``, so a restart on it finds its state.
+    Starting it makes the root; stopping it leaves the ensemble running."""
+
+    BASE = "/ziplog-local"
+
+    def __init__(self, ensemble_hosts: str, data_dir: Path) -> None:
+        digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+        self.root = f"{self.BASE}/{digest}"
+        self.ensemble_hosts = ensemble_hosts
+        self.hosts = ensemble_hosts + self.root
+
+    def start(self) -> None:
+        zk = discovery.connect(self.ensemble_hosts)
+        try:
+            zk.ensure_path(self.root)
+        finally:
+            discovery.stop(zk)
+
+    def stop(self) -> None:
+        pass
+
+
 class LocalCluster:
     def __init__(self, data_dir: Path, shards: int = 2, replicas: int = 2, mms_replicas: int = 3,
                  epoch_interval_ms: float = 10.0, fsync: str = "interval", zk_force_sync: bool = True,
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
                  supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
                  placement: Placement | None = None, spread_cpus: bool = True,
-                 process_per_cpu: bool = False) -> None:
+                 process_per_cpu: bool = False, own_zookeeper: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -73,8 +105,14 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync,
-                                    hosts=[self.placement.zookeeper(i) for i in range(3)])
+        #: the cluster's ZooKeeper: an ensemble of its own (which a test may kill nodes
+        #: of), or a root in the shared one
+        self.zk: ZooKeeperEnsemble | ZooKeeperRoot
+        if SHARED_ZOOKEEPER is not None and not own_zookeeper and placement is None:
+            self.zk = ZooKeeperRoot(SHARED_ZOOKEEPER, self.data_dir)
+        else:
+            self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync,
+                                        hosts=[self.placement.zookeeper(i) for i in range(3)])
         #: the cluster's secret: every process of it (and an operator's tools) proves
         #: membership with it; kept with the data, so a restart on it is the same cluster
         self.key_file = self.data_dir / "cluster.key"

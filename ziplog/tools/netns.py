@@ -17,6 +17,7 @@ every namespace and link).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -31,6 +32,8 @@ CONTROL_HOSTS = 3
 #: addresses: 10.231.<net>.0/24, the bridge .1, the hosts from .10 on
 SUBNET_FMT = "10.231.{net}.{host}"
 FIRST_HOST = 10
+#: held while a bed picks its subnet and makes its bridge
+_LOCK_FILE = "/run/ziplog-netns.lock"
 
 
 class NetnsError(RuntimeError):
@@ -91,8 +94,20 @@ class NetnsBed:
 
     def start(self) -> None:
         self._remove(self._names)  # what a run killed before its cleanup left behind
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        with open(_LOCK_FILE, "a") as lock:
+            # two beds on one machine (two `cluster up --netns`, two test workers) take
+            # different subnets: the choice and the bridge that shows it, under one lock
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            taken = _ip("-o", "-4", "addr", "show").stdout
+            for _ in range(250):
+                if f" {self.gateway}/" not in taken:
+                    break
+                self.net = (self.net + 1) % 250
+                self.gateway = SUBNET_FMT.format(net=self.net, host=1)
+            else:
+                raise NetnsError("every 10.231.x.0/24 subnet is taken by another bed")
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i, name in enumerate(self._names):
             ns, outside, inside = self._names_of(i, name)

@@ -1,7 +1,8 @@
 """A rolling restart of a local cluster: every process stopped gracefully (SIGTERM) and
 started again, one at a time, the next only once the last is back at work:
 
-1. ZooKeeper nodes, followers first and the leader last; back: serving in the quorum.
+1. ZooKeeper nodes (of the cluster's own ensemble), followers first and the leader last;
+   back: serving in the quorum.
 2. MMS replicas, then failure handler replicas, the leader of each last; back:
    registered again in ZooKeeper under a new session.
 3. Storage replicas, shard by shard, backups first and the primary last; back:
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 from ziplog.protocol import layout
 from ziplog.tools import procs
+from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 from ziplog.io.election import election_leader
 
 #: how often a restarted process is asked whether it is back (ZooKeeper has no event for
@@ -69,15 +71,16 @@ def rolling_restart(cluster: Any, timeout: float = 60.0,
         if on_restart is not None:
             on_restart(r)
 
-    # -- ZooKeeper ---------------------------------------------------------------------------------
+    # -- ZooKeeper (an ensemble of the cluster's own: a shared one is not its to restart) --------
     ensemble = cluster.zk
-    for i in _leader_last(list(range(ensemble.size)), ensemble.leader()):
-        t = time.monotonic()
-        ensemble.stop_node(i)
-        ensemble.start_node(i)
-        ensemble.wait_for_mode(i, timeout)
-        _wait(f"the quorum after ZooKeeper node {i}", lambda: ensemble.leader() is not None, timeout)
-        note("zookeeper", f"zk{i}", t)
+    if isinstance(ensemble, ZooKeeperEnsemble):
+        for i in _leader_last(list(range(ensemble.size)), ensemble.leader()):
+            t = time.monotonic()
+            ensemble.stop_node(i)
+            ensemble.start_node(i)
+            ensemble.wait_for_mode(i, timeout)
+            _wait(f"the quorum after ZooKeeper node {i}", lambda: ensemble.leader() is not None, timeout)
+            note("zookeeper", f"zk{i}", t)
 
     # -- the control plane -------------------------------------------------------------------------
     for kind, by_id, spawn, election, node_of in (
