@@ -237,6 +237,36 @@ def test_source_does_not_disown_a_guess_between_install_parts() -> None:
     assert isinstance(resumed, wire.RecoveryOk) and [7, 1] not in resumed.payload["refused"]
 
 
+def test_a_source_restarted_since_its_probe_answer_does_not_disown_a_guess() -> None:
+    """Formerly a duplicate the system simulation found (seed 2013945): the recovery
+    acquired the backup's state, with its guess of an acknowledged record; the backup
+    lost power (a guess lives in memory only) and came back frozen; a new handler leader
+    told it ACQUIRED, and it told the client the shard would not hold the record, which
+    the client placed on another shard while the install brought it back here. A
+    process that did not report the state itself does not answer for it."""
+    h, w = _acked_guess_only_on_the_backup()
+    gsn = w.decided
+    request(h.B, b"handler", wire.Probe(req_id=1, gen=0), h.now)
+    ready = h.B.ready()
+    h.disk[1].extend(ready.persist)  # the freeze, on disk before the answer leaves
+    state = ready.durable[-1][1]
+    assert isinstance(state, wire.RecoveryOk) and [gsn, 7, 1, b"acked"] in state.payload["guesses"]
+    h.B = h.new_core(1)  # power lost; restarted from its disk
+    h.B.replay(list(h.disk[1]))
+    assert h.B.frozen and not h.B.recovery.froze_here == 0
+
+    def answers(req: wire.Request) -> list[wire.Frame]:
+        request(h.B, b"handler", req, h.now)
+        ready = h.B.ready()
+        return [m for _, m in ready.messages + ready.durable]
+
+    told = answers(wire.Acquired(req_id=2, gen=0))
+    assert told and isinstance(told[-1], wire.Error) and told[-1].code == wire.E_STALE, told
+    again = answers(wire.Insert(req_id=9, client_id=7, seq=1, after=0, data=b"acked"))
+    assert not [m for m in again if isinstance(m, wire.Error) and m.code == wire.E_NOT_HELD], \
+        "a restarted source disowned a record the acquired state holds"
+
+
 def test_new_shard_starts_when_its_first_hello_is_lost() -> None:
     """Formerly bug B2 (found by the system simulation): when a new shard's backup guessed
     before its first HELLO reached the primary, the primary blocked for good and recovery
@@ -352,14 +382,19 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
-@pytest.mark.parametrize("seed", [201030, 203172])
+@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
     with the record the install had replaced: the shard's replicas disagreed at that gsn
     (tests/test_install_durable.py). 203172: the handler resent a FETCH whose answer was
     on its way and kept both answers' records, so its next INSTALL held one record twice
-    and the handler's own check stopped the recovery."""
+    and the handler's own check stopped the recovery. 2012375: a replica restarted empty
+    was caught up to a stable prefix past a recovery's base, then installed in parts; a
+    subscription opened between two parts was shown progress over positions the
+    truncation had emptied, and the next part's records came after it (a subscriber
+    would have skipped them). 2013945: a source restarted since its PROBE answer
+    disowned the guesses that answer had reported (a record stored on two shards)."""
     run(seed)
 
 

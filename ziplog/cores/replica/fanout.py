@@ -178,7 +178,10 @@ class Fanout:
         log = self.log
         gsns, records_by_gsn = log.gsns, log.records
         limit = log.servable
-        i = bisect.bisect_left(gsns, max(sub.next_gsn, log.trim_point))
+        # Never again at or below what the subscription was shown: those positions are
+        # stable, and an install that brings their records back (in parts, after
+        # truncating below them) brings back the same records it already sent.
+        i = bisect.bisect_left(gsns, max(sub.next_gsn, sub.progress_sent + 1, log.trim_point))
         records: list[tuple[int, bytes]] = []
         size = 0
         progress = limit

@@ -137,8 +137,11 @@ class DecidedLog:
     @property
     def servable(self) -> int:
         """Subscribers may be shown every position up to here: stable, or fixed by an
-        installed recovery."""
-        return self.stable if self.fixed_upto <= self.stable else min(self.fixed_upto, self.frontier)
+        installed recovery, and never past the frontier. (A recovery's install in parts
+        truncates at its base, which may lie below ``stable``, and brings the same stable
+        records back part by part: between parts, positions above the frontier are not
+        in the log, and a subscription shown them would miss their records.)"""
+        return min(self.stable if self.fixed_upto <= self.stable else self.fixed_upto, self.frontier)
 
     def fix_upto(self, end: int) -> None:
         """An installed recovery fixed every position up to ``end`` (see ``fixed_upto``)."""

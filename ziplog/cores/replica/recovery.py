@@ -85,6 +85,11 @@ class RecoveryParticipant:
         #: records this replica, as the recovery's authority, said the shard will not
         #: hold (NOT_HELD), this generation: handed to the others at RESUME
         self.not_held: dict[Key, None] = {}
+        #: the generation this process froze for, answering its PROBE (-1: none; a
+        #: replica restored frozen from its disk did not): the guesses a PROBE answer
+        #: reports live in memory only, so a process that did not report them itself
+        #: cannot know them
+        self.froze_here = -1
 
     def _become(self, phase: RecoveryPhase) -> None:
         assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
@@ -173,6 +178,7 @@ class RecoveryParticipant:
         log = self.log
         if gen > self.gen:
             self.gen = gen
+            self.froze_here = gen
             self._become(RecoveryPhase.FROZEN)
             self.installed_gen = -1
             self.installed_end = -1
@@ -204,6 +210,14 @@ class RecoveryParticipant:
     def _acquired(self, now: int) -> dict[str, Any] | str:
         if not self.frozen:
             return "not frozen"
+        if self.froze_here != self.gen:
+            # Restarted since it reported its state: the acquired state may hold guesses
+            # this process never knew (they died with the last one), and telling a
+            # client its record will not be held would let it place the record on
+            # another shard while the install brings it back here. Its clients hear
+            # FROZEN until RESUME instead (the handler asks again; it installs all the
+            # same).
+            return "restarted since it reported its state for this recovery: it cannot answer for its guesses"
         if self.phase is RecoveryPhase.FROZEN:
             self._become(RecoveryPhase.ACQUIRED)
         self.role.on_authority(now)
