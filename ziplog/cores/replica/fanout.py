@@ -31,9 +31,8 @@ LEASE_CHECKS = 4
 class Subscription:
     route: bytes
     sub_id: int
-    next_gsn: int  # records >= next_gsn not yet sent
     credit: int  # bytes the subscriber can still take
-    progress_sent: int  # last progress reported
+    progress_sent: int  # last progress reported: every record at or below it was sent
     epoch_sent: int  # membership sent for every epoch <= this
     last_heard_ns: int
 
@@ -146,7 +145,7 @@ class Fanout:
                 return
             self.subs_by_route[route] = held + 1
         start = max(msg.from_gsn, 1)
-        sub = Subscription(route, msg.sub_id, start, msg.credit, start - 1, epoch_of(start) - 1, now)
+        sub = Subscription(route, msg.sub_id, msg.credit, start - 1, epoch_of(start) - 1, now)
         self.subs[key] = sub
         if self.next_lease_check is None:
             self.next_lease_check = now + self.s.subscription_lease_ns // LEASE_CHECKS
@@ -181,7 +180,7 @@ class Fanout:
         # Never again at or below what the subscription was shown: those positions are
         # stable, and an install that brings their records back (in parts, after
         # truncating below them) brings back the same records it already sent.
-        i = bisect.bisect_left(gsns, max(sub.next_gsn, sub.progress_sent + 1, log.trim_point))
+        i = bisect.bisect_left(gsns, max(sub.progress_sent + 1, log.trim_point))
         records: list[tuple[int, bytes]] = []
         size = 0
         progress = limit
@@ -198,8 +197,6 @@ class Fanout:
             size += len(data) + 16
             sub.credit -= len(data)
             i += 1
-        if records:
-            sub.next_gsn = records[-1][0] + 1
         if progress <= sub.progress_sent and not records:
             return
         epochs: list[tuple[int, int, tuple[int, ...]]] = []
