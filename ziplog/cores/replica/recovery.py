@@ -48,10 +48,15 @@ Key = tuple[int, int]
 
 class RecoveryPhase(enum.Enum):
     NORMAL = "normal"
-    #: promised the failure handler to store nothing new
+    #: promised the failure handler, answering its PROBE, to store nothing new
     FROZEN = "frozen"
     #: frozen, and its state is the one the recovery keeps: it answers for it
     ACQUIRED = "acquired"
+    #: frozen by the disk's word at start (:meth:`RecoveryParticipant.restore`), not by
+    #: this process's PROBE answer: the guesses that answer reported lived in the memory
+    #: of a process now gone, so it cannot answer for them (never ACQUIRED) until a
+    #: newer PROBE freezes it afresh
+    RESTORED = "restored"
 
 
 #: NOT_HELD answers an authority remembers per generation (each a client's record in
@@ -59,9 +64,10 @@ class RecoveryPhase(enum.Enum):
 MAX_NOT_HELD = 100_000
 
 _TRANSITIONS = {
-    RecoveryPhase.NORMAL: {RecoveryPhase.FROZEN},
+    RecoveryPhase.NORMAL: {RecoveryPhase.FROZEN, RecoveryPhase.RESTORED},
     RecoveryPhase.FROZEN: {RecoveryPhase.FROZEN, RecoveryPhase.ACQUIRED, RecoveryPhase.NORMAL},
     RecoveryPhase.ACQUIRED: {RecoveryPhase.FROZEN, RecoveryPhase.NORMAL},
+    RecoveryPhase.RESTORED: {RecoveryPhase.FROZEN, RecoveryPhase.NORMAL},
 }
 
 
@@ -85,11 +91,6 @@ class RecoveryParticipant:
         #: records this replica, as the recovery's authority, said the shard will not
         #: hold (NOT_HELD), this generation: handed to the others at RESUME
         self.not_held: dict[Key, None] = {}
-        #: the generation this process froze for, answering its PROBE (-1: none; a
-        #: replica restored frozen from its disk did not): the guesses a PROBE answer
-        #: reports live in memory only, so a process that did not report them itself
-        #: cannot know them
-        self.froze_here = -1
 
     def _become(self, phase: RecoveryPhase) -> None:
         assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
@@ -101,7 +102,7 @@ class RecoveryParticipant:
         if mark is None or mark.phase == RECOVERY_RESUMED:
             return
         self.gen = mark.gen
-        self._become(RecoveryPhase.FROZEN)
+        self._become(RecoveryPhase.RESTORED)
         self.role.frozen()
         if mark.phase == RECOVERY_INSTALLED:
             self.installed_gen = mark.gen
@@ -178,7 +179,6 @@ class RecoveryParticipant:
         log = self.log
         if gen > self.gen:
             self.gen = gen
-            self.froze_here = gen
             self._become(RecoveryPhase.FROZEN)
             self.installed_gen = -1
             self.installed_end = -1
@@ -210,7 +210,7 @@ class RecoveryParticipant:
     def _acquired(self, now: int) -> dict[str, Any] | str:
         if not self.frozen:
             return "not frozen"
-        if self.froze_here != self.gen:
+        if self.phase is RecoveryPhase.RESTORED:
             # Restarted since it reported its state: the acquired state may hold guesses
             # this process never knew (they died with the last one), and telling a
             # client its record will not be held would let it place the record on
@@ -220,6 +220,7 @@ class RecoveryParticipant:
             return "restarted since it reported its state for this recovery: it cannot answer for its guesses"
         if self.phase is RecoveryPhase.FROZEN:
             self._become(RecoveryPhase.ACQUIRED)
+        assert self.phase is RecoveryPhase.ACQUIRED, ("answering for a state it did not report", self.phase)
         self.role.on_authority(now)
         # Clients waiting on a record we could not place yet get their final answer now.
         if not self.role.is_primary:
