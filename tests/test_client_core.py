@@ -60,11 +60,60 @@ def test_an_insert_is_done_when_every_replica_agrees_and_resends_otherwise() -> 
     assert addrs == ("tcp://s0r0", "tcp://s0r1") and isinstance(msg, wire.Insert) and msg.after == 5
     assert call.wake_at == RETRY_AFTER_NS
     assert call.on_reply("tcp://s0r0", _ack(msg.req_id, 9, 0, True), 1, topo) == [] and not call.done
-    # unanswered by the backup: the identical frame again, to both
+    # unanswered by the backup: the same record again, to both, under a new request id
     (addrs2, again), = call.on_timer(RETRY_AFTER_NS, topo)
-    assert again is msg and addrs2 == addrs and c.stats["retries"] == 1
-    call.on_reply("tcp://s0r1", _ack(msg.req_id, 9, 1, False), RETRY_AFTER_NS + 1, topo)
+    assert isinstance(again, wire.Insert) and again.req_id != msg.req_id and addrs2 == addrs
+    assert (again.client_id, again.seq, again.after, again.data, again.stamp) == (
+        msg.client_id, msg.seq, msg.after, msg.data, msg.stamp) and c.stats["retries"] == 1
+    # the primary's ACK of the first round still counts; the backup's answer completes it
+    call.on_reply("tcp://s0r1", _ack(again.req_id, 9, 1, False), RETRY_AFTER_NS + 1, topo)
     assert call.done and call.result() == RecordId(9, 0) and call.state is InsertState.DONE
+
+
+def _error(req: int, code: str) -> wire.Error:
+    return wire.Error(req_id=req, code=code, message=code)
+
+
+def test_a_refusal_counts_only_in_reply_to_the_latest_resend() -> None:
+    """Formerly system seed 2028715: a primary refused a record (its disk was full), lost
+    power and came back on the same address, which parked the client's resend and decided
+    it later; the backup's NO_GUESS to that resend, taken with the refusal the previous
+    incarnation gave, moved the record to another shard (stored twice). Refusals and
+    "no copy" answers are one process's promises: they count only in reply to the
+    latest round, each resend being one under a new request id."""
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (_, first), = call.start(0, topo)
+    assert isinstance(first, wire.Insert) and call.wake_at is not None
+    primary, backup = call.targets
+    assert call.on_reply(primary, _error(first.req_id, wire.E_DISK_FULL), 1, topo) == []
+    (_, second), = call.on_timer(call.wake_at, topo)  # the backup's answer is lost; the primary restarts
+    assert isinstance(second, wire.Insert) and second.req_id != first.req_id
+    # the new incarnation parks the resend (no answer yet); the backup holds no copy
+    assert call.on_reply(backup, _error(second.req_id, wire.E_NO_GUESS), 2, topo) == [] and not call.done
+    # a late copy of the first round's refusal, or of the backup's first answer, does not count either
+    assert call.on_reply(primary, _error(first.req_id, wire.E_DISK_FULL), 3, topo) == []
+    assert call.on_reply(backup, _error(first.req_id, wire.E_NO_GUESS), 3, topo) == []
+    assert call.state is InsertState.SENT and c.stats["redirects"] == 0, "moved on another process's word"
+    # the restarted primary decides it: the backup's ACK completes it on this shard
+    call.on_reply(primary, _ack(second.req_id, 44, 0, True), 4, topo)
+    call.on_reply(backup, _ack(second.req_id, 44, 1, True), 5, topo)
+    assert call.done and call.result() == RecordId(44, call.shard)
+
+
+def test_a_refusal_and_no_copy_in_one_round_move_the_record() -> None:
+    c, topo = _client(Policy.random()), _topology([0, 1])
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (addrs, first), = call.start(0, topo)
+    assert isinstance(first, wire.Insert) and call.wake_at is not None
+    primary, backup = call.targets
+    call.on_reply(primary, _error(first.req_id, wire.E_NOT_MEMBER), 1, topo)
+    (_, second), = call.on_timer(call.wake_at, topo)
+    assert isinstance(second, wire.Insert)
+    call.on_reply(primary, _error(second.req_id, wire.E_NOT_MEMBER), 2, topo)
+    (moved_to, moved), = call.on_reply(backup, _error(second.req_id, wire.E_NO_GUESS), 3, topo)
+    assert isinstance(moved, wire.Insert) and moved.seq == first.seq and moved_to != addrs
+    assert c.stats["redirects"] == 1
 
 
 def test_a_pinned_insert_waits_for_its_shard_and_fails_at_the_deadline() -> None:

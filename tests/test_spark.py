@@ -175,7 +175,9 @@ def _sink_records(c: ziplog.Client, after: int, prefix: bytes, want: int) -> lis
 def test_the_sink_writes_each_row_once_when_a_write_runs_again(cluster: ziplog.LocalCluster, spark: SparkSession,
                                                               ordered: str) -> None:
     prefix = b"sink-%s-" % ordered.encode()
-    rows = [(prefix + b"%05d" % i,) for i in range(13_000)]  # more than one unordered chunk per partition
+    # unordered: more than one chunk per partition; ordered (one insert in flight, the
+    # slow way): more than one Arrow batch of 700 per partition
+    rows = [(prefix + b"%05d" % i,) for i in range(13_000 if ordered == "false" else 2_400)]
     df = spark.createDataFrame(rows, "data binary").repartition(3)
     with cluster.client() as c:
         before = watermark_past(c, 0)

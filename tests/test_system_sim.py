@@ -399,6 +399,16 @@ def test_recovery_regression_seeds(seed: int) -> None:
     run(seed)
 
 
+@pytest.mark.parametrize("seed", [2028715])
+def test_same_address_regression_seeds(seed: int) -> None:
+    """Seeds that broke an invariant through a restart on the same address. 2028715: a
+    primary refused a record (its disk full), lost power and came back on its address;
+    it parked the client's resend and decided it later, while the client, taking the
+    old incarnation's refusal with the backup's NO_GUESS to the resend, had moved the
+    record to another shard (stored twice; tests/test_client_core.py)."""
+    run(seed)
+
+
 @pytest.mark.parametrize("seed", [102616, 108430])
 def test_a_stop_under_way_keeps_its_peer_from_other_faults(seed: int) -> None:
     """Seeds whose worlds broke the fault model (f = 1), not the system: a graceful stop

@@ -97,8 +97,9 @@ class InsertState(enum.Enum):
 class InsertCall(Call):
     """``insert_after``: the record goes to every replica of one live shard; the primary's
     ACK is the decision, and the insert is done when every backup's latest ACK equals it
-    (``InsertWait``). Unanswered, the identical frame is resent (replicas answer a
-    duplicate with the gsn they gave it); a shard that provably holds no copy
+    (``InsertWait``). Unanswered, the record is sent again under a new request id
+    (replicas answer a duplicate with the gsn they gave it; a refusal counts only in
+    reply to the latest id); a shard that provably holds no copy
     (``Redirect``) is left for another under the same (client id, seq), so the record
     still appears once, or, when the policy pins the shard and the refusal is not final,
     tried again on it under a new seq. When no shard it may use is live (a restart, a
@@ -246,22 +247,32 @@ class InsertCall(Call):
             return self.fail(ZiplogTimeoutError(f"insert on shard {self.shard} not acknowledged in time"))
         if now < self.retry_at:
             return []
-        # Unanswered: resend the identical frame; replicas answer a duplicate with the gsn
-        # they already gave it. A replica that restarted listens elsewhere now.
+        # Unanswered: send the record again (a new request id, the same client id and
+        # seq); replicas answer a duplicate with the gsn they already gave it. A replica
+        # that restarted may listen elsewhere now.
         self.client.stats["retries"] += 1
         self.client.avoid(self.shard, now)
         return self._resend(now, topo)
 
     def _resend(self, now: int, topo: TopologyView) -> Sends:
-        wait = self.wait
-        assert wait is not None and self.msg is not None
+        """The same record again, under a new request id (a new round of
+        :class:`InsertWait`: only this round's refusals count)."""
+        wait, msg = self.wait, self.msg
+        assert wait is not None and msg is not None
+        troubled = wait.troubled
+        req = self.client.next_req()
+        self.req_ids.append(req)
         new = topo.replica_addrs(self.shard)
         if new is not None and tuple(new) != self.targets:
-            self.wait = wait = InsertWait(wait.req_id, len(new))  # answers on the old connections are gone
+            self.wait = InsertWait(req, len(new))  # answers on the old connections are gone
             self.targets = tuple(new)
-        self.retry_at = now + (self.client.retry_troubled_ns if wait.troubled else self.client.retry_after_ns)
+        else:
+            wait.next_round(req)
+        self.msg = msg = wire.Insert(req_id=req, client_id=msg.client_id, seq=msg.seq, after=msg.after, data=msg.data,
+                                     stamp=msg.stamp)
+        self.retry_at = now + (self.client.retry_troubled_ns if troubled else self.client.retry_after_ns)
         self.wake_at = min(self.retry_at, self.deadline_ns)
-        return [(self.targets, self.msg)]
+        return [(self.targets, msg)]
 
     def on_topology(self, now: int, topo: TopologyView) -> Sends:
         if self.state is InsertState.WAITING_FOR_SHARD:

@@ -47,14 +47,26 @@ class InsertWait:
     A record may only move to another shard once this shard provably holds no copy of
     it (``Redirect``): otherwise recovery could roll a backup's guess forward while the
     record is also stored elsewhere.
+
+    Each resend is a new round under a new request id (:meth:`next_round`). An ACK of
+    any round counts, as it would have then; a refusal and a backup's "no copy" count
+    only in reply to the current round. They are promises of one process, kept in its
+    memory: a replica restarted on the same address forgot them, and an answer its
+    previous incarnation gave (or one still on its way from it) must not be combined
+    with what the new one says (a primary's refusal before a power loss, a backup's
+    NO_GUESS after its restart, while the restarted primary parks the resend and
+    decides it later: the record on two shards).
     """
 
-    __slots__ = ("req_id", "n", "decided", "latest", "first", "stable", "refused", "frozen", "final")
+    __slots__ = ("req_id", "earlier", "n", "decided", "latest", "first", "stable", "refused", "frozen", "final")
 
     refused: wire.Error | None
 
     def __init__(self, req_id: int, replicas: int) -> None:
         self.req_id = req_id
+        #: the ids of this wait's earlier rounds (one per resend: bounded by the call's
+        #: deadline over the resend interval)
+        self.earlier: set[int] = set()
         self.n = replicas
         self.decided: int | None = None
         self.latest: list[int | None] = [None] * replicas
@@ -64,12 +76,22 @@ class InsertWait:
         self.frozen = False  # a replica said the shard is frozen for recovery
         self.final = False
 
+    def next_round(self, req_id: int) -> None:
+        """The request is sent again as ``req_id``: the refusal and the "no copy"
+        answers collected so far no longer count (the ACKs do)."""
+        assert req_id != self.req_id and req_id not in self.earlier, ("a round's id used twice", req_id)
+        self.earlier.add(self.req_id)
+        self.req_id = req_id
+        self.refused = None
+        self.latest = [None if g == NO_COPY else g for g in self.latest]
+
     def feed(self, replica: int, msg: wire.Reply) -> bool:
         """One reply from ``replica``; True once the insert is settled. Raises the
         server's error, or ``Redirect`` once the shard provably holds no copy."""
-        if msg.req_id != self.req_id:
-            return False  # a late answer to an earlier request
         t = type(msg)
+        if msg.req_id != self.req_id:
+            if t is not wire.Ack or msg.req_id not in self.earlier:
+                return False  # a late answer to another request, or an earlier round's refusal
         if t is wire.Error:
             assert isinstance(msg, wire.Error)
             code = msg.code
