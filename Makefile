@@ -35,9 +35,10 @@ run: setup
 	$(PY) -m ziplog.tools.spark_demo
 
 # two workers (a module stays in one): the suite's clusters wait on timers and disks as
-# much as they compute
+# much as they compute. The modules go out in the order tests/conftest.py gives them
+# (longest first), not by their count of tests.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # every experiment, full length (about an hour); `python -m bench latency --quick` for two minutes
 bench: setup

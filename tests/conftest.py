@@ -74,6 +74,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run the collected tests in reverse order (to find order dependences)")
 
 
+#: The modules that take longest, longest first (measured, two workers): the workers
+#: take whole modules in collection order as each frees up, so the long ones go first
+#: and the short ones fill in at the end, where one long module left last would keep one
+#: worker busy alone for its whole length.
+LONGEST_FIRST = (
+    "test_spark_stop.py", "test_spark.py", "test_logbook_sim.py", "test_system_sim.py", "test_failures.py",
+    "test_logdb_sim.py", "test_decoders_total.py", "test_rolling_restart.py", "test_cli.py",
+    "test_process_per_cpu.py", "test_shard_sim.py", "test_replica_restart.py", "test_partitions.py",
+    "test_fuzz_cluster.py", "test_native.py", "test_three_replicas.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--reverse"):
         items.reverse()
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -5,6 +5,7 @@ process of its own, whose whole output (the JVM's included) is checked."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,8 +50,8 @@ STOP_MID_BATCH = textwrap.dedent("""
 """)
 
 
-def _run(argv: list[str]) -> str:
-    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+def _run(argv: list[str], env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout
     return done.stdout
 
@@ -68,7 +69,9 @@ def test_a_query_stopped_in_the_middle_of_foreach_batch_ends_quietly(tmp_path: P
     _no_trace(out)
 
 
-def test_the_spark_demo_passes_and_prints_no_stack_trace() -> None:
-    out = _run([sys.executable, "-m", "ziplog.tools.spark_demo", "--seconds", "3"])
+def test_the_spark_demo_passes_and_prints_no_stack_trace(shared_zookeeper: str) -> None:
+    # its local cluster under a root of this worker's ensemble rather than three JVMs more
+    env = {**os.environ, "ZIPLOG_LOCAL_ZOOKEEPER": shared_zookeeper}
+    out = _run([sys.executable, "-m", "ziplog.tools.spark_demo", "--seconds", "3"], env)
     assert "Spark demo: all checks passed" in out, out
     _no_trace(out)

@@ -35,8 +35,9 @@ from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
 #: An ensemble already running that every LocalCluster of this process uses, each under a
 #: root of its own, unless told ``own_zookeeper`` or placed on other hosts: starting three
 #: JVMs costs more CPU than the rest of a small cluster (the test suite sets it, once per
-#: worker process). None: each cluster starts its own.
-SHARED_ZOOKEEPER: str | None = None
+#: worker process, and hands it to the processes it starts as ``$ZIPLOG_LOCAL_ZOOKEEPER``).
+#: None: each cluster starts its own.
+SHARED_ZOOKEEPER: str | None = os.environ.get("ZIPLOG_LOCAL_ZOOKEEPER") or None
 
 
 class ZooKeeperRoot:
