@@ -23,7 +23,8 @@ from ziplog.protocol import frames as wire
 from ziplog.protocol.events import DiskEvent, EpochEvent, FrontierEvent, RecordEvent, TruncateEvent
 from ziplog.server.storage import DISK_RETRY_NS, StorageDriver
 
-from tests.sim.world import CLUSTER_KEY, MS, NetParams, SimDisk, SimProcess, SimStorageCoordination, World, ZooKeeper
+from tests.sim.world import (CLUSTER_KEY, MS, NetParams, SimDealer, SimDisk, SimProcess, SimStorageCoordination, World,
+                             ZooKeeper)
 
 SHARD = 0
 
@@ -40,8 +41,7 @@ class Rig:
         self.driver = self.start_driver()
         self.handler = SimProcess(self.world, "fh")
         self.answers: list[wire.Reply] = []
-        self.to_replica = self.handler.dealer(self.driver.addr, lambda frame: self.answers.append(
-            wire.decode_recovery_reply(frame)), "handler")
+        self.to_replica = self.connect()
         self.zk.records[SHARD] = {"gen": 0, "phase": "acquired"}  # committed before any step, as the handler does
 
     def start_driver(self) -> StorageDriver:
@@ -51,11 +51,17 @@ class Rig:
         self.proc.run(driver.start)
         return driver
 
+    def connect(self) -> SimDealer:
+        return self.handler.dealer(self.driver.addr, lambda frame: self.answers.append(
+            wire.decode_recovery_reply(frame)), "handler")
+
     def restart(self) -> None:
-        """The process ends (its machine lost power, say) and starts again on the disk."""
+        """The process ends (its machine lost power, say) and starts again on the disk;
+        the handler connects to where it listens now."""
         self.proc.kill()
         self.proc = SimProcess(self.world, "rep0.1#2")
         self.driver = self.start_driver()
+        self.to_replica = self.connect()
 
     def send(self, msg: wire.Request) -> None:
         self.handler.run(self.to_replica.send, wire.seal(CLUSTER_KEY, wire.encode(msg)))
@@ -136,3 +142,35 @@ def test_an_install_is_answered_only_once_fsynced_so_a_power_loss_keeps_it() -> 
     rig.restart()
     log = rig.driver.core.log
     assert two not in log.records and log.records[one].data == b"one" and log.frontier == two
+
+
+def test_a_replica_restarted_after_a_resume_does_not_take_that_recovery_again() -> None:
+    """Formerly a stuck shard the system simulation found (seed 2069782): a replica
+    resumed generation 0 and went on; the handler's leader died before it wrote "done",
+    the replica restarted (cleanly), and the new leader ran generation 0 again. The
+    restarted replica had forgotten the generation it resumed: it froze for it again and
+    took its INSTALL, rolling its log back below positions made stable since the resume.
+    The disk's resume mark keeps the generation: the PROBE hears it installed and
+    resumed, and a repeat of its INSTALL is refused, the log untouched."""
+    rig = Rig()
+    rig.send(wire.Probe(req_id=1, gen=0))
+    rig.run_for(5 * MS)
+    gsn = (1 << 32) + 1
+    rig.send(wire.Install(req_id=2, gen=0, base=0, trim=0,
+                          events=[EpochEvent(first=0, last=1, members=(0,)),
+                                  RecordEvent(gsn=gsn, slot=0, client_id=7, seq=1, data=b"recovered")], end=gsn))
+    rig.run_for(5 * MS)
+    rig.send(wire.Resume(req_id=3, gen=0, stable=gsn, refused=[]))
+    rig.run_for(5 * MS)
+    assert isinstance(rig.answer(3), wire.RecoveryOk), rig.answers
+    rig.restart()
+    rig.send(wire.Probe(req_id=4, gen=0))
+    rig.run_for(5 * MS)
+    state = rig.answer(4)
+    assert isinstance(state, wire.RecoveryOk), rig.answers
+    assert state.payload["installed"] and state.payload["resumed"] and not state.payload["frozen"], state.payload
+    rig.send(wire.Install(req_id=5, gen=0, base=0, trim=0, events=[EpochEvent(first=0, last=1, members=(0,))], end=gsn))
+    rig.run_for(5 * MS)
+    again = rig.answer(5)
+    assert isinstance(again, wire.Error) and again.code == wire.E_STALE, again
+    assert rig.driver.core.log.records[gsn].data == b"recovered" and not rig.driver.core.frozen

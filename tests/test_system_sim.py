@@ -383,7 +383,7 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
-@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945])
+@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -395,7 +395,10 @@ def test_recovery_regression_seeds(seed: int) -> None:
     subscription opened between two parts was shown progress over positions the
     truncation had emptied, and the next part's records came after it (a subscriber
     would have skipped them). 2013945: a source restarted since its PROBE answer
-    disowned the guesses that answer had reported (a record stored on two shards)."""
+    disowned the guesses that answer had reported (a record stored on two shards).
+    2069782: a replica restarted after resuming a generation forgot it, and took that
+    generation's INSTALL again from a new handler leader, below positions made stable
+    since (the shard's next recovery could never end; tests/test_install_durable.py)."""
     run(seed)
 
 

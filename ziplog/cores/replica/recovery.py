@@ -98,10 +98,19 @@ class RecoveryParticipant:
 
     def restore(self, mark: RecoveryEvent | None) -> None:
         """At start, the disk's word on this replica's last recovery step: frozen (and
-        maybe installed) for generation ``mark.gen`` and not resumed: frozen again."""
-        if mark is None or mark.phase == RECOVERY_RESUMED:
+        maybe installed) for generation ``mark.gen`` and not resumed: frozen again.
+        Resumed: that generation is over here, as it was for the process that resumed
+        it. A handler that runs it again (its leader changed before it wrote "done")
+        hears from the PROBE that this replica installed and resumed it, and nothing of
+        that generation is applied again over what came after the resume (a repeat of
+        its INSTALL would roll the log back below positions since made stable:
+        system seed 2069782)."""
+        if mark is None:
             return
         self.gen = mark.gen
+        if mark.phase == RECOVERY_RESUMED:
+            self.installed_gen = mark.gen
+            return
         self._become(RecoveryPhase.RESTORED)
         self.role.frozen()
         if mark.phase == RECOVERY_INSTALLED:
