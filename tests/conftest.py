@@ -77,9 +77,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #: The modules that take longest, longest first (measured, two workers): the workers
 #: take whole modules in collection order as each frees up, so the long ones go first
 #: and the short ones fill in at the end, where one long module left last would keep one
-#: worker busy alone for its whole length.
+#: worker busy alone for its whole length. The two Spark modules, which mostly wait on
+#: the JVM's triggers and timers, are kept apart, each beside modules that compute.
 LONGEST_FIRST = (
-    "test_spark_stop.py", "test_spark.py", "test_logbook_sim.py", "test_system_sim.py", "test_failures.py",
+    "test_spark_stop.py", "test_logbook_sim.py", "test_system_sim.py", "test_spark.py", "test_failures.py",
     "test_logdb_sim.py", "test_decoders_total.py", "test_rolling_restart.py", "test_cli.py",
     "test_process_per_cpu.py", "test_shard_sim.py", "test_replica_restart.py", "test_partitions.py",
     "test_fuzz_cluster.py", "test_native.py", "test_three_replicas.py",

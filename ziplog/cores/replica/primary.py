@@ -262,9 +262,10 @@ class PrimarySequencer:
         return True
 
     def parked_insert_expired(self, p: Parked, now: int) -> None:
-        """A parked INSERT timed out: that refusal is final too."""
+        """A parked INSERT timed out: that refusal is final too, and a resend hears it
+        again as TIMEOUT (a client counts only the answer to its latest resend)."""
         assert isinstance(p.msg, f.Insert)
-        self.refused.add((p.msg.client_id, p.msg.seq), now)
+        self.refused.add((p.msg.client_id, p.msg.seq), now, f.E_TIMEOUT)
 
     # -- stability ---------------------------------------------------------------------------------
     def stable_changed(self) -> None:
