@@ -35,6 +35,8 @@ SHARD = 0
 class PoweredCluster:
     """A local cluster whose shard-0 replicas each have a machine (a disk) of their own."""
 
+    load: Load
+
     def __init__(self, tmp: Path, replicas: int, fsync: str) -> None:
         self.disks: dict[int, lazyfs.LazyDisk] = {}
         #: bytes each cut took from the files (what the cuts drew)
@@ -83,10 +85,16 @@ class PoweredCluster:
 
 @pytest.fixture
 def powered(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PoweredCluster]:
+    """The cluster, with writers inserting and two subscribers reading (``load``)."""
     replicas, fsync = request.param
     c = PoweredCluster(tmp_path, replicas, fsync)
     try:
-        yield c
+        c.load = Load(c.cluster)
+        try:
+            yield c
+        finally:
+            c.load.stop_writing.set()
+            c.load.stop_reading()
     finally:
         c.close()
 
@@ -101,54 +109,44 @@ def _serving(cluster: ziplog.LocalCluster, gen: int) -> None:
                          ids=["never", "interval", "always"])
 def test_one_machine_of_a_shard_loses_power_again_and_again_and_nothing_acknowledged_is_lost(
         powered: PoweredCluster) -> None:
-    cluster = powered.cluster
-    load = Load(cluster)
-    try:
+    cluster, load = powered.cluster, powered.load
+    load.wait_acked(200)
+    # the primary's machine, then the backup's, each twice: once back at once (it
+    # rejoins with what its disk kept), once only after the failure handler took the
+    # survivor's state for the shard's recovery (done once the replica is back)
+    for replica, wait_for_recovery in ((0, False), (1, False), (0, True), (1, True)):
+        gen = next_recovery_gen(cluster, SHARD)
+        powered.power_cut((replica,))
+        if wait_for_recovery:
+            wait_recovery(cluster, SHARD, "acquired", min_gen=gen)
+        powered.restart((replica,))
+        _serving(cluster, gen if wait_for_recovery else -1)
         load.wait_acked(200)
-        # the primary's machine, then the backup's, each twice: once back at once (it
-        # rejoins with what its disk kept), once only after the failure handler took the
-        # survivor's state for the shard's recovery (done once the replica is back)
-        for replica, wait_for_recovery in ((0, False), (1, False), (0, True), (1, True)):
-            gen = next_recovery_gen(cluster, SHARD)
-            powered.power_cut((replica,))
-            if wait_for_recovery:
-                wait_recovery(cluster, SHARD, "acquired", min_gen=gen)
-            powered.restart((replica,))
-            _serving(cluster, gen if wait_for_recovery else -1)
-            load.wait_acked(200)
-        # stopped gracefully, then the power goes: it comes back clean, as it left
-        for replica in (1, 0):
-            before = powered.clean_restarts(replica)
-            powered.stop_then_power_cut(replica)
-            powered.restart((replica,))
-            _serving(cluster, -1)
-            assert powered.clean_restarts(replica) == before + 1, "the clean-close marker did not survive"
-            load.wait_acked(200)
-        load.finish()
-        print(f"fsync {cluster.fsync}: bytes each cut took from the files: {powered.lost}")
-        if cluster.fsync != "always":  # (which syncs each batch as it writes it: little to lose)
-            assert sum(powered.lost) > 0, f"no cut lost a byte: the test drew no power loss ({powered.lost})"
-    finally:
-        load.stop_writing.set()
-        load.stop_reading()
+    # stopped gracefully, then the power goes: it comes back clean, as it left
+    for replica in (1, 0):
+        before = powered.clean_restarts(replica)
+        powered.stop_then_power_cut(replica)
+        powered.restart((replica,))
+        _serving(cluster, -1)
+        assert powered.clean_restarts(replica) == before + 1, "the clean-close marker did not survive"
+        load.wait_acked(200)
+    load.finish()
+    print(f"fsync {cluster.fsync}: bytes each cut took from the files: {powered.lost}")
+    if cluster.fsync != "always":  # (which syncs each batch as it writes it: little to lose)
+        assert sum(powered.lost) > 0, f"no cut lost a byte: the test drew no power loss ({powered.lost})"
 
 
 @pytest.mark.parametrize("powered", [(3, "interval")], indirect=True, ids=["interval"])
 def test_two_machines_of_a_three_replica_shard_lose_power_at_once_and_nothing_acknowledged_is_lost(
         powered: PoweredCluster) -> None:
-    cluster = powered.cluster
-    load = Load(cluster)
-    try:
+    cluster, load = powered.cluster, powered.load
+    load.wait_acked(200)
+    for pair in ((0, 1), (1, 2), (0, 2)):
+        gen = next_recovery_gen(cluster, SHARD)
+        powered.power_cut(pair)
+        wait_recovery(cluster, SHARD, "acquired", min_gen=gen)
+        powered.restart(pair)
+        _serving(cluster, gen)
         load.wait_acked(200)
-        for pair in ((0, 1), (1, 2), (0, 2)):
-            gen = next_recovery_gen(cluster, SHARD)
-            powered.power_cut(pair)
-            wait_recovery(cluster, SHARD, "acquired", min_gen=gen)
-            powered.restart(pair)
-            _serving(cluster, gen)
-            load.wait_acked(200)
-        load.finish()
-        print(f"fsync {cluster.fsync}, two of three: bytes each cut took from the files: {powered.lost}")
-    finally:
-        load.stop_writing.set()
-        load.stop_reading()
+    load.finish()
+    print(f"fsync {cluster.fsync}, two of three: bytes each cut took from the files: {powered.lost}")
