@@ -293,12 +293,20 @@ def cli_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def cluster_up(data: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+def cluster_up(data: Path, *flags: str, own_zookeeper: bool = False) -> tuple[subprocess.Popen[str], str]:
     """``ziplog cluster up --data-dir data FLAGS...`` started, and what it printed up to
-    its "press Ctrl-C" line (or until it stopped printing, within 90 s)."""
+    its "press Ctrl-C" line (or until it stopped printing, within 90 s). Its ZooKeeper is
+    a root in this worker's ensemble, as a LocalCluster's in the test process is, unless
+    it must run its own (a test that restarts the ZooKeeper nodes)."""
+    from ziplog.tools import cluster
+    env = cli_env()
+    if not own_zookeeper and cluster.SHARED_ZOOKEEPER is not None:
+        env["ZIPLOG_LOCAL_ZOOKEEPER"] = cluster.SHARED_ZOOKEEPER
+    else:
+        env.pop("ZIPLOG_LOCAL_ZOOKEEPER", None)
     proc = subprocess.Popen([sys.executable, "-m", "ziplog.tools.cli", "cluster", "up", *flags,
                              "--data-dir", str(data)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(), cwd=REPO_ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
     seen = []
     deadline = time.monotonic() + 90
     assert proc.stdout is not None
@@ -313,9 +321,10 @@ def cluster_up(data: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
 
 
 @contextlib.contextmanager
-def running_cluster_up(data: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def running_cluster_up(data: Path, *flags: str,
+                       own_zookeeper: bool = False) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """:func:`cluster_up` for the body of a ``with``; killed at its end if still running."""
-    proc, text = cluster_up(data, *flags)
+    proc, text = cluster_up(data, *flags, own_zookeeper=own_zookeeper)
     try:
         yield proc, text
     finally:

@@ -234,7 +234,8 @@ def test_cluster_restart_rolling_restarts_every_process_of_a_running_cluster_up(
     missing = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "cluster", "restart", "--rolling",
                               "--data-dir", str(data)], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60)
     assert missing.returncode == 2 and "no `ziplog cluster up` runs on" in missing.stderr
-    with running_cluster_up(data, "--shards", "1") as (proc, text):
+    # its own ZooKeeper: the rolling restart restarts those nodes too
+    with running_cluster_up(data, "--shards", "1", own_zookeeper=True) as (proc, text):
         assert "cluster restart --rolling" in text, text
         hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
         before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
