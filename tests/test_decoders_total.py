@@ -49,7 +49,7 @@ def check_total(decode: Callable[[bytes], Any], table: dict[int, type[wire.Frame
     assert type(msg) in table.values(), msg
 
 
-@settings(max_examples=700, deadline=None)
+@settings(max_examples=450, deadline=None)
 @given(frame=frames)
 def test_every_edge_decodes_any_bytes_or_refuses_them(frame: bytes) -> None:
     """Each frame through every edge: bare, through the slow path alone (total by itself:
@@ -65,7 +65,7 @@ def test_every_edge_decodes_any_bytes_or_refuses_them(frame: bytes) -> None:
         check_total(lambda fr: wire.open_signed(KEY, fr, decode), table, sealed)
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=160, deadline=None)
 @given(inner=frames, mac=st.one_of(st.binary(max_size=40), values), version=st.one_of(st.just(1), values),
        extra=st.lists(values, max_size=3), drop=st.integers(0, 2))
 def test_a_forged_or_misshapen_envelope_is_refused_unauthenticated(inner: bytes, mac: Any, version: Any,
@@ -83,7 +83,7 @@ def test_a_forged_or_misshapen_envelope_is_refused_unauthenticated(inner: bytes,
     assert exc.value.code == wire.E_UNAUTHENTICATED, exc.value
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=160, deadline=None)
 @given(op=st.sampled_from(sorted(wire.MEMBER_OPS)), version=st.one_of(st.just(1), values),
        fields=st.lists(values, max_size=7))
 def test_a_bare_sealed_op_is_refused_unauthenticated_whatever_it_holds(op: int, version: Any, fields: list[Any]) -> None:
@@ -108,7 +108,7 @@ def test_the_frames_found_by_hand_are_refused() -> None:
 
 
 # -- LogDB's frames -----------------------------------------------------------------------------------
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=320, deadline=None)
 @given(frame=st.one_of(frames, st.builds(lambda tag, fs: pack([tag, *fs]), st.one_of(st.integers(0, 16), values),
                                          st.lists(values, max_size=6))))
 def test_logdb_decoders_are_total(frame: bytes) -> None:
@@ -126,7 +126,7 @@ _tier_frames = st.one_of(frames, st.builds(lambda tag, fs: pack([tag, *fs]),
                                            st.lists(values, max_size=8)))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=320, deadline=None)
 @given(frame=_tier_frames)
 def test_logbook_tier_decoders_are_total(frame: bytes) -> None:
     for decode in (tier.decode_request, tier.decode_answer, tier.decode_feed):
@@ -139,7 +139,7 @@ def test_logbook_tier_decoders_are_total(frame: bytes) -> None:
             tier.check_feed(msg)  # total too: a shape it does not like is a reason, not an exception
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=320, deadline=None)
 @given(frame=_tier_frames, sealed=st.booleans())
 def test_an_index_node_answers_any_frame_and_serves_on(frame: bytes, sealed: bool) -> None:
     """Bare, or sealed with the cluster key (what a member seals is checked by the same

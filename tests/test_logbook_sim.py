@@ -20,7 +20,7 @@ from ziplog.logbook.core import frames as tf
 from ziplog.logbook.core.aggregator import AggregatorCore
 from ziplog.logbook.core.node import NodeCore
 
-SEEDS = range(40)
+SEEDS = range(30)
 
 #: seed -> its run with nothing put back (shared by the tests of this module)
 _runs: dict[int, logbook.Stats] = {}

@@ -13,7 +13,7 @@ from ziplog.protocol.errors import NoShardAvailableError, ZiplogTimeoutError
 from ziplog.protocol.gsna import EpochConfig, epoch_base
 
 MS = 1_000_000
-SEEDS = range(300)
+SEEDS = range(200)
 
 
 @pytest.mark.parametrize("chunk", range(0, len(SEEDS), 50))

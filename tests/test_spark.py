@@ -28,7 +28,7 @@ from pyspark.sql.datasource import DataSourceStreamArrowWriter
 
 import ziplog
 from ziplog import RID_GENESIS, RecordId
-from ziplog.spark import ZiplogDataSource, local_session
+from ziplog.spark import SHORT_LIVED, ZiplogDataSource, local_session
 from ziplog.spark.options import ReadOptions
 from ziplog.spark.source import ZiplogStreamReader
 
@@ -41,7 +41,7 @@ def cluster() -> Iterator[ziplog.LocalCluster]:
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[SparkSession]:
-    session = local_session("ziplog-tests", **{"spark.sql.streaming.noDataProgressEventInterval": "0"})
+    session = local_session("ziplog-tests", **SHORT_LIVED, **{"spark.sql.streaming.noDataProgressEventInterval": "0"})
     try:
         # a sink that fails once at commit (registered before any query starts; its
         # classes travel to the workers by value, not by a module they could not import)
@@ -176,8 +176,8 @@ def test_the_sink_writes_each_row_once_when_a_write_runs_again(cluster: ziplog.L
                                                               ordered: str) -> None:
     prefix = b"sink-%s-" % ordered.encode()
     # unordered: more than one chunk per partition; ordered (one insert in flight, the
-    # slow way): more than one Arrow batch of 700 per partition
-    rows = [(prefix + b"%05d" % i,) for i in range(13_000 if ordered == "false" else 2_400)]
+    # slow way): more than one Arrow batch per partition (200 rows, batches of 100)
+    rows = [(prefix + b"%05d" % i,) for i in range(13_000 if ordered == "false" else 600)]
     df = spark.createDataFrame(rows, "data binary").repartition(3)
     with cluster.client() as c:
         before = watermark_past(c, 0)
@@ -185,7 +185,7 @@ def test_the_sink_writes_each_row_once_when_a_write_runs_again(cluster: ziplog.L
     try:
         # the same write, run twice (a job re-run after a failure), with Spark cutting its
         # Arrow batches differently each time
-        for per_batch in ("700", "10000"):
+        for per_batch in ("700" if ordered == "false" else "100", "10000"):
             spark.conf.set(conf, per_batch)
             (df.write.format("ziplog").option("zk", cluster.zk_hosts).option("writeId", f"sink-test-{ordered}")
              .option("ordered", ordered).mode("append").save())

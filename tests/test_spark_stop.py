@@ -16,9 +16,9 @@ TRACE_MARKS = ("Exception in thread", "StackOverflowError", "Traceback (most rec
 
 STOP_MID_BATCH = textwrap.dedent("""
     import threading
-    from ziplog.spark import foreach_batch, local_session
+    from ziplog.spark import SHORT_LIVED, foreach_batch, local_session
 
-    spark = local_session("stop-mid-batch")
+    spark = local_session("stop-mid-batch", **SHORT_LIVED)
     try:
         in_batch = threading.Event()
 

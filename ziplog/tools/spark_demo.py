@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import functions as F
 
     import ziplog
-    from ziplog.spark import foreach_batch, local_session
+    from ziplog.spark import SHORT_LIVED, foreach_batch, local_session
 
     written: Counter[str] = Counter()
     stop = threading.Event()
     print("starting a local cluster and a local Spark...", flush=True)
     with ziplog.local_cluster(shards=2, replicas=2) as cluster, tempfile.TemporaryDirectory() as tmp:
-        spark = local_session("ziplog-demo")
+        spark = local_session("ziplog-demo", **SHORT_LIVED)
         try:
             with cluster.client() as c:
                 start = c.watermark()
