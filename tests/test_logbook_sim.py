@@ -10,6 +10,7 @@ missing from the assignment the aggregator knows) to show it notices."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -22,14 +23,12 @@ from ziplog.logbook.core.node import NodeCore
 
 SEEDS = range(30)
 
-#: seed -> its run with nothing put back (shared by the tests of this module)
-_runs: dict[int, logbook.Stats] = {}
+#: the first seed of ``SEEDS`` whose run shows the feeder's bug once the nodes' defense is
+#: off (the same run passes with it on)
+ROUTED_ALREADY_SEED = 13
 
-
-def _run(seed: int) -> logbook.Stats:
-    if seed not in _runs:
-        _runs[seed] = logbook.run_seed(seed)
-    return _runs[seed]
+#: a seed's run with nothing put back, run once for the tests of this module
+_run = functools.cache(logbook.run_seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -61,11 +60,6 @@ def test_the_checker_notices_a_node_added_where_records_were_routed_already(monk
     assert not logbook.run_seed(ROUTED_ALREADY_SEED).failures
     monkeypatch.setattr(NodeCore, "_routed_otherwise", lambda self, feed: False)
     assert logbook.run_seed(ROUTED_ALREADY_SEED).failures
-
-
-#: the first seed of ``SEEDS`` whose run shows the feeder's bug once the nodes' defense is
-#: off (the same run passes with it on)
-ROUTED_ALREADY_SEED = 13
 
 
 def _add_node_after_a_restart(self: logbook.TierSim) -> None:
