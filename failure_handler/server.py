@@ -21,12 +21,12 @@ import argparse
 import logging
 import sys
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from failure_handler.recovery import ACQUIRED, DONE, PROBING, HandlerSettings, RecoveryCore
 from ziplog.cores.effects import Message, Ready, ReplicaOf, WriteRecovery
 from ziplog.shell.inbound import InboundGuard
-from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, gauge, serve_metrics
+from ziplog.shell.metrics import add_metrics_arguments, counter, counters, gauge, serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
@@ -44,6 +44,9 @@ from ziplog.shell.process import (
     load_cluster_key,
     serve_forever,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("failure_handler")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from mms.planner import PlannerSettings
 from mms.sequencer import EpochSequencer
@@ -36,7 +36,7 @@ from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.elected import ElectedDriver, ElectionPort
-from ziplog.shell.metrics import Metric, add_metrics_arguments, counter, counters, gauge, serve_metrics
+from ziplog.shell.metrics import add_metrics_arguments, counter, counters, gauge, serve_metrics
 from ziplog.shell.config import parse_args
 from ziplog.shell.logs import add_log_arguments, configure_logging
 from ziplog.shell.process import (
@@ -46,6 +46,9 @@ from ziplog.shell.process import (
     load_cluster_key,
     serve_forever,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("mms")
 

@@ -18,7 +18,6 @@ package ``__init__``s (a compiled package would hide its interpreted submodules)
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -97,8 +96,10 @@ def running_compiled(modules: Sequence[ModuleType]) -> bool:
                for m in modules)
 
 
-class _SourcesFirst(importlib.abc.MetaPathFinder):
-    """Finds the compiled modules' sources, so that no compiled form is imported."""
+class _SourcesFirst:
+    """Finds the compiled modules' sources, so that no compiled form is imported (a
+    meta path finder needs only ``find_spec``; ``importlib.abc`` is left unimported, as
+    it pulls in ``importlib.resources`` and ``tempfile`` at every process's start)."""
 
     def find_spec(self, name: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:

@@ -18,14 +18,17 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ziplog.cores.effects import Messages
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.coordinator import CoordinatorCore, collection_point
 from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
 from ziplog.shell.elected import ElectedDriver, ElectionPort
-from ziplog.shell.metrics import Metric, counter, gauge
+from ziplog.shell.metrics import counter, gauge
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("ziplog.logdb.coordinator")
 

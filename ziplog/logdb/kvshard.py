@@ -17,12 +17,15 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.kvshard import SNAPSHOT_NS, KvShardCore, owner
 from ziplog.logdb.store import SqliteStore
-from ziplog.shell.metrics import Metric, counter, gauge
+from ziplog.shell.metrics import counter, gauge
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("ziplog.logdb.kvshard")
 

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ziplog.cores.effects import Messages, Peer, ReadHistory, Ready, ShardReplicas
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
@@ -38,7 +38,7 @@ from ziplog.cores.replica.parking import Parked
 from ziplog.cores.replica.primary import PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
 from ziplog.shell.inbound import InboundGuard
-from ziplog.shell.metrics import Durations, Metric, add_metrics_arguments, counter, counters, directory_bytes, gauge, \
+from ziplog.shell.metrics import Durations, add_metrics_arguments, counter, counters, directory_bytes, gauge, \
     histogram, histograms, one_of, serve_metrics
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import (
@@ -67,6 +67,9 @@ from ziplog.shell.process import (
     load_cluster_key,
     serve_forever,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("ziplog.server")
 

@@ -10,6 +10,11 @@ this module (nor prometheus_client): only drivers and process mains do.
 A driver builds its families with :func:`counter`, :func:`gauge` and :func:`one_of`; a
 process ``main`` adds the flags with :func:`add_metrics_arguments` and starts the
 server with :func:`serve_metrics`, whose result it closes on the way out.
+
+prometheus_client is imported when a family is first built or the endpoint starts, not
+with this module: it pulls in ``http.server``, ``email`` and ``ssl``, the larger part of a
+server process's start-up CPU, and most processes (every one a test starts) never serve
+metrics.
 """
 
 from __future__ import annotations
@@ -19,19 +24,18 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-__all__ = ["AUTO_PORT", "Durations", "Metric", "MetricsServer", "Read", "add_metrics_arguments", "counter",
+__all__ = ["AUTO_PORT", "Durations", "MetricsServer", "Read", "add_metrics_arguments", "counter",
            "counters", "directory_bytes", "gauge", "histograms", "one_of", "serve_metrics"]
 
 log = logging.getLogger("ziplog.metrics")
 
 #: what a process hands the collector: every family, built fresh at each scrape
-Read = Callable[[], Iterable[Metric]]
+Read = Callable[[], Iterable["Metric"]]
 
 #: ``--metrics-port auto``: any free port, written to the process's log
 AUTO_PORT = -1
@@ -64,6 +68,8 @@ def add_metrics_arguments(ap: argparse.ArgumentParser) -> None:
 def counter(name: str, doc: str, value: float, labels: Mapping[str, str] | None = None) -> CounterMetricFamily:
     """A counter (exposed as ``name_total``); ``labels``: the process's constant labels."""
     labels = labels or {}
+    from prometheus_client.core import CounterMetricFamily
+
     fam = CounterMetricFamily(name, doc, labels=list(labels))
     fam.add_metric(list(labels.values()), value)
     return fam
@@ -73,6 +79,8 @@ def counters(name: str, doc: str, label: str, values: Mapping[str, float],
              labels: Mapping[str, str] | None = None) -> CounterMetricFamily:
     """One counter per ``label`` value."""
     labels = labels or {}
+    from prometheus_client.core import CounterMetricFamily
+
     fam = CounterMetricFamily(name, doc, labels=[*labels, label])
     for key, value in sorted(values.items()):
         fam.add_metric([*labels.values(), key], value)
@@ -81,6 +89,8 @@ def counters(name: str, doc: str, label: str, values: Mapping[str, float],
 
 def gauge(name: str, doc: str, value: float, labels: Mapping[str, str] | None = None) -> GaugeMetricFamily:
     labels = labels or {}
+    from prometheus_client.core import GaugeMetricFamily
+
     fam = GaugeMetricFamily(name, doc, labels=list(labels))
     fam.add_metric(list(labels.values()), value)
     return fam
@@ -90,6 +100,8 @@ def one_of(name: str, doc: str, label: str, choices: Iterable[str], current: str
            labels: Mapping[str, str] | None = None) -> GaugeMetricFamily:
     """A state as a gauge per possible value: 1 for ``current``, 0 for the others."""
     labels = labels or {}
+    from prometheus_client.core import GaugeMetricFamily
+
     fam = GaugeMetricFamily(name, doc, labels=[*labels, label])
     for choice in choices:
         fam.add_metric([*labels.values(), choice], 1.0 if choice == current else 0.0)
@@ -126,6 +138,8 @@ class Durations:
 
 def histogram(name: str, doc: str, values: Durations, labels: Mapping[str, str] | None = None) -> HistogramMetricFamily:
     labels = labels or {}
+    from prometheus_client.core import HistogramMetricFamily
+
     fam = HistogramMetricFamily(name, doc, labels=list(labels))
     values.add_to(fam, list(labels.values()))
     return fam
@@ -135,6 +149,8 @@ def histograms(name: str, doc: str, label: str, values: Mapping[str, Durations],
                labels: Mapping[str, str] | None = None) -> HistogramMetricFamily:
     """One histogram per ``label`` value."""
     labels = labels or {}
+    from prometheus_client.core import HistogramMetricFamily
+
     fam = HistogramMetricFamily(name, doc, labels=[*labels, label])
     for key, durations in sorted(values.items()):
         durations.add_to(fam, [*labels.values(), key])
@@ -158,7 +174,9 @@ def directory_bytes(path: Path) -> int:
 
 
 # -- serving ----------------------------------------------------------------------------------------
-class _ReadCollector(Collector):
+class _ReadCollector:
+    """A prometheus_client collector (it needs only ``collect``)."""
+
     def __init__(self, read: Read) -> None:
         self.read = read
 
@@ -181,6 +199,8 @@ class MetricsServer:
     process's registry."""
 
     def __init__(self, read: Read, port: int, host: str = "127.0.0.1") -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_ReadCollector(read))
         try:

@@ -4,14 +4,16 @@ with, and the end: run the runtime until SIGTERM/SIGINT, then close what it runs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import secrets
 import signal
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ziplog.protocol.auth import ClusterKey
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class _Closable(Protocol):
@@ -50,6 +52,8 @@ def serve_forever(rt: _Loop, *parts: _Closable, on_stop: Callable[[], None] | No
 
 def stop_event() -> asyncio.Event:
     """An asyncio process's end: set on SIGTERM or SIGINT."""
+    import asyncio  # here: a storage server's process runs no asyncio loop and skips its import
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
