@@ -195,9 +195,10 @@ class MembershipDriver(ElectedDriver):
                 return
         self.broadcast_due = False
         cfg = seq.config()
+        # named before it leaves: a scrape never shows an epoch older than one a replica began
+        self.last_epoch = cfg.epoch
         self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates))
         self.broadcasts += 1
-        self.last_epoch = cfg.epoch
         seq.advance()
         # fell behind (slow commit): do not burst to catch up
         self.next_t = max(self.next_t + seq.interval_ns(self.interval_ns, self.idle_interval_ns), self.rt.now())

@@ -208,6 +208,24 @@ def test_demo_module_is_importable() -> None:
     assert callable(mod.main) and callable(mod.run_demo)
 
 
+def test_python_dash_m_ziplog_is_the_command_line(zk: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "ziplog", "insert", "--zk", zk, "by -m"], cwd=REPO_ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [rid] = rids(done.stdout)
+    with ziplog.Client(zk) as c:
+        assert c.read_record(rid) == b"by -m"
+
+
+def test_the_local_helpers_share_one_naming() -> None:
+    from ziplog import logbook
+    from ziplog.tools import cluster, logbook_local, logdb_local
+
+    assert ziplog.local_cluster is cluster.local_cluster
+    assert ziplog.local_logdb is logdb_local.local_logdb
+    assert ziplog.local_logbook is logbook_local.local_logbook is logbook.local_logbook  # the old name stays
+
+
 def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
     with running_cluster_up(tmp_path / "data", "--shards", "1") as (proc, text):
         assert "press Ctrl-C" in text, text

@@ -181,7 +181,7 @@ def test_slow_subscriber_memory_is_bounded(cluster: ziplog.LocalCluster) -> None
 
 def test_storage_replicas_run_under_sched_batch(cluster: ziplog.LocalCluster) -> None:
     """Every thread of every storage replica (``--sched batch``, the default; see
-    ``ziplog.server.storage.set_scheduling``): those a library started at import, and
+    ``ziplog.server.process.set_scheduling``): those a library started at import, and
     those started after it (the ZooKeeper session's), which inherit it."""
     import os
 
@@ -195,7 +195,7 @@ def test_storage_replicas_run_under_sched_batch(cluster: ziplog.LocalCluster) ->
 def test_the_local_cluster_gives_each_replica_of_a_shard_a_cpu_of_its_own(cluster: ziplog.LocalCluster) -> None:
     """``--cpus`` holds every thread of a replica (those started after it too) on the
     CPU the local cluster gave it: a shard's replicas on different CPUs, and the
-    shards' primaries too (``ziplog.server.storage.set_cpus``)."""
+    shards' primaries too (``ziplog.server.process.set_cpus``)."""
     import os
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -216,7 +216,7 @@ def test_the_local_cluster_gives_each_replica_of_a_shard_a_cpu_of_its_own(cluste
 
 
 def test_a_cpu_list_is_parsed_as_taskset_reads_it() -> None:
-    from ziplog.server.storage import parse_cpu_list
+    from ziplog.server.process import parse_cpu_list
 
     assert parse_cpu_list("0") == {0}
     assert parse_cpu_list("0,2-4, 7") == {0, 2, 3, 4, 7}
@@ -229,7 +229,7 @@ def test_a_cpu_list_is_parsed_as_taskset_reads_it() -> None:
 #: buffer allocated a second time after the first was freed
 _REALLOCATION = """
 import resource, sys
-from ziplog.server.storage import retain_freed_memory
+from ziplog.server.process import retain_freed_memory
 took = retain_freed_memory(int(sys.argv[1]))
 faults = []
 for _ in range(2):
@@ -260,7 +260,7 @@ def test_a_storage_process_reuses_the_memory_it_freed() -> None:
 
 
 def test_a_server_refuses_a_negative_malloc_trim(capsys: pytest.CaptureFixture[str]) -> None:
-    from ziplog.server.storage import main
+    from ziplog.server.process import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--zk", "127.0.0.1:1", "--shard", "0", "--replica", "0", "--malloc-trim-mb", "-1"])

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import ziplog
 from ziplog.io.zmq_runtime import POLL_GROW_START_NS, ZmqRuntime, next_poll_limit
-from ziplog.server.storage import main
+from ziplog.server.process import main
 from tests.load import running_cluster_up, stop_cluster_up, storage_cmdlines
 from tests.test_metrics import metrics_url, scrape
 

@@ -13,7 +13,7 @@ import pytest
 import ziplog
 from ziplog import RID_GENESIS, Policy
 from ziplog.protocol import layout
-from ziplog.server.storage import hosted_replicas, main, parse_hosted
+from ziplog.server.process import hosted_replicas, main, parse_hosted
 from tests.load import delivered_until, running_cluster_up, stop_cluster_up, storage_cmdlines, wait_status
 
 

@@ -44,11 +44,15 @@ def __getattr__(name: str):
     if name in ("local_logdb", "LocalLogDB"):
         from ziplog.tools import logdb_local
         return getattr(logdb_local, name)
+    if name in ("local_logbook", "LocalLogBook"):  # also ziplog.logbook.local_logbook, its first name
+        from ziplog.tools import logbook_local
+        return getattr(logbook_local, name)
     raise AttributeError(name)
 
 
 __all__ = [
     "Client", "AsyncClient", "Subscription", "Record", "RecordId", "RID_GENESIS", "RID_RECENT", "Policy",
-    "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
+    "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "local_logbook", "LocalLogBook",
+    "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
     "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
 ]

@@ -9,6 +9,8 @@ subscribers, crashes)::
 
     python -m tests.sim --system --seeds 10000 [--first 0] [--jobs J]
     python -m tests.sim --system --seed S --trace      # replay one seed with its trace
+    python -m tests.sim --system --seeds 2000 --digests before.txt   # one line per seed: a
+        # digest of its counts and simulated time, to hold a refactoring's outcome equal
 
 LogDB on the whole system (``tests/sim/logdb_system.py``: coordinators, KV shards and
 bank clients on top, with their own kills; serializability and exactly-once checked)::
@@ -28,7 +30,9 @@ reported apart (and do not fail the run) only with ``--lenient``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import json
 import multiprocessing
 import os
 import sys
@@ -105,6 +109,7 @@ def _system_main(args: argparse.Namespace) -> int:
     known: dict[str, list[int]] = {}
     sim_ms = 0.0
     done = 0
+    digests: dict[int, str] = {}
     if jobs == 1 or count == 1:
         results: Any = map(_system_one, seeds)
         pool = None
@@ -125,6 +130,7 @@ def _system_main(args: argparse.Namespace) -> int:
                 continue
             assert counts is not None
             sim_ms += ms
+            digests[seed] = hashlib.sha256(json.dumps([counts, ms], sort_keys=True).encode()).hexdigest()[:16]
             for k, v in counts.items():
                 totals[k] = totals.get(k, 0) + v
             if args.progress and done % args.progress == 0:
@@ -135,6 +141,9 @@ def _system_main(args: argparse.Namespace) -> int:
             pool.close()
             pool.join()
     dt = time.monotonic() - t0
+    if args.digests:
+        with open(args.digests, "w") as out:
+            out.writelines(f"{seed} {digests.get(seed, 'failed')}\n" for seed in seeds)
     nknown = sum(len(v) for v in known.values())
     ok = count - len(failed) - nknown
     print(f"{count} seeds ({first}..{first + count - 1}), {jobs} job(s): {ok} passed, {len(failed)} failed, "
@@ -182,6 +191,8 @@ def main() -> int:
     ap.add_argument("--lenient", action="store_true",
                     help="--system: report seeds hitting a formerly known bug apart instead of failing them")
     ap.add_argument("--verbose", action="store_true", help="--system: print every known-bug seed too")
+    ap.add_argument("--digests", metavar="FILE",
+                    help="--system: write each seed's digest (its counts and simulated time) to FILE")
     args = ap.parse_args()
     if args.logbook:
         return _logbook_main(args)

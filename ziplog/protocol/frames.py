@@ -151,6 +151,17 @@ def forward_limit(forward_batch_bytes: int, max_record_bytes: int) -> int:
 #: batches: nothing queues up without bound, and nothing is dropped on a full queue.
 SUB_BATCH_COST = 1024
 
+#: What batches of records are bounded by: a record's encoding beyond its data, an
+#: estimate within a few bytes. In RANGE_OK and SUB_BATCH a record is ``[gsn, data]``
+#: (an array header, a 64-bit integer, a bin header); in FETCH_OK it is ``[gsn,
+#: client_id, seq, data]``.
+RANGE_RECORD_OVERHEAD = 16
+FETCH_RECORD_OVERHEAD = 32
+
+#: how much of a decoder's complaint an error message quotes (a hostile frame must not
+#: make a long one)
+MAX_DETAIL_CHARS = 200
+
 #: A non-negative integer that fits msgpack (whose widest integer is uint64).
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 #: An epoch number that is -1 before the first epoch.

@@ -2,7 +2,7 @@ import logging
 import os
 import sys
 
-from ziplog.server.storage import main
+from ziplog.server.process import main
 
 code = main()
 # Everything is written, synced and closed by now (segments, the clean-close marker,

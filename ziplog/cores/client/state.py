@@ -13,6 +13,8 @@ NS_PER_S = 1_000_000_000
 #: How long new records avoid a shard an insert had to be resent to or moved away from
 #: (a shard that recovers says the same a little later, through its recovering flag).
 AVOID_NS = 1_000_000_000
+#: the avoided shards are swept of expired entries once there are more than this
+AVOIDED_PRUNE_AT = 64
 #: Resend an unanswered insert (same client id and sequence number) after this long...
 RETRY_AFTER_NS = 250_000_000
 #: ... or this long when the shard is refusing or frozen for recovery: the answer that
@@ -78,7 +80,7 @@ class ClientState:
     def avoid(self, shard: int, now: int) -> None:
         """Send new records elsewhere for a while: the shard is recovering or refusing."""
         self.avoided[shard] = now + AVOID_NS
-        if len(self.avoided) > 64:
+        if len(self.avoided) > AVOIDED_PRUNE_AT:
             self.avoided = {s: t for s, t in self.avoided.items() if t > now}
 
     def choose_shard(self, live: list[int], key: bytes | None, data: bytes, excluded: set[int], now: int) -> int | None:

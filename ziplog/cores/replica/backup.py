@@ -119,6 +119,33 @@ class Speculation:
         """The speculation for a new epoch, keeping every outstanding guess."""
         return Speculation(config, cursor, 0, self.by_key, self.by_gsn)
 
+    def pass_notice(self, msg: f.Notice, shard: int) -> None:
+        """Another shard decided a record at ``msg.gsn``: our primary passes it when the
+        same NOTICE reaches it (``PrimarySequencer.on_notice``), so guess past it now,
+        as it will place what follows. Only in the epoch we guess in (a notice of
+        another epoch, of a shard that is no member of it, or naming a gsn outside it
+        changes nothing; the primary's forwards correct any guess this gets wrong)."""
+        cfg, cursor = self.config, self.cursor
+        if (cursor is None or msg.epoch != cfg.epoch or msg.shard == shard or msg.shard not in cfg.shards
+                or not cfg.base <= msg.gsn <= cfg.end):
+            return
+        self.next_slot = cursor.passed(self.next_slot, msg.gsn)  # as the primary's _pass moves its own
+
+    def above(self, frontier: int) -> list[list[object]]:
+        """Records guessed and acknowledged above ``frontier``: a recovery must keep them."""
+        return [[g, q.key[0], q.key[1], q.data] for g, q in sorted(self.by_gsn.items()) if g > frontier]
+
+
+def wrong_guess_kind(guessed: int, gsn: int) -> str:
+    """Why a guess missed, for whoever tunes the fast path: a guess in another epoch than
+    the decision (the two replicas switched epochs at different moments), or in the same
+    epoch a slot ahead of or behind the primary's. Two records the replicas saw in
+    opposite orders show up as one guess ahead and one displaced (the first one's slot
+    went to the second, whose guess was one slot higher)."""
+    if epoch_of(guessed) != epoch_of(gsn):
+        return "wrong_guesses_epoch"
+    return "wrong_guesses_ahead" if guessed > gsn else "wrong_guesses_behind"
+
 
 class BackupFollower:
     is_primary = False
@@ -277,7 +304,7 @@ class BackupFollower:
             if sp.config.epoch == epoch_of(gsn) and ev.slot + 1 > sp.next_slot:
                 sp.next_slot = ev.slot + 1
         if guessed is not None and guessed != gsn:
-            self._count_wrong_guess(guessed, gsn)
+            self.stats[wrong_guess_kind(guessed, gsn)] += 1
         pending = self.pending_routes.pop(key)
         if pending is not None and guessed == gsn:
             self.stats["confirmed_guesses"] += 1  # the client's fast path, as far as this replica can tell
@@ -294,17 +321,6 @@ class BackupFollower:
         for g in [g for g in sp.by_gsn if g <= frontier]:
             self._displaced(sp.by_gsn[g].key, now)
             sp.forget(g)
-
-    def _count_wrong_guess(self, guessed: int, gsn: int) -> None:
-        """Why a guess missed, for whoever tunes the fast path: a guess in another epoch
-        than the decision (the two replicas switched epochs at different moments), or in
-        the same epoch a slot ahead of or behind the primary's. Two records the replicas
-        saw in opposite orders show up as one guess ahead and one displaced (the first
-        one's slot went to the second, whose guess was one slot higher)."""
-        ge, de = epoch_of(guessed), epoch_of(gsn)
-        kind = "wrong_guesses_epoch" if ge != de else (
-            "wrong_guesses_ahead" if guessed > gsn else "wrong_guesses_behind")
-        self.stats[kind] += 1
 
     def _displaced(self, key: Key, now: int) -> None:
         """The primary filled our guess's slot otherwise: never guess this record again. A
@@ -376,19 +392,8 @@ class BackupFollower:
         return False
 
     def on_notice(self, msg: f.Notice, now: int) -> None:
-        """Another shard decided a record at ``msg.gsn``: our primary passes it when the
-        same NOTICE reaches it (``PrimarySequencer.on_notice``), so guess past it now,
-        as it will place what follows. Only in the epoch we guess in (a notice of
-        another epoch, of a shard that is no member of it, or naming a gsn outside it
-        changes nothing; the primary's forwards correct any guess this gets wrong)."""
-        sp = self.spec
-        if sp is None or sp.cursor is None:
-            return
-        cfg = sp.config
-        if (msg.epoch != cfg.epoch or msg.shard == self.shard or msg.shard not in cfg.shards
-                or not cfg.base <= msg.gsn <= cfg.end):
-            return
-        sp.next_slot = sp.cursor.passed(sp.next_slot, msg.gsn)  # as the primary's _pass moves its own
+        if self.spec is not None:
+            self.spec.pass_notice(msg, self.shard)
 
     def on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
         pass  # only a primary takes HELLO
@@ -447,10 +452,7 @@ class BackupFollower:
         return held
 
     def guesses_above(self, frontier: int) -> list[list[object]]:
-        """Records guessed and acknowledged above ``frontier``: a recovery must keep them."""
-        if self.spec is None:
-            return []
-        return [[g, q.key[0], q.key[1], q.data] for g, q in sorted(self.spec.by_gsn.items()) if g > frontier]
+        return self.spec.above(frontier) if self.spec is not None else []
 
     def wait_for_authority(self, route: bytes, req_id: int, key: Key, now: int) -> None:
         """A frozen backup's client: answered once it knows whether the recovery keeps

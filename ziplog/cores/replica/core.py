@@ -375,7 +375,7 @@ class ReplicaCore:
         self.recovery.restore(self.log.recovery_mark)
         role = self.role
         if isinstance(role, PrimarySequencer):
-            role.mark_forward_point()
+            role.fwd.mark_point()
         if clean_frontier is not None and clean_frontier == self.log.frontier:
             role.restart_clean()
 

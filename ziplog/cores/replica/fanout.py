@@ -104,7 +104,7 @@ class Fanout:
             g = gsns[i]
             data = records_by_gsn[g].data
             out.append((g, data))
-            size += len(data) + 16
+            size += len(data) + f.RANGE_RECORD_OVERHEAD
             i += 1
         self.out.send(route, f.RangeOk(req_id=msg.req_id, records=out, upto=max(upto, msg.lo - 1),
                                        stable=log.servable))
@@ -194,7 +194,7 @@ class Fanout:
                 break
             data = records_by_gsn[g].data
             records.append((g, data))
-            size += len(data) + 16
+            size += len(data) + f.RANGE_RECORD_OVERHEAD
             sub.credit -= len(data)
             i += 1
         if progress <= sub.progress_sent and not records:

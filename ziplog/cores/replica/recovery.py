@@ -252,7 +252,7 @@ class RecoveryParticipant:
                 done = False
                 break
             out.append([r.gsn, r.client_id, r.seq, r.data])
-            size += len(r.data) + 32
+            size += len(r.data) + f.FETCH_RECORD_OVERHEAD
         return {"trim": log.trim_point, "deleted_below": log.deletable_below, "records": out, "done": done}
 
     def _install(self, base: int, trim: int, events: list[RecordEvent | EpochEvent], end: int) -> dict[str, Any] | str:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from ziplog.logbook.core.records import MAX_TAGS
+from ziplog.protocol.frames import MAX_DETAIL_CHARS
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -173,7 +174,7 @@ def _decode(decoder: "msgspec.msgpack.Decoder[Any]", data: bytes) -> Any:
     try:
         return decoder.decode(data)
     except (msgspec.MsgspecError, RecursionError) as exc:  # the depth limit surfaces as RecursionError
-        raise BadFrame(str(exc)[:200]) from None
+        raise BadFrame(str(exc)[:MAX_DETAIL_CHARS]) from None
 
 
 def decode_request(data: bytes) -> Request:

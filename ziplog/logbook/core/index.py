@@ -38,6 +38,8 @@ ALL = None
 #: it the oldest are folded into their book's (a replay of those tags may then be told
 #: of a trim that took none of its records: refused, never silently wrong)
 MAX_TRIMMED_ROWS = 1 << 20
+#: the applied head of the pending trims is cut off once it is this long and half the list
+COMPACT_AFTER = 1024
 
 
 class Hit(NamedTuple):
@@ -159,7 +161,7 @@ class IndexNode:
             if j > 0:
                 del gsns[:j]
                 del points[:j]
-        if self._applied > 1024 and self._applied * 2 > len(todo):
+        if self._applied > COMPACT_AFTER and self._applied * 2 > len(todo):
             del todo[:self._applied]
             self._applied = 0
 

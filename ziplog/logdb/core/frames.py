@@ -16,6 +16,7 @@ from typing import Annotated, Union
 import msgspec
 
 from ziplog.logdb.core.records import MAX_KEY_BYTES, MAX_KEYS_PER_TXN, Rid
+from ziplog.protocol.frames import MAX_DETAIL_CHARS
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)]
@@ -135,7 +136,7 @@ def decode_request(data: bytes) -> Request:
     try:
         return _request_decoder.decode(data)
     except (msgspec.MsgspecError, RecursionError) as exc:
-        raise BadFrame(str(exc)[:200]) from None
+        raise BadFrame(str(exc)[:MAX_DETAIL_CHARS]) from None
 
 
 def decode_answer(data: bytes) -> Answer:
@@ -143,4 +144,4 @@ def decode_answer(data: bytes) -> Answer:
     try:
         return _answer_decoder.decode(data)
     except (msgspec.MsgspecError, RecursionError) as exc:
-        raise BadFrame(str(exc)[:200]) from None
+        raise BadFrame(str(exc)[:MAX_DETAIL_CHARS]) from None

@@ -1,0 +1,121 @@
+"""A storage replica's connections to the rest of the cluster, kept to what ZooKeeper
+holds (docs/ARCHITECTURE.md, Processes):
+
+* SUB -> every MMS replica's PUB: epoch broadcasts
+* PUSH -> every MMS replica's PULL: rate reports (only the leader uses them)
+* PUSH -> every failure handler replica's PULL: suspicions (only the leader acts)
+* DEALER -> the primary's ROUTER (a backup): HELLO, PREFIX out; FORWARD in
+* DEALER -> each replica of a shard it sends NOTICEs to (a primary), made on the first
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ziplog.cores.replica import ReplicaSettings
+from ziplog.io.ports import Endpoint, Network, StorageCoordination
+from ziplog.protocol import frames as f
+from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.throttled_log import ThrottledLog
+
+FrameHandler = Callable[[bytes], None]
+
+
+class ReplicaLinks:
+    def __init__(self, settings: ReplicaSettings, net: Network, coord: StorageCoordination, guard: InboundGuard,
+                 trouble_log: ThrottledLog, on_epoch_frame: FrameHandler, on_primary_frame: FrameHandler) -> None:
+        self.settings = settings
+        self.net = net
+        self.coord = coord
+        self.guard = guard
+        self.trouble_log = trouble_log
+        self.on_epoch_frame = on_epoch_frame
+        self.on_primary_frame = on_primary_frame
+        self.primary: Endpoint | None = None
+        self.primary_addr: str | None = None
+        #: the ZooKeeper session that registered the primary we are linked to
+        self.primary_owner: int | None = None
+        self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
+        self.epoch_pubs: set[str] = set()
+        self.mms_pushes: dict[str, Endpoint] = {}
+        self.fh_pushes: dict[str, Endpoint] = {}
+        #: a primary's connections to the other shards' replicas (its NOTICEs): (shard,
+        #: replica) -> (address, endpoint); made on the first notice to the shard
+        self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
+
+    def follow_topology(self) -> bool:
+        """Connect to new control-plane replicas, and (a backup) to the primary's new
+        address: True when a new link to the primary was made (the core introduces
+        itself on it)."""
+        topo = self.coord.topology
+        net = self.net
+        for pub in topo.mms_pubs():
+            if pub not in self.epoch_pubs:
+                self.epoch_pubs.add(pub)
+                if self.epochs is None:
+                    self.epochs = net.subscriber(pub, self.guard.frames("the epoch broadcast", self.on_epoch_frame),
+                                                 max_bytes=f.EPOCH_FRAME_LIMIT)
+                else:
+                    self.epochs.connect(pub)
+        for pull in topo.mms_pulls():
+            if pull not in self.mms_pushes:
+                self.mms_pushes[pull] = net.pusher(pull)
+        for pull in topo.fh_pulls():
+            if pull not in self.fh_pushes:
+                self.fh_pushes[pull] = net.pusher(pull)
+        if self.settings.is_primary:
+            return False
+        shard = self.settings.shard
+        addr = topo.replicas.get(shard, {}).get(0)
+        owner = topo.replica_owners.get(shard, {}).get(0)
+        # A new address, or another incarnation at the same one (a primary restarted on a
+        # fixed port: our old connection would carry on to it, and the restarted primary,
+        # waiting for every backup's HELLO, would never hear ours).
+        if not addr or (addr == self.primary_addr and owner == self.primary_owner):
+            return False
+        if self.primary is not None:
+            self.primary.close()
+        self.primary = net.dealer(addr, self.guard.frames("the primary's link", self.on_primary_frame),
+                                  "primary", max_bytes=f.forward_limit(self.settings.forward_batch_bytes,
+                                                                       self.settings.max_record_bytes))
+        self.primary_addr = addr
+        self.primary_owner = owner
+        return True
+
+    def replicas_of(self, shard: int) -> list[Endpoint]:
+        """The connections to ``shard``'s replicas at the addresses ZooKeeper holds now
+        (a replica it has none for is skipped: its notice is dropped, and the epoch's
+        close is the backstop)."""
+        addrs = self.coord.topology.replicas.get(shard, {})
+        peers = self.peer_replicas
+        out: list[Endpoint] = []
+        for replica in range(self.coord.topology.replica_counts.get(shard, len(addrs))):
+            addr = addrs.get(replica)
+            cur = peers.get((shard, replica))
+            if cur is not None and cur[0] == addr:
+                out.append(cur[1])
+                continue
+            if cur is not None:
+                cur[1].close()
+                del peers[(shard, replica)]
+            if addr is None:
+                continue
+            ep = self.net.dealer(addr, self.guard.frames("a peer replica's link", self._on_peer_replica_frame),
+                                 "notice", max_bytes=f.CONTROL_FRAME_LIMIT)
+            peers[(shard, replica)] = (addr, ep)
+            out.append(ep)
+        return out
+
+    def _on_peer_replica_frame(self, frame: bytes) -> None:
+        """Nothing is answered to a NOTICE but a refusal: worth a line, not an action."""
+        try:
+            msg = f.decode_reply(frame)
+        except f.ProtocolError as exc:
+            msg = exc  # type: ignore[assignment]
+        self.trouble_log("a peer replica answered a notice", msg)
+
+    def close(self) -> None:
+        for ep in [self.primary, self.epochs, *self.mms_pushes.values(), *self.fh_pushes.values(),
+                   *(ep for _, ep in self.peer_replicas.values())]:
+            if ep is not None:
+                ep.close()
