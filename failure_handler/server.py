@@ -17,7 +17,6 @@ time, and nothing after a write is performed until ZooKeeper took it
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from collections import deque
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from failure_handler.recovery import ACQUIRED, DONE, PROBING, HandlerSettings, RecoveryCore
 from ziplog.cores.effects import Message, Ready, ReplicaOf, WriteRecovery
 from ziplog.shell.inbound import InboundGuard
-from ziplog.shell.metrics import add_metrics_arguments, counter, counters, gauge, serve_metrics
+from ziplog.shell.metrics import counter, counters, gauge
 from ziplog.shell.throttled_log import ThrottledLog
 from ziplog.io.ports import Endpoint, Network, Runtime, Timer
 from ziplog.protocol import frames as wire
@@ -34,16 +33,7 @@ from ziplog.protocol import layout
 from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
-from ziplog.shell.elected import ElectedDriver, ElectionPort
-from ziplog.shell.config import parse_args
-from ziplog.shell.logs import add_log_arguments, configure_logging
-from ziplog.shell.process import (
-    add_address_arguments,
-    add_cluster_key_argument,
-    check_address_arguments,
-    load_cluster_key,
-    serve_forever,
-)
+from ziplog.shell.elected import ElectedDriver, ElectionPort, elected_parser, parse_elected_args, run_elected
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -320,28 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     from ziplog.io.zk_recovery import KazooHandlerCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
 
-    ap = argparse.ArgumentParser(prog="failure_handler.server", description="ziplog failure handler replica")
-    ap.add_argument("--zk", required=True)
-    ap.add_argument("--id", type=int, required=True)
-    add_address_arguments(ap)
+    ap = elected_parser("failure_handler.server", "ziplog failure handler replica")
     ap.add_argument("--retry-ms", type=float, default=HandlerSettings.retry_ns / 1e6)
     ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
     ap.add_argument("--groups", type=int, default=1)
-    add_cluster_key_argument(ap)
-    add_metrics_arguments(ap)
-    add_log_arguments(ap)
-    args = parse_args(ap, argv, "failure_handler")
-    check_address_arguments(ap, args, one_port=False)
-    key = load_cluster_key(args.cluster_key_file)
-    configure_logging(args, f"failure-handler{args.id}")
+    args, key = parse_elected_args(ap, argv, "failure_handler", "failure-handler")
     rt = ZmqRuntime()
     coord = KazooHandlerCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.bind,
                                   advertise=args.advertise)
-    driver.start()
-    metrics = serve_metrics(args, driver.metrics)
-    return serve_forever(rt, metrics, driver, coord)
+    return run_elected(args, rt, driver, coord)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ at the deadline, so a change takes effect at the next epoch.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from mms.planner import PlannerSettings
 from mms.sequencer import EpochSequencer
@@ -35,17 +34,8 @@ from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
-from ziplog.shell.elected import ElectedDriver, ElectionPort
-from ziplog.shell.metrics import add_metrics_arguments, counter, counters, gauge, serve_metrics
-from ziplog.shell.config import parse_args
-from ziplog.shell.logs import add_log_arguments, configure_logging
-from ziplog.shell.process import (
-    add_address_arguments,
-    add_cluster_key_argument,
-    check_address_arguments,
-    load_cluster_key,
-    serve_forever,
-)
+from ziplog.shell.elected import ElectedDriver, ElectionPort, elected_parser, parse_elected_args, run_elected
+from ziplog.shell.metrics import counter, counters, gauge
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -227,33 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     from ziplog.io.zk_membership import KazooMembershipCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
 
-    ap = argparse.ArgumentParser(prog="mms.server", description="ziplog membership service replica")
-    ap.add_argument("--zk", required=True)
-    ap.add_argument("--id", type=int, required=True)
+    ap = elected_parser("mms.server", "ziplog membership service replica")
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--idle-interval-ms", type=float, default=IDLE_INTERVAL_NS / 1e6,
                     help="an idle cluster's epochs lengthen up to this (well under a subscriber's 1 s silence rule)")
-    add_address_arguments(ap)
     ap.add_argument("--default-rate", type=int, default=PlannerSettings.default_rate)
     ap.add_argument("--min-rate", type=int, default=PlannerSettings.min_rate)
     ap.add_argument("--epochs-per-commit", type=int, default=10,
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
-    add_cluster_key_argument(ap)
-    add_metrics_arguments(ap)
-    add_log_arguments(ap)
-    args = parse_args(ap, argv, "mms")
-    check_address_arguments(ap, args, one_port=False)
-    key = load_cluster_key(args.cluster_key_file)
-    configure_logging(args, f"mms{args.id}")
+    args, key = parse_elected_args(ap, argv, "mms", "mms")
     rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
     coord = KazooMembershipCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                               args.epochs_per_commit, args.bind, int(args.idle_interval_ms * 1_000_000),
                               advertise=args.advertise)
-    driver.start()
-    metrics = serve_metrics(args, driver.metrics)
-    return serve_forever(rt, metrics, driver, coord)
+    return run_elected(args, rt, driver, coord)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Every wait is bounded: the run finishes whether or not the killed shard ever rec
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 import datetime
 import json
 import multiprocessing as mp
@@ -346,12 +347,8 @@ def run(quick: bool, out: Path | None) -> list[dict]:
     return rows
 
 
-def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
-    p = _params(quick, scenario)
-    ziplog = _import_ziplog()
-    n_writers = p["shards"] * p["writers_per_shard"]
-    run_id = int.from_bytes(os.urandom(4), "big")
-
+def _server_args(p: dict) -> list[str]:
+    """The storage servers' flags: a short suspicion timeout, where the server takes it."""
     flag = "--suspect-timeout-ms"
     accepted = _server_accepts(flag)
     p["suspect_timeout_flag_supported"] = accepted
@@ -361,58 +358,86 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
         _log(f"ziplog.server does not accept {flag} yet: running without it (recorded in the parameters)")
         server_args = []
     p["server_args"] = server_args
+    return server_args
 
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    ctrl_q = ctx.Queue()
-    stop = ctx.Event()
-    go = ctx.Event()
-    start_at = ctx.Value("d", 0.0)
-    acked_live = ctx.Array("q", p["shards"])
-    children: list[Any] = []
 
-    writer_results: dict[int, dict] = {}
-    sub_result: dict | None = None
-    startup_failures: list[tuple[Any, str]] = []
+@dataclass
+class _Observed:
+    """What one scenario's live phase saw (times are ``time.monotonic()``; ``t0`` is the
+    load's start)."""
+
+    t0: float = 0.0
     kill_t: float | None = None
     kill_error: str | None = None
-    restarts: list[tuple[float, int, int]] = []
-    fh_alive: list[bool] = []
-    t0 = 0.0
-    t_run = time.monotonic()
+    writer_results: dict[int, dict] = field(default_factory=dict)
+    sub_result: dict | None = None
+    restarts: list[tuple[float, int, int]] = field(default_factory=list)
+    fh_alive: list[bool] = field(default_factory=list)
 
-    def collect(until: float, want: set) -> None:
+
+class _LoadRun:
+    """One scenario's live phase: a local cluster, a subscriber and writer processes, the
+    kill, then the writers stopped and the subscriber drained (every wait bounded)."""
+
+    def __init__(self, p: dict, server_args: list[str]) -> None:
+        self.p = p
+        self.server_args = server_args
+        self.n_writers = p["shards"] * p["writers_per_shard"]
+        self.run_id = int.from_bytes(os.urandom(4), "big")
+        ctx = self.ctx = mp.get_context("spawn")
+        self.out_q = ctx.Queue()
+        self.ctrl_q = ctx.Queue()
+        self.stop = ctx.Event()
+        self.go = ctx.Event()
+        self.start_at = ctx.Value("d", 0.0)
+        self.acked_live = ctx.Array("q", p["shards"])
+        self.children: list[Any] = []
+        self.obs = _Observed()
+
+    def collect(self, until: float, want: set) -> None:
         """Read ("result", who, r) messages until every one in ``want`` arrived or ``until``."""
-        nonlocal sub_result
+        o = self.obs
         while want and time.monotonic() < until:
             try:
-                kind, who, payload = out_q.get(timeout=min(0.5, max(until - time.monotonic(), 0.01)))
+                kind, who, payload = self.out_q.get(timeout=min(0.5, max(until - time.monotonic(), 0.01)))
             except queue.Empty:
                 continue
             if kind == "result":
                 if who == "sub":
-                    sub_result = payload
+                    o.sub_result = payload
                 else:
-                    writer_results[who] = payload
+                    o.writer_results[who] = payload
                 want.discard(who)
 
-    with contextlib.ExitStack() as stack:
-        _log(f"starting ziplog local cluster (shards={p['shards']}, replicas={p['replicas']}, supervise=True, "
-             f"server_args={server_args})")
-        try:
-            cluster = stack.enter_context(ziplog.local_cluster(
-                shards=p["shards"], replicas=p["replicas"], supervise=True, server_args=server_args))
-            cluster.restart_delay_s = p["restart_delay_s"]
-        except Exception as e:
-            raise RuntimeError(f"the local cluster could not start ({type(e).__name__}: {e})") from e
+    def run(self, ziplog: Any) -> _Observed:
+        p, server_args, o = self.p, self.server_args, self.obs
+        with contextlib.ExitStack() as stack:
+            _log(f"starting ziplog local cluster (shards={p['shards']}, replicas={p['replicas']}, supervise=True, "
+                 f"server_args={server_args})")
+            try:
+                cluster = stack.enter_context(ziplog.local_cluster(
+                    shards=p["shards"], replicas=p["replicas"], supervise=True, server_args=server_args))
+                cluster.restart_delay_s = p["restart_delay_s"]
+            except Exception as e:
+                raise RuntimeError(f"the local cluster could not start ({type(e).__name__}: {e})") from e
 
-        def cleanup() -> None:
-            stop.set()
-            stop_processes(children, 3.0)
+            def cleanup() -> None:
+                self.stop.set()
+                stop_processes(self.children, 3.0)
 
-        stack.callback(cleanup)
+            stack.callback(cleanup)
+            self.start_load(cluster)
+            self.drive(cluster)
+            self.stop_and_drain(cluster)
+            _log("stopping the cluster")
+        return o
 
-        # -- start the subscriber, then the writers, and wait until all are connected ------
+    def start_load(self, cluster: Any) -> None:
+        """Start the subscriber, then the writers, and wait until all are connected."""
+        p, ctx, run_id, n_writers = self.p, self.ctx, self.run_id, self.n_writers
+        out_q, ctrl_q, stop, children = self.out_q, self.ctrl_q, self.stop, self.children
+        start_at, go, acked_live = self.start_at, self.go, self.acked_live
+        startup_failures: list[tuple[Any, str]] = []
         _log(f"starting 1 subscriber and {n_writers} writer processes "
              f"({p['writers_per_shard']} per shard, {p['rate_per_writer']} inserts/s each, {p['record_bytes']} B)")
         sp = ctx.Process(target=_subscriber_main, args=(cluster.zk_hosts, run_id, out_q, ctrl_q, stop),
@@ -446,90 +471,109 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
             raise RuntimeError(f"writer/subscriber processes {', '.join(not_ready)} could not connect to the "
                                f"cluster ({detail}); cluster logs in {cluster.logs}")
 
-        # -- the run ------------------------------------------------------------------------
-        t0 = time.monotonic() + 0.3
-        start_at.value = t0
-        go.set()
+    def drive(self, cluster: Any) -> None:
+        """The load's run, with the kill at ``kill_at_s``."""
+        p, o, acked_live = self.p, self.obs, self.acked_live
+        o.t0 = time.monotonic() + 0.3
+        self.start_at.value = o.t0
+        self.go.set()
         _log(f"load running for {p['duration_s']:.1f} s; killing shard {p['kill_shard']} replica "
              f"{p['kill_replica']} at t = {p['kill_at_s']:.1f} s")
-        end = t0 + p["duration_s"]
-        next_report = t0 + 1.0
+        end = o.t0 + p["duration_s"]
+        next_report = o.t0 + 1.0
         prev_counts = [0] * p["shards"]
         while True:
             now = time.monotonic()
-            if kill_t is None and now >= t0 + p["kill_at_s"]:
-                kill_t = time.monotonic()
+            if o.kill_t is None and now >= o.t0 + p["kill_at_s"]:
+                o.kill_t = time.monotonic()
                 try:
                     if p["kill_fh_leader"]:
                         leader = cluster.kill_fh_leader()
-                        _log(f"t = {kill_t - t0:.3f} s: SIGKILL the failure handler's leader (replica {leader})")
+                        _log(f"t = {o.kill_t - o.t0:.3f} s: SIGKILL the failure handler's leader (replica {leader})")
                     cluster.kill_replica(p["kill_shard"], p["kill_replica"])
-                    _log(f"t = {kill_t - t0:.3f} s: SIGKILL shard {p['kill_shard']} replica {p['kill_replica']}")
+                    _log(f"t = {o.kill_t - o.t0:.3f} s: SIGKILL shard {p['kill_shard']} replica {p['kill_replica']}")
                 except Exception as e:  # reported; the run goes on so the timeline still shows something
-                    kill_error = f"{type(e).__name__}: {e}"
-                    _log(f"t = {kill_t - t0:.3f} s: kill_replica failed: {kill_error}")
+                    o.kill_error = f"{type(e).__name__}: {e}"
+                    _log(f"t = {o.kill_t - o.t0:.3f} s: kill_replica failed: {o.kill_error}")
             if now >= next_report:
                 counts = list(acked_live[:])
                 rates = [c - pc for c, pc in zip(counts, prev_counts)]
                 prev_counts = counts
-                _log(f"t = {now - t0:.1f} s: acks in the last second by shard {rates}; "
+                _log(f"t = {now - o.t0:.1f} s: acks in the last second by shard {rates}; "
                      f"restarts so far {len(cluster.restarts)}")
                 next_report += 1.0
             if now >= end:
                 break
-            wake = min(end, next_report, t0 + p["kill_at_s"] if kill_t is None else end)
+            wake = min(end, next_report, o.t0 + p["kill_at_s"] if o.kill_t is None else end)
             time.sleep(max(min(wake - time.monotonic(), 0.05), 0.001))
 
-        # -- stop the writers (bounded: an insert waits at most insert_timeout_s) ----------
+    def stop_and_drain(self, cluster: Any) -> None:
+        """Stop the writers (bounded: an insert waits at most insert_timeout_s), then drain
+        the subscriber."""
+        p, o, n_writers, collect = self.p, self.obs, self.n_writers, self.collect
         collect(time.monotonic() + p["insert_timeout_s"] + 5.0, set(range(n_writers)))
-        lost = sorted(set(range(n_writers)) - set(writer_results))
+        lost = sorted(set(range(n_writers)) - set(o.writer_results))
         if lost:
             _log(f"writers {lost} did not report in time; terminating them (their acks are lost)")
 
         # -- drain the subscriber ----------------------------------------------------------
-        acked_keys = [(w, a[1]) for w, r in writer_results.items() for a in r["acks"]]
+        acked_keys = [(w, a[1]) for w, r in o.writer_results.items() for a in r["acks"]]
         drain_deadline = time.monotonic() + p["drain_s"]
         _log(f"load done: {len(acked_keys)} acks; draining the subscriber for at most {p['drain_s']:.0f} s")
-        ctrl_q.put(("drain", acked_keys, drain_deadline))
+        self.ctrl_q.put(("drain", acked_keys, drain_deadline))
         collect(drain_deadline + 5.0, {"sub"})
-        if sub_result is None:
-            stop.set()
+        if o.sub_result is None:
+            self.stop.set()
             collect(time.monotonic() + 5.0, {"sub"})
-        if sub_result is None:
+        if o.sub_result is None:
             _log("the subscriber did not report; delivery checks unavailable")
-        restarts = list(cluster.restarts)
-        fh_alive = [proc.poll() is None for proc in cluster.fh.values()]
-        _log("stopping the cluster")
-    _log(f"done in {time.monotonic() - t_run:.1f} s")
+        o.restarts = list(cluster.restarts)
+        o.fh_alive = [proc.poll() is None for proc in cluster.fh.values()]
 
-    # -- analysis ---------------------------------------------------------------------------------
+
+def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
+    p = _params(quick, scenario)
+    ziplog = _import_ziplog()
+    server_args = _server_args(p)
+    t_run = time.monotonic()
+    o = _LoadRun(p, server_args).run(ziplog)
+    _log(f"done in {time.monotonic() - t_run:.1f} s")
+    row, doc, restart_t = _analyse(p, scenario, o)
+    _report(out, p, server_args, o, row, doc, restart_t)
+    return [dict(row, params=p, machine=doc["machine"])]
+
+
+def _analyse(p: dict, scenario: str, o: _Observed) -> tuple[dict, dict, float | None]:
+    """The summary row, the whole document (timeline, writers, kill, restarts), and when
+    the killed replica was started again."""
+    n_writers = p["shards"] * p["writers_per_shard"]
     width = p["bin_ms"] / 1000.0
-    all_acks = [(a[0], a[2]) for r in writer_results.values() for a in r["acks"]]
-    deliveries = sub_result["deliveries"] if sub_result else []
-    last_t = max([t0 + p["duration_s"]] + [d[0] for d in deliveries])
-    n_bins = int((last_t - t0) // width) + 1
+    all_acks = [(a[0], a[2]) for r in o.writer_results.values() for a in r["acks"]]
+    deliveries = o.sub_result["deliveries"] if o.sub_result else []
+    last_t = max([o.t0 + p["duration_s"]] + [d[0] for d in deliveries])
+    n_bins = int((last_t - o.t0) // width) + 1
     timeline = {
         "bin_ms": p["bin_ms"],
         "t_s": [round(i * width, 3) for i in range(n_bins)],
-        "acks_total": _bins([t for t, _ in all_acks], t0, n_bins, width),
-        "acks_by_shard": {str(s): _bins([t for t, sh in all_acks if sh == s], t0, n_bins, width)
+        "acks_total": _bins([t for t, _ in all_acks], o.t0, n_bins, width),
+        "acks_by_shard": {str(s): _bins([t for t, sh in all_acks if sh == s], o.t0, n_bins, width)
                           for s in range(p["shards"])},
-        "deliveries": _bins([d[0] for d in deliveries], t0, n_bins, width),
+        "deliveries": _bins([d[0] for d in deliveries], o.t0, n_bins, width),
     }
 
     writers: list[dict] = []
     for w in range(n_writers):
-        r = writer_results.get(w)
+        r = o.writer_results.get(w)
         if r is None:
             writers.append({"writer": w, "shard": w % p["shards"], "reported": False})
             continue
         ts = [a[0] for a in r["acks"]]
-        gap, at, open_end = _max_gap(ts, t0, r["t_stop"])
+        gap, at, open_end = _max_gap(ts, o.t0, r["t_stop"])
         lat = summarize([int(a[4] * 1e9) for a in r["acks"]])
         writers.append({
             "writer": w, "shard": r["shard"], "reported": True, "acked": len(ts),
             "errors": r["errors"], "first_errors": r["first_errors"], "error": r.get("error"),
-            "max_gap_ms": _ms(gap), "max_gap_from_s": None if at is None else round(at - t0, 3),
+            "max_gap_ms": _ms(gap), "max_gap_from_s": None if at is None else round(at - o.t0, 3),
             "max_gap_open_at_end": open_end, "latency_p50_us": lat["p50_us"], "latency_p99_us": lat["p99_us"],
             "client_stats": r.get("client_stats"),
         })
@@ -537,36 +581,24 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
     worst = max(stalls, key=lambda wr: wr["max_gap_ms"] or 0.0, default=None)
     # The killed shard's writers together: the longest gap in their merged ack stream.
     ks_writers = [wr["writer"] for wr in stalls if wr["shard"] == p["kill_shard"]]
-    ks_times = [a[0] for w in ks_writers for a in writer_results[w]["acks"]]
-    ks_end = max((writer_results[w]["t_stop"] for w in ks_writers), default=None)
-    ks_gap, ks_at, ks_open = _max_gap(ks_times, t0, ks_end)
-    first_after_kill = min((t for t, sh in all_acks if sh == p["kill_shard"] and kill_t is not None and t > kill_t),
+    ks_times = [a[0] for w in ks_writers for a in o.writer_results[w]["acks"]]
+    ks_end = max((o.writer_results[w]["t_stop"] for w in ks_writers), default=None)
+    ks_gap, ks_at, ks_open = _max_gap(ks_times, o.t0, ks_end)
+    first_after_kill = min((t for t, sh in all_acks if sh == p["kill_shard"] and o.kill_t is not None and t > o.kill_t),
                            default=None)
 
     sub_gap = sub_at = None
     sub_open = False
-    if sub_result is not None:
+    if o.sub_result is not None:
         dts = [d[0] for d in deliveries]
-        g, a, sub_open = _max_gap(dts, t0, t0 + p["duration_s"] if not dts or max(dts) < t0 + p["duration_s"] else None)
+        g, a, sub_open = _max_gap(dts, o.t0, o.t0 + p["duration_s"] if not dts or max(dts) < o.t0 + p["duration_s"] else None)
         sub_gap, sub_at = g, a
 
-    ours = [r for r in restarts if (r[1], r[2]) == (p["kill_shard"], p["kill_replica"])]
-    restart_t = next((r[0] for r in ours if kill_t is not None and r[0] >= kill_t), None)
-    restart_delay = None if restart_t is None or kill_t is None else restart_t - kill_t
+    ours = [r for r in o.restarts if (r[1], r[2]) == (p["kill_shard"], p["kill_replica"])]
+    restart_t = next((r[0] for r in ours if o.kill_t is not None and r[0] >= o.kill_t), None)
+    restart_delay = None if restart_t is None or o.kill_t is None else restart_t - o.kill_t
 
-    missing = duplicated = delivered_unacked = rid_mismatch = None
-    if sub_result is not None:
-        acked_rid = {(w, a[1]): (a[3], a[2]) for w, r in writer_results.items() for a in r["acks"]}
-        seen: dict[tuple[int, int], int] = {}
-        rid_mismatch = 0
-        for _, w, seq, gsn, shard in deliveries:
-            seen[(w, seq)] = seen.get((w, seq), 0) + 1
-            rid = acked_rid.get((w, seq))
-            if rid is not None and rid != (gsn, shard):
-                rid_mismatch += 1
-        missing = sum(1 for k in acked_rid if k not in seen)
-        duplicated = sum(seen[k] - 1 for k in acked_rid if seen.get(k, 0) > 1)
-        delivered_unacked = sum(1 for k in seen if k not in acked_rid)
+    missing, duplicated, delivered_unacked, rid_mismatch = _delivery_checks(o)
 
     error_totals: dict[str, int] = {}
     for wr in stalls:
@@ -582,18 +614,18 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
         "longest_write_stall_open_at_end": worst["max_gap_open_at_end"] if worst else None,
         "killed_shard_ack_gap_ms": _ms(ks_gap) if ks_writers else None,
         "killed_shard_ack_gap_open_at_end": ks_open if ks_writers else None,
-        "killed_shard_first_ack_after_kill_ms": _ms(first_after_kill - kill_t) if first_after_kill and kill_t else None,
+        "killed_shard_first_ack_after_kill_ms": _ms(first_after_kill - o.kill_t) if first_after_kill and o.kill_t else None,
         "longest_sub_stall_ms": _ms(sub_gap),
-        "longest_sub_stall_from_s": None if sub_at is None else round(sub_at - t0, 3),
-        "longest_sub_stall_open_at_end": sub_open if sub_result is not None else None,
+        "longest_sub_stall_from_s": None if sub_at is None else round(sub_at - o.t0, 3),
+        "longest_sub_stall_open_at_end": sub_open if o.sub_result is not None else None,
         "restart_delay_ms": _ms(restart_delay),
         "missing": missing,
         "duplicated": duplicated,
         "delivered_unacked": delivered_unacked,
         "rid_mismatch": rid_mismatch,
-        "order_violations": sub_result["order_violations"] if sub_result else None,
-        "subscriber_drained": sub_result.get("drained") if sub_result else None,
-        "subscriber_errors": sub_result["errors"] if sub_result else None,
+        "order_violations": o.sub_result["order_violations"] if o.sub_result else None,
+        "subscriber_drained": o.sub_result.get("drained") if o.sub_result else None,
+        "subscriber_errors": o.sub_result["errors"] if o.sub_result else None,
         "acked": len(all_acks),
         "delivered": len(deliveries),
         "write_errors": sum(error_totals.values()),
@@ -601,24 +633,53 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
         "writers_lost": [wr["writer"] for wr in writers if not wr.get("reported")],
     }
     machine = machine_info()
-    kill_s = None if kill_t is None else round(kill_t - t0, 4)
+    kill_s = None if o.kill_t is None else round(o.kill_t - o.t0, 4)
     doc = {
         "experiment": "failure",
         "summary": row,
         "timeline": timeline,
-        "kill": {"t_s": kill_s, "shard": p["kill_shard"], "replica": p["kill_replica"], "error": kill_error},
-        "restarts": [{"t_s": round(t - t0, 4), "shard": s, "replica": r} for t, s, r in restarts],
-        "failure_handler_processes_alive": fh_alive,
+        "kill": {"t_s": kill_s, "shard": p["kill_shard"], "replica": p["kill_replica"], "error": o.kill_error},
+        "restarts": [{"t_s": round(t - o.t0, 4), "shard": s, "replica": r} for t, s, r in o.restarts],
+        "failure_handler_processes_alive": o.fh_alive,
         "writers": writers,
         "params": p,
         "machine": machine,
     }
+    return row, doc, restart_t
 
+
+def _delivery_checks(o: _Observed) -> tuple[int | None, int | None, int | None, int | None]:
+    """Acknowledged records the subscriber never delivered, extra deliveries of them,
+    deliveries of records no writer saw acknowledged, and deliveries at another record
+    id than the acknowledged one (all None without the subscriber's report)."""
+    deliveries = o.sub_result["deliveries"] if o.sub_result else []
+    missing = duplicated = delivered_unacked = rid_mismatch = None
+    if o.sub_result is not None:
+        acked_rid = {(w, a[1]): (a[3], a[2]) for w, r in o.writer_results.items() for a in r["acks"]}
+        seen: dict[tuple[int, int], int] = {}
+        rid_mismatch = 0
+        for _, w, seq, gsn, shard in deliveries:
+            seen[(w, seq)] = seen.get((w, seq), 0) + 1
+            rid = acked_rid.get((w, seq))
+            if rid is not None and rid != (gsn, shard):
+                rid_mismatch += 1
+        missing = sum(1 for k in acked_rid if k not in seen)
+        duplicated = sum(seen[k] - 1 for k in acked_rid if seen.get(k, 0) > 1)
+        delivered_unacked = sum(1 for k in seen if k not in acked_rid)
+    return missing, duplicated, delivered_unacked, rid_mismatch
+
+
+def _report(out: Path, p: dict, server_args: list[str], o: _Observed, row: dict, doc: dict,
+            restart_t: float | None) -> None:
+    """Print the table; write failure.json, failure.md and failure.png."""
+    n_writers = p["shards"] * p["writers_per_shard"]
+    machine, timeline = doc["machine"], doc["timeline"]
+    kill_s, error_totals, fh_alive, kill_error = doc["kill"]["t_s"], row["write_errors_by_type"], o.fh_alive, o.kill_error
     table = format_table([row], COLUMNS)
     print(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "failure.json").write_text(json.dumps(doc, indent=2) + "\n")
-    restart_s = None if restart_t is None else restart_t - t0
+    restart_s = None if restart_t is None else restart_t - o.t0
     plot_note = _plot(out / "failure.png", timeline, kill_s if kill_s is not None else p["kill_at_s"], restart_s, p)
     if plot_note:
         _log(plot_note)
@@ -650,8 +711,8 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
         f"(delivered but not acked: {fmt(row['delivered_unacked'])}, record id mismatches: "
         f"{fmt(row['rid_mismatch'])}, order violations: {fmt(row['order_violations'])}). "
         f"Write errors by type: {error_totals or 'none'}. Failure handler processes alive at the end: "
-        f"{sum(fh_alive)}/{len(fh_alive)}."
-        + (f" The kill failed: {kill_error}." if kill_error else ""),
+        f"{sum(o.fh_alive)}/{len(o.fh_alive)}."
+        + (f" The kill failed: {o.kill_error}." if o.kill_error else ""),
         "",
         "`missing`: acknowledged records the subscriber had not delivered when its bounded drain "
         f"({p['drain_s']:.0f} s after the load) ended; `duplicated`: extra deliveries of acknowledged records. "
@@ -665,4 +726,3 @@ def _run(quick: bool, out: Path, scenario: str) -> list[dict]:
     ]
     (out / "failure.md").write_text("\n".join(md))
     _log(f"wrote {out / 'failure.json'}, {out / 'failure.md'}, {out / 'failure.png'}")
-    return [dict(row, params=p, machine=machine)]

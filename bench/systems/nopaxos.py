@@ -26,7 +26,7 @@ from bench.baselines import (
 from bench.baselines.nopaxos import HELLO, HELLO_REQ_ID
 from ziplog.tools import procs
 
-from .base import ClientSpec, System, read_replies
+from .base import ClientSpec, PipelinedAppender, System, Waiting
 from .cpus import CpuSpread
 from .servers import make_temp_dir, remove_temp_dir
 
@@ -175,33 +175,26 @@ class NOPaxosAppender:
         self.ctx.term()
 
 
-class _Wait:
-    __slots__ = ("future", "got", "position", "leader", "sent_at")
+class _Wait(Waiting):
+    __slots__ = ("got", "position", "leader")
 
     def __init__(self, future: asyncio.Future[int], sent_at: float) -> None:
-        self.future = future
+        super().__init__(future, sent_at)
         self.got = 0
         self.position = -1
         self.leader = False
-        self.sent_at = sent_at
 
 
-class AsyncNOPaxosAppender:
+class AsyncNOPaxosAppender(PipelinedAppender):
     """asyncio client: any number of appends in flight, matched to replies by req_id."""
 
     def __init__(self, sequencer: str, replicas: list[str], timeout_s: float = 10.0) -> None:
+        super().__init__(timeout_s)
         self.replica_addrs = replicas
         self.sequencer_addr = sequencer
-        self.timeout_s = timeout_s
         self.quorum = (len(replicas) - 1) // 2 + 1
         self.client_id = new_client_id()
-        self.ctx = zmq.asyncio.Context()
-        self.pending: dict[int, _Wait] = {}
         self.req_id = HELLO_REQ_ID
-        self._pack = msgpack.Packer().pack  # reused: msgpack.packb builds a Packer per call
-        self.tasks: list[asyncio.Task[None]] = []
-        self.closed = False
-        self.broken: BaseException | None = None  # why later appends must fail at once
         self.replies = self.ctx.socket(zmq.DEALER)
         _reply_socket(self.replies, self.client_id, self.replica_addrs)
         self.to_sequencer = self.ctx.socket(zmq.DEALER)
@@ -209,8 +202,7 @@ class AsyncNOPaxosAppender:
 
     async def _open(self) -> "AsyncNOPaxosAppender":
         await self._greet()
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._read()), loop.create_task(self._watchdog())]
+        self._start(self.replies, self._on_reply)
         return self
 
     async def _greet(self) -> None:
@@ -248,31 +240,11 @@ class AsyncNOPaxosAppender:
             if not w.future.done():
                 w.future.set_result(pos)
 
-    async def _read(self) -> None:
-        try:
-            await read_replies(self.replies, self._on_reply)
-        except Exception as exc:  # a broken reply: fail every waiter loudly, not hang them
-            self._fail_all(exc)
-            raise
+    def _timed_out(self, rid: int, w: Any) -> Exception:
+        return TimeoutError(f"append {rid}: {w.got} replica replies (leader: {w.leader}) within the timeout")
 
-    def _fail_all(self, exc: BaseException) -> None:
-        self.broken = exc
-        for w in self.pending.values():
-            if not w.future.done():
-                w.future.set_exception(exc)
-        self.pending.clear()
-
-    async def _watchdog(self) -> None:
-        """Fail appends that waited longer than the timeout (one timer, not one per append)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.timeout_s / 4))
-            limit = time.monotonic() - self.timeout_s
-            for rid, w in list(self.pending.items()):
-                if w.sent_at < limit:
-                    del self.pending[rid]
-                    if not w.future.done():
-                        w.future.set_exception(TimeoutError(
-                            f"append {rid}: {w.got} replica replies (leader: {w.leader}) within the timeout"))
+    def _sockets(self) -> list[Any]:
+        return [self.replies, self.to_sequencer]
 
     async def append(self, data: bytes) -> int:
         if self.broken is not None:
@@ -282,18 +254,6 @@ class AsyncNOPaxosAppender:
         self.pending[rid] = _Wait(fut, time.monotonic())
         await self.to_sequencer.send(self._pack([rid, data]))
         return await fut
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self._fail_all(RuntimeError("appender closed"))
-        self.replies.close(0)
-        self.to_sequencer.close(0)
-        self.ctx.term()
 
 
 def open_sync(sequencer: str, replicas: list[str], timeout_s: float = 10.0) -> NOPaxosAppender:

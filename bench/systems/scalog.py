@@ -21,7 +21,7 @@ from bench.baselines import check_alive, python_module_argv, start_server, wait_
 from bench.baselines.scalog import APPEND, STATS
 from ziplog.tools import procs
 
-from .base import ClientSpec, System, read_replies
+from .base import ClientSpec, PipelinedAppender, System, Waiting
 from .cpus import CpuSpread
 from .servers import make_temp_dir, remove_temp_dir
 
@@ -165,72 +165,32 @@ class ScalogAppender:
         self.ctx.term()
 
 
-class AsyncScalogAppender:
+class AsyncScalogAppender(PipelinedAppender):
     """asyncio client: any number of appends in flight, matched to acks by req_id."""
 
     def __init__(self, servers: list[str], server: int = 0, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
-        self.ctx = zmq.asyncio.Context()
+        super().__init__(timeout_s)
         self.sock = self.ctx.socket(zmq.DEALER)
         _server_socket(self.sock, servers, server)
-        self.pending: dict[int, tuple[asyncio.Future[int], float]] = {}
-        self.req_id = 0
-        self._pack = msgpack.Packer().pack  # reused: msgpack.packb builds a Packer per call
-        self.closed = False
-        self.broken: BaseException | None = None
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._read()), loop.create_task(self._watchdog())]
+        self._start(self.sock, self._on_ack)
 
     def _on_ack(self, frame: bytes) -> None:
         rid, gsn = msgpack.unpackb(frame)
-        entry = self.pending.pop(rid, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_result(gsn)
+        w = self.pending.pop(rid, None)
+        if w is not None and not w.future.done():
+            w.future.set_result(gsn)
 
-    async def _read(self) -> None:
-        try:
-            await read_replies(self.sock, self._on_ack)
-        except Exception as exc:  # a broken ack: fail every waiter loudly, not hang them
-            self._fail_all(exc)
-            raise
-
-    async def _watchdog(self) -> None:
-        """Fail appends that waited longer than the timeout (one timer, not one per append)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.timeout_s / 4))
-            limit = time.monotonic() - self.timeout_s
-            for rid, (fut, sent_at) in list(self.pending.items()):
-                if sent_at < limit:
-                    del self.pending[rid]
-                    if not fut.done():
-                        fut.set_exception(TimeoutError(f"append {rid}: no acknowledgement within the timeout"))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        self.broken = exc
-        for fut, _ in self.pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self.pending.clear()
+    def _sockets(self) -> list[Any]:
+        return [self.sock]
 
     async def append(self, data: bytes) -> int:
         if self.broken is not None:
             raise RuntimeError(f"appender unusable: {self.broken!r}")
         self.req_id = rid = self.req_id + 1
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = (fut, time.monotonic())
+        self.pending[rid] = Waiting(fut, time.monotonic())
         await self.sock.send(self._pack([APPEND, rid, data]))
         return await fut
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self._fail_all(RuntimeError("appender closed"))
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def open_sync(servers: list[str], server: int = 0, timeout_s: float = 10.0) -> ScalogAppender:

@@ -10,12 +10,10 @@ registered at ``/ziplog/logbook/tier/aggregators/<pid>@<host>``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
 import sys
-import time
 from typing import Any, cast
 
 from ziplog.logbook.core import frames as f
@@ -66,21 +64,12 @@ class AggregatorFrontend:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from ziplog.io import zk
-    from ziplog.io.asyncio_runtime import AsyncioRuntime
-    from ziplog.io.zmtp_poll import native_transport_wanted
-    from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory, ensure_tier
+    from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory
+    from ziplog.logbook.process import tier_process
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
-    from ziplog.shell.process import load_cluster_key, stop_event
 
-    key = load_cluster_key(args.cluster_key_file)
-    session = zk.Session(args.zk, key)
-    stop = stop_event()
-    loop = asyncio.get_running_loop()
-    rt = AsyncioRuntime(loop, native=native_transport_wanted())
-    try:
-        ensure_tier(session.zk)
+    async with tier_process(args) as (_, session, stop, rt):
         front: AggregatorFrontend
         ask = AskDriver(rt, rt, AggregatorCore(TIMEOUT_NS), lambda res: front.on_result(res))
         routers: list[Any] = []
@@ -102,22 +91,14 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("aggregator serving at %s (advertised: %s)", router.addr, advertised(router.addr, args.advertise))
         await stop.wait()
         return 0
-    finally:
-        await rt.aclose()
-        session.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
-    from ziplog.shell.config import parse_args
-    from ziplog.shell.logs import add_log_arguments, configure_logging
+    from ziplog.logbook.process import parse_tier_args
+    from ziplog.shell.logs import configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.aggregator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
-    add_address_arguments(ap, port_help="port (0: any free one)")
-    add_cluster_key_argument(ap)
-    add_log_arguments(ap)
-    args = parse_args(ap, argv, "aggregator")
-    check_address_arguments(ap, args)
+    args = parse_tier_args(ap, argv, "aggregator", serves=True)
     configure_logging(args, "aggregator")
     from ziplog.client.aio import run
     return run(serve(args))

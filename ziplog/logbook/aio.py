@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from ziplog.client.aio import AsyncClient
 from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState, LogRecord, SessionBase, choose_mode
+from ziplog.cores.app_session import drive_async
 from ziplog.logbook.core import session as s
 from ziplog.logbook.core.aggregator import Result
 from ziplog.logbook.tier import TierLink
@@ -82,10 +83,10 @@ class AsyncEngine(EngineState):
         client = self.client
         assert client is not None, "the engine is not started"
         if type(op) is s.Insert:
-            rid = await client.insert_after(op.data, RecordId(op.after, -1))
+            rid = await client.insert_after(op.data, RecordId(*op.after))
             return rid.gsn, rid.shard
         if type(op) is s.ReadRecord:
-            return await client.read_record(RecordId(op.hit.gsn, op.hit.shard))
+            return await client.read_record(RecordId(*op.rid))
         assert type(op) is s.Lookup
         await self.catch_up(max(op.min_cut, self.floor))
         got = self.answer(op)
@@ -132,13 +133,7 @@ class AsyncLogBook(SessionBase):
         return AsyncLogBook("", self.book_id, **self._child_args())
 
     async def _drive(self, steps: s.Steps) -> Any:
-        value: Any = None
-        while True:
-            try:
-                op = steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value = await self._engine.perform(op)
+        return await drive_async(steps, self._engine.perform)
 
     async def append(self, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> int:
         result: int = await self._drive(s.append(self._pos, self.book_id, data, tags))

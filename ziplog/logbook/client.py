@@ -29,7 +29,7 @@ from ziplog.logbook.core import session as s
 from ziplog.logbook.core.aggregator import Result
 from ziplog.logbook.core.cache import CAPACITY as CACHE_ENTRIES
 from ziplog.logbook.core.cache import SuffixCache
-from ziplog.logbook.core.index import Assignment, Hit, IndexNode
+from ziplog.logbook.core.index import Assignment, IndexNode
 from ziplog.logbook.tier import TierLink
 from ziplog.protocol.errors import ZiplogError, ZiplogTimeoutError
 from ziplog.protocol.types import RecordId
@@ -225,10 +225,10 @@ class Engine(EngineState):
 
     def perform(self, op: s.Op) -> Any:
         if type(op) is s.Insert:
-            rid = self.client.insert_after(op.data, RecordId(op.after, -1))
+            rid = self.client.insert_after(op.data, RecordId(*op.after))
             return rid.gsn, rid.shard
         if type(op) is s.ReadRecord:
-            return self.client.read_record(RecordId(op.hit.gsn, op.hit.shard))
+            return self.client.read_record(RecordId(*op.rid))
         assert type(op) is s.Lookup
         self.catch_up(max(op.min_cut, self.floor))
         got = self.answer(op)

@@ -107,66 +107,57 @@ class FeederDriver:
 
 async def serve(args: argparse.Namespace) -> int:
     from ziplog.client.aio import AsyncClient
-    from ziplog.io import zk
-    from ziplog.io.asyncio_runtime import AsyncioRuntime
-    from ziplog.io.zmtp_poll import native_transport_wanted
-    from ziplog.io.zk_logbook import TierDirectory, ensure_tier, read_assignment, write_assignment
+    from ziplog.io.zk_logbook import TierDirectory, read_assignment, write_assignment
+    from ziplog.logbook.process import tier_process
     from ziplog.protocol.types import RecordId
-    from ziplog.shell.process import load_cluster_key, stop_event
 
-    key = load_cluster_key(args.cluster_key_file)
-    session = zk.Session(args.zk, key)
-    stop = stop_event()
-    loop = asyncio.get_running_loop()
-    rt = AsyncioRuntime(loop, native=native_transport_wanted())
-    client = None
-    sub: Any = None
-    now = time.monotonic_ns
-    try:
-        ensure_tier(session.zk)
-        history, version = read_assignment(session.zk)
-        core = FeederCore(history, version)
-        driver = FeederDriver(core, key, rt, now)
-        changed = asyncio.Event()
-        directory = TierDirectory(session.zk, lambda: _set_soon(loop, changed))
-        client = await AsyncClient.connect(args.zk)
-        log.info("feeder up; assignment %s", history)
-        while not stop.is_set():
-            if changed.is_set():
-                changed.clear()
-                rt.turn(lambda: driver.on_directory(directory.nodes(), directory.wanted))
-            actions: list[tuple[str, Any]] = []
-            rt.turn(lambda: actions.append(driver.next_action()))
-            what, frm = actions[0]
-            if what == "assign":
-                got = await loop.run_in_executor(None, write_assignment, session.zk, frm.history, frm.version)
-                core.on_assignment_written(*got)
-                log.info("index nodes added: assignment %s", got[0])
-                continue
-            if what == "wait":
-                driver.answered.clear()
-                await _first(stop, changed, driver.answered, IDLE_S)
-                continue
-            if what == "open":
-                if sub is not None:
-                    await sub.aclose()
-                    log.info("reading the log again from gsn %d (rewind %d)", frm + 1, core.rewinds)
-                sub = client.subscribe(RecordId(frm + 1, -1))
-            rec = await sub.next(timeout=IDLE_S)
-            batch: list[tuple[int, int, bytes]] = []
-            while rec is not None:
-                batch.append((rec.rid.gsn, rec.rid.shard, rec.data))
-                if len(batch) >= BATCH:
-                    break
-                rec = await sub.next(timeout=0)
-            position = max(sub.position, batch[-1][0]) if batch else sub.position
-            rt.turn(lambda: driver.on_read(batch, position))
-        return 0
-    finally:
-        if client is not None:
-            await client.close()
-        await rt.aclose()
-        session.close()
+    async with tier_process(args) as (key, session, stop, rt):
+        loop = asyncio.get_running_loop()
+        client = None
+        sub: Any = None
+        now = time.monotonic_ns
+        try:
+            history, version = read_assignment(session.zk)
+            core = FeederCore(history, version)
+            driver = FeederDriver(core, key, rt, now)
+            changed = asyncio.Event()
+            directory = TierDirectory(session.zk, lambda: _set_soon(loop, changed))
+            client = await AsyncClient.connect(args.zk)
+            log.info("feeder up; assignment %s", history)
+            while not stop.is_set():
+                if changed.is_set():
+                    changed.clear()
+                    rt.turn(lambda: driver.on_directory(directory.nodes(), directory.wanted))
+                actions: list[tuple[str, Any]] = []
+                rt.turn(lambda: actions.append(driver.next_action()))
+                what, frm = actions[0]
+                if what == "assign":
+                    got = await loop.run_in_executor(None, write_assignment, session.zk, frm.history, frm.version)
+                    core.on_assignment_written(*got)
+                    log.info("index nodes added: assignment %s", got[0])
+                    continue
+                if what == "wait":
+                    driver.answered.clear()
+                    await _first(stop, changed, driver.answered, IDLE_S)
+                    continue
+                if what == "open":
+                    if sub is not None:
+                        await sub.aclose()
+                        log.info("reading the log again from gsn %d (rewind %d)", frm + 1, core.rewinds)
+                    sub = client.subscribe(RecordId(frm + 1, -1))
+                rec = await sub.next(timeout=IDLE_S)
+                batch: list[tuple[int, int, bytes]] = []
+                while rec is not None:
+                    batch.append((rec.rid.gsn, rec.rid.shard, rec.data))
+                    if len(batch) >= BATCH:
+                        break
+                    rec = await sub.next(timeout=0)
+                position = max(sub.position, batch[-1][0]) if batch else sub.position
+                rt.turn(lambda: driver.on_read(batch, position))
+            return 0
+        finally:
+            if client is not None:
+                await client.close()
 
 
 def _set_soon(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
@@ -186,14 +177,11 @@ async def _first(*waits: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.shell.process import add_cluster_key_argument
-    from ziplog.shell.config import parse_args
-    from ziplog.shell.logs import add_log_arguments, configure_logging
+    from ziplog.logbook.process import parse_tier_args
+    from ziplog.shell.logs import configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.feeder", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
-    add_cluster_key_argument(ap)
-    add_log_arguments(ap)
-    args = parse_args(ap, argv, "feeder")
+    args = parse_tier_args(ap, argv, "feeder", serves=False)
     configure_logging(args, "feeder")
     from ziplog.client.aio import run
     return run(serve(args))

@@ -88,20 +88,12 @@ def internal(send: Callable[[bytes, bytes], object]) -> Callable[[bytes, bytes, 
 async def serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from ziplog.io import zk
-    from ziplog.io.asyncio_runtime import AsyncioRuntime
-    from ziplog.io.zmtp_poll import native_transport_wanted
-    from ziplog.io.zk_logbook import NODES, ensure_tier
+    from ziplog.io.zk_logbook import NODES
+    from ziplog.logbook.process import tier_process
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
-    from ziplog.shell.process import load_cluster_key, stop_event
 
-    key = load_cluster_key(args.cluster_key_file)
-    session = zk.Session(args.zk, key)
-    stop = stop_event()
-    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted())
-    try:
-        ensure_tier(session.zk)
+    async with tier_process(args) as (key, session, stop, rt):
         core = NodeCore(args.node)
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns)
         guard = InboundGuard(log, rt)
@@ -117,23 +109,15 @@ async def serve(args: argparse.Namespace) -> int:
             except asyncio.TimeoutError:
                 rt.turn(driver.tick)
         return 0
-    finally:
-        await rt.aclose()
-        session.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
-    from ziplog.shell.config import parse_args
-    from ziplog.shell.logs import add_log_arguments, configure_logging
+    from ziplog.logbook.process import parse_tier_args
+    from ziplog.shell.logs import configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.index_node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--node", type=int, required=True, help="this index node's number, 0..N-1")
-    add_address_arguments(ap, port_help="port (0: any free one)")
-    add_cluster_key_argument(ap)
-    add_log_arguments(ap)
-    args = parse_args(ap, argv, "index_node")
-    check_address_arguments(ap, args)
+    args = parse_tier_args(ap, argv, "index_node", serves=True)
     if args.node < 0:
         ap.error("--node must be 0 or more")
     configure_logging(args, f"index-node{args.node}")

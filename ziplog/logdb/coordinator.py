@@ -153,7 +153,6 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.logdb.process import replay, run_until_stopped, serve_requests
     from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
-    from ziplog.protocol.types import RecordId
     from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key
     from ziplog.shell.metrics import serve_metrics
@@ -196,28 +195,9 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         driver.contend()
 
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(0.1)
-                driver.on_tick()
-
-        async def collect() -> None:
-            trimmed = 0
-            while True:
-                await asyncio.sleep(args.gc_every)
-                if not driver.leading or not args.gc:
-                    continue
-                try:
-                    point = await loop.run_in_executor(None, collectable, session.zk, args.name)
-                    if point > trimmed + 1:
-                        await client.trim(RecordId(point, -1))
-                        log.info("trimmed the log below gsn %d", point)
-                        trimmed = point
-                except Exception as exc:
-                    log.warning("collection failed (tried again): %r", exc)
-
         return await run_until_stopped(
-            stop, [replay(client, core.position + 1, driver, 0.05), tick(), collect()],
+            stop, [replay(client, core.position + 1, driver, 0.05), _tick(driver),
+                   _collect(args, driver, client, session.zk)],
             lambda: f"the log is trimmed past this replica's snapshot (gsn {core.position}): copy a peer's "
                     "snapshot file into its data directory")
     finally:
@@ -227,6 +207,33 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
             await client.close()
         session.close()
         await rt.aclose()
+
+
+async def _tick(driver: CoordinatorDriver) -> None:
+    while True:
+        await asyncio.sleep(0.1)
+        driver.on_tick()
+
+
+async def _collect(args: argparse.Namespace, driver: CoordinatorDriver, client: Any, zk_client: Any) -> None:
+    """The leader trims the log below what every KV shard and coordinator has applied
+    (``collectable``), every ``--gc-every`` seconds."""
+    from ziplog.protocol.types import RecordId
+
+    loop = asyncio.get_running_loop()
+    trimmed = 0
+    while True:
+        await asyncio.sleep(args.gc_every)
+        if not driver.leading or not args.gc:
+            continue
+        try:
+            point = await loop.run_in_executor(None, collectable, zk_client, args.name)
+            if point > trimmed + 1:
+                await client.trim(RecordId(point, -1))
+                log.info("trimmed the log below gsn %d", point)
+                trimmed = point
+        except Exception as exc:
+            log.warning("collection failed (tried again): %r", exc)
 
 
 def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] | None = None) -> int:

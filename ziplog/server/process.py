@@ -17,7 +17,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ziplog.cores.replica import ReplicaSettings
 from ziplog.io.ports import StorageCoordination, wall_offset_ns
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 log = logging.getLogger("ziplog.server")
+T = TypeVar("T")
 
 #: ``--poll-us``'s default: off (see ziplog.io.zmq_runtime; 200 is haltpoll's default
 #: guest_halt_poll_ns, longer than the gap between one closed-loop client's inserts)
@@ -144,13 +145,6 @@ def runtime_metrics(rt: Any) -> list[Metric]:
     ]
 
 
-def _cpu_list_argument(spec: str) -> set[int]:
-    try:
-        return parse_cpu_list(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def set_cpus(cpus: set[int] | None) -> None:
     """Keep every thread of this process on ``cpus`` (None: anywhere).
 
@@ -185,11 +179,14 @@ def parse_hosted(spec: str) -> list[tuple[int, int]]:
     return out
 
 
-def _hosted_argument(spec: str) -> list[tuple[int, int]]:
-    try:
-        return parse_hosted(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse type: its ValueError becomes a usage error."""
+    def convert(spec: str) -> T:
+        try:
+            return parse(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[int, int]] | None,
@@ -218,16 +215,14 @@ def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[in
     return list(serve)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ziplog.io import zk
-    from ziplog.io.zmq_runtime import ZmqRuntime
-
+def build_parser() -> argparse.ArgumentParser:
+    """The storage server's flags (every one settable in a config file's ``[storage]``)."""
     ap = argparse.ArgumentParser(prog="ziplog.server",
                                  description="ziplog storage server (one replica, or replicas of several shards)")
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts, host:port[,host:port...]")
     ap.add_argument("--shard", type=int, default=None)
     ap.add_argument("--replica", type=int, default=None, help="0 is the primary")
-    ap.add_argument("--serve", type=_hosted_argument, default=None, metavar="S:R[,S:R...]",
+    ap.add_argument("--serve", type=_argument(parse_hosted), default=None, metavar="S:R[,S:R...]",
                     help="serve these replicas (of different shards) in this one process, on one loop, each on a "
                          "port of its own (instead of --shard/--replica): one process per CPU on a machine hosting "
                          "more replicas than CPUs")
@@ -279,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="let glibc's malloc keep up to this much freed memory, and serve buffers up to 32 MiB from "
                          "its heap, so that a loaded replica's per-turn buffers are not page-faulted in afresh every "
                          "turn (0: glibc's own thresholds)")
-    ap.add_argument("--cpus", type=_cpu_list_argument, default=None, metavar="LIST",
+    ap.add_argument("--cpus", type=_argument(parse_cpu_list), default=None, metavar="LIST",
                     help="keep the process on these CPUs (taskset -c's list: 0 or 0,2-3; default: anywhere); "
                          "the local cluster gives each replica of a shard a CPU of its own")
     ap.add_argument("--take-over", type=int, default=None, metavar="PID",
@@ -289,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     add_cluster_key_argument(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ziplog.io import zk
+    from ziplog.io.zmq_runtime import ZmqRuntime
+
+    ap = build_parser()
     args = parse_args(ap, argv, "storage")
     try:
         hosted = hosted_replicas(args.shard, args.replica, args.serve, args.replicas)

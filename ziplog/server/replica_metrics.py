@@ -20,17 +20,18 @@ if TYPE_CHECKING:
 def replica_metrics(driver: StorageDriver) -> list[Metric]:
     """Prometheus families from the counters and state a replica's core and driver keep;
     called at scrape time from the metrics server's thread (plain reads: no lock)."""
-    core, log_ = driver.core, driver.core.log
     s = driver.settings
     lb = {"shard": str(s.shard), "replica": str(s.replica)}
+    return _role_and_requests(driver, lb) + _log_and_state(driver, lb)
+
+
+def _role_and_requests(driver: StorageDriver, lb: dict[str, str]) -> list[Metric]:
+    """The role, and what the replica did with the requests it took."""
+    core, s = driver.core, driver.settings
     stats = dict(core.stats)
     role = core.role
-    stable, frontier = log_.stable, log_.frontier
-    servable = log_.servable
-    subs = list(core.fanout.subs.values())
-    lag = max((max(servable - sub.progress_sent, 0) for sub in subs), default=0)
     state = getattr(role, "state", None)
-    out: list[Metric] = [
+    return [
         gauge("ziplog_replica_primary", "1 on the shard's primary (replica 0), 0 on a backup", int(s.is_primary), lb),
         one_of("ziplog_replica_primary_state", "the primary's state (1 for the current one; a backup shows none)",
                "state", [st.value for st in PrimaryState], state.value if state is not None else None, lb),
@@ -66,6 +67,18 @@ def replica_metrics(driver: StorageDriver) -> list[Metric]:
                 "log)", core.driver_stats.get("inbound_failures", 0), lb),
         counter("ziplog_replica_passed_on_notice", "primary: slots passed as no-ops on a NOTICE",
                 stats.get("passed_on_notice", 0), lb),
+    ]
+
+
+def _log_and_state(driver: StorageDriver, lb: dict[str, str]) -> list[Metric]:
+    """The decided log, subscriptions, waits, recovery and the disk."""
+    core, log_ = driver.core, driver.core.log
+    role = core.role
+    stable, frontier = log_.stable, log_.frontier
+    servable = log_.servable
+    subs = list(core.fanout.subs.values())
+    lag = max((max(servable - sub.progress_sent, 0) for sub in subs), default=0)
+    out: list[Metric] = [
         gauge("ziplog_replica_records", "decided records held (not trimmed)", len(log_.gsns), lb),
         gauge("ziplog_replica_frontier_gsn", "every slot of this shard up to this gsn is decided here", frontier, lb),
         gauge("ziplog_replica_stable_gsn", "every replica of the shard holds the log up to this gsn", stable, lb),

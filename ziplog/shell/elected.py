@@ -6,11 +6,13 @@ Subclasses implement :meth:`ElectedDriver.lead_begin` and :meth:`ElectedDriver.l
 
 from __future__ import annotations
 
+import argparse
 import logging
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from ziplog.io.election import HEARTBEAT_NS
 from ziplog.io.ports import Runtime, Timer
+from ziplog.protocol.auth import ClusterKey
 
 
 class ElectionPort(Protocol):
@@ -80,3 +82,46 @@ class ElectedDriver:
 
     def lead_end(self) -> None:
         raise NotImplementedError
+
+
+# -- the process around an elected driver (the MMS's and the failure handler's mains) ---------
+def elected_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags every elected control-plane replica takes first: ``--zk``, ``--id`` and
+    its address; :func:`parse_elected_args` adds the rest."""
+    from ziplog.shell.process import add_address_arguments
+
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--zk", required=True)
+    ap.add_argument("--id", type=int, required=True)
+    add_address_arguments(ap)
+    return ap
+
+
+def parse_elected_args(ap: argparse.ArgumentParser, argv: Sequence[str] | None, role: str,
+                       log_name: str) -> tuple[argparse.Namespace, ClusterKey]:
+    """Add the cluster key, metrics and log flags, parse ``argv`` (with the config file's
+    ``[role]``), and set up the process's logging as ``log_name`` + its id: the
+    arguments and the cluster key."""
+    from ziplog.shell.config import parse_args
+    from ziplog.shell.logs import add_log_arguments, configure_logging
+    from ziplog.shell.metrics import add_metrics_arguments
+    from ziplog.shell.process import add_cluster_key_argument, check_address_arguments, load_cluster_key
+
+    add_cluster_key_argument(ap)
+    add_metrics_arguments(ap)
+    add_log_arguments(ap)
+    args = parse_args(ap, argv, role)
+    check_address_arguments(ap, args, one_port=False)
+    key = load_cluster_key(args.cluster_key_file)
+    configure_logging(args, f"{log_name}{args.id}")
+    return args, key
+
+
+def run_elected(args: argparse.Namespace, rt: Any, driver: Any, coord: Any) -> int:
+    """Start ``driver`` and its metrics endpoint, and serve until SIGTERM/SIGINT."""
+    from ziplog.shell.metrics import serve_metrics
+    from ziplog.shell.process import serve_forever
+
+    driver.start()
+    metrics = serve_metrics(args, driver.metrics)
+    return serve_forever(rt, metrics, driver, coord)

@@ -137,6 +137,36 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 # -- commands -------------------------------------------------------------------------------------
+def _print_up(c: Any, bed: Any, took_s: float) -> None:
+    """What `cluster up` prints once the cluster serves: where it is, and how to use it."""
+    hosts = c.zk_hosts
+    _out(f"ziplog is up ({took_s:.1f} s); logs in {c.logs}")
+    _out("")
+    if bed is not None:
+        _out(f"  hosts (network namespaces on a bridge; this one is {bed.gateway}):")
+        for name, host in bed.hosts.items():
+            _out(f"    {name:8s} {host.addr:15s} {' '.join(host.prefix)} COMMAND")
+        _out("")
+    _out(f"  ZooKeeper hosts:  {hosts}")
+    _out(f"  cluster key:      {c.key_file}  (cluster processes and operator tools prove membership "
+         "with it)")
+    _out("")
+    _out("  from a shell:")
+    _out(f"    export {ENV_ZK}={hosts}")
+    _out(f"    ziplog insert --zk {hosts} hello")
+    _out(f"    ziplog tail --zk {hosts} --from genesis")
+    _out(f"    ziplog status --zk {hosts}")
+    _out("")
+    _out("  from Python:")
+    _out("    import ziplog")
+    _out(f"    with ziplog.Client({hosts!r}) as log:")
+    _out("        rid = log.insert_after(b\"hello\")")
+    _out("        print(rid, log.read_record(rid))")
+    _out("")
+    _out("press Ctrl-C to stop; `ziplog cluster restart --rolling --data-dir "
+         f"{c.data_dir}` restarts every process, one at a time")
+
+
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     from ziplog.tools.cluster import local_cluster
 
@@ -181,32 +211,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                 c = stack.enter_context(local_cluster(shards=args.shards, replicas=args.replicas,
                                                       data_dir=args.data_dir, process_per_cpu=args.process_per_cpu,
                                                       **kw))
-                hosts = c.zk_hosts
-                _out(f"ziplog is up ({time.monotonic() - t0:.1f} s); logs in {c.logs}")
-                _out("")
-                if bed is not None:
-                    _out(f"  hosts (network namespaces on a bridge; this one is {bed.gateway}):")
-                    for name, host in bed.hosts.items():
-                        _out(f"    {name:8s} {host.addr:15s} {' '.join(host.prefix)} COMMAND")
-                    _out("")
-                _out(f"  ZooKeeper hosts:  {hosts}")
-                _out(f"  cluster key:      {c.key_file}  (cluster processes and operator tools prove membership "
-                     "with it)")
-                _out("")
-                _out("  from a shell:")
-                _out(f"    export {ENV_ZK}={hosts}")
-                _out(f"    ziplog insert --zk {hosts} hello")
-                _out(f"    ziplog tail --zk {hosts} --from genesis")
-                _out(f"    ziplog status --zk {hosts}")
-                _out("")
-                _out("  from Python:")
-                _out("    import ziplog")
-                _out(f"    with ziplog.Client({hosts!r}) as log:")
-                _out("        rid = log.insert_after(b\"hello\")")
-                _out("        print(rid, log.read_record(rid))")
-                _out("")
-                _out("press Ctrl-C to stop; `ziplog cluster restart --rolling --data-dir "
-                     f"{c.data_dir}` restarts every process, one at a time")
+                _print_up(c, bed, time.monotonic() - t0)
                 pid_file = c.data_dir / UP_PID_FILE
                 pid_file.write_text(f"{os.getpid()}\n")
                 stack.callback(pid_file.unlink, missing_ok=True)
@@ -601,27 +606,38 @@ def _app_action(subs: Any, name: str, help: str, func: Callable[[argparse.Namesp
     return sp
 
 
+def _client_cmd(sub: Any, name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A command that talks to a running log: ``--zk`` and ``--timeout``."""
+    sp = sub.add_parser(name, help=help, description=help)
+    sp.add_argument("--zk", metavar="HOSTS", default=None,
+                    help=f"ZooKeeper hosts, host:port[,host:port...] (default: ${ENV_ZK})")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-operation timeout (default 30)")
+    sp.set_defaults(func=func)
+    return sp
+
+
+def _command_group(sub: Any, name: str, help: str, description: str) -> Any:
+    """``ziplog NAME ACTION ...``: its ACTION is ``args.NAME_command``."""
+    group = sub.add_parser(name, help=help, description=description)
+    actions = group.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+    actions.required = True
+    return actions
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ziplog", description="A totally ordered, sharded, replicated shared log.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_cluster_commands(sub)
+    _add_operator_commands(sub)
+    _add_client_commands(sub)
+    _add_app_commands(sub)
+    return p
 
-    def client_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("--zk", metavar="HOSTS", default=None,
-                        help=f"ZooKeeper hosts, host:port[,host:port...] (default: ${ENV_ZK})")
-        sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-operation timeout (default 30)")
-        sp.set_defaults(func=func)
-        return sp
 
-    def command_group(name: str, help: str, description: str) -> Any:
-        """``ziplog NAME ACTION ...``: its ACTION is ``args.NAME_command``."""
-        group = sub.add_parser(name, help=help, description=description)
-        actions = group.add_subparsers(dest=f"{name}_command", metavar="ACTION")
-        actions.required = True
-        return actions
-
-    clsub = command_group("cluster", "run a local cluster", "Run a local cluster.")
+def _add_cluster_commands(sub: Any) -> None:
+    """``cluster up``, ``cluster restart``: a local cluster."""
+    clsub = _command_group(sub, "cluster", "run a local cluster", "Run a local cluster.")
     up = clsub.add_parser("up", help="start a local cluster in the foreground (Ctrl-C stops it)",
                           description="Start ZooKeeper, the membership service and the storage replicas on "
                                       "this machine; runs until Ctrl-C or SIGTERM, then stops every process.")
@@ -651,7 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--timeout", type=float, default=600.0, metavar="S", help="how long to follow it")
     rs.set_defaults(func=cmd_cluster_restart)
 
-    rpsub = command_group("replica", "operate on storage replicas", "Operate on storage replicas.")
+
+def _add_operator_commands(sub: Any) -> None:
+    """``replica replace``, ``keygen``, ``config check``."""
+    rpsub = _command_group(sub, "replica", "operate on storage replicas", "Operate on storage replicas.")
     rr = rpsub.add_parser("replace", help="run a new replica in place of one whose machine is gone",
                           description="Run the storage server here, on an empty data directory, as shard SHARD "
                                       "replica REPLICA, in place of a replica that is gone for good. Failure "
@@ -675,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("file", metavar="FILE")
     kg.set_defaults(func=cmd_keygen)
 
-    cfsub = command_group("config", "config files of server processes", "Config files.")
+    cfsub = _command_group(sub, "config", "config files of server processes", "Config files.")
     cc = cfsub.add_parser("check", help="report every error of a config file, with its key",
                           description="Check a TOML config file against the flags of each role it has a table for "
                                       "([storage], [mms], ...), or of --role for a one-process file.")
@@ -684,7 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the role a file without role tables is for")
     cc.set_defaults(func=cmd_config_check)
 
-    ins = client_cmd("insert", "insert records, each after the previous one; prints each record id as GSN:SHARD",
+
+def _add_client_commands(sub: Any) -> None:
+    """``insert``, ``tail``, ``read``, ``trim``, ``status``: the log's own calls."""
+    ins = _client_cmd(sub, "insert", "insert records, each after the previous one; prints each record id as GSN:SHARD",
                      cmd_insert)
     ins.add_argument("--after", type=parse_rid, default=None, metavar="GSN:SHARD",
                      help="insert the first record after this record (default: anywhere)")
@@ -692,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--keep-newlines", action="store_true", help="with '-': keep each line's newline")
     ins.add_argument("data", nargs="+", metavar="DATA", help="record data (UTF-8), or '-' to insert each stdin line")
 
-    tail = client_cmd("tail", "print records in log order as 'GSN SHARD DATA'", cmd_tail)
+    tail = _client_cmd(sub, "tail", "print records in log order as 'GSN SHARD DATA'", cmd_tail)
     tail.add_argument("--from", dest="start", type=_position, default=RID_GENESIS, metavar="POS",
                       help="GSN (inclusive), 'genesis' (default) or 'recent'")
     tail.add_argument("-n", dest="count", type=_positive_int, default=None, metavar="COUNT",
@@ -700,14 +722,14 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--idle-timeout", type=float, default=None, metavar="S",
                       help="stop when no record arrives for S seconds")
 
-    rd = client_cmd("read", "print one record's data", cmd_read)
+    rd = _client_cmd(sub, "read", "print one record's data", cmd_read)
     rd.add_argument("rid", type=parse_rid, metavar="GSN:SHARD")
     rd.add_argument("--raw", action="store_true", help="write the bytes exactly, without a newline")
 
-    tr = client_cmd("trim", "delete every record below GSN on every shard", cmd_trim)
+    tr = _client_cmd(sub, "trim", "delete every record below GSN on every shard", cmd_trim)
     tr.add_argument("gsn", type=_positive_int, metavar="GSN")
 
-    stp = client_cmd("status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions, address",
+    stp = _client_cmd(sub, "status", "show every shard's replicas: epoch, frontier, stable, records, subscriptions, address",
                      cmd_status)
     stp.add_argument("--wait", type=float, default=0.0, metavar="S",
                      help="first wait up to S seconds until every replica answers, unfrozen, and every shard takes "
@@ -715,7 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--shards", type=int, default=0, metavar="N",
                      help="with --wait: also until at least N shards are registered")
 
-    ldsub = command_group("logdb", "transactions on a LogDB running on the log",
+
+def _add_app_commands(sub: Any) -> None:
+    """``logdb ...`` and ``book ...``: the apps on the log."""
+    ldsub = _command_group(sub, "logdb", "transactions on a LogDB running on the log",
                           "Transactions on a LogDB (its coordinators and KV shards must run).")
 
     def logdb_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
@@ -733,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--processes", type=_positive_int, default=3)
     lb.add_argument("--seconds", type=float, default=5.0)
 
-    bksub = command_group("book", "Boki's LogBook on the log: append to and read a book by tag",
+    bksub = _command_group(sub, "book", "Boki's LogBook on the log: append to and read a book by tag",
                           "Append to and read a LogBook book (a record's seqnum is its gsn).")
 
     def book_cmd(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
@@ -752,7 +777,6 @@ def build_parser() -> argparse.ArgumentParser:
         br.add_argument("--tag", default=None, metavar="TAG")
     bt = book_cmd("tail", "print the book's last record with --tag TAG (default: any)", cmd_book_read)
     bt.add_argument("--tag", default=None, metavar="TAG")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

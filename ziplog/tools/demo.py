@@ -46,30 +46,51 @@ def _us(v: float | None) -> str:
     return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} us"
 
 
-def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size: int = 4096,
-             reads: int = 100, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the demo workload against the cluster at ``zk_hosts``; returns a summary dict
-    whose ``ok`` is True when every check passed (``failures`` lists the others)."""
-    from ziplog.client.blocking import Client
-    from ziplog.tools.stats import summarize
+class _DemoRun:
+    """One run of the workload: writer threads doing InsertAfter chains, a subscriber
+    following from the log's start, a read-back; each phase a method, every failure
+    collected in ``failures``."""
 
-    say = log or (lambda msg: print(msg, flush=True))
-    run_id = int.from_bytes(os.urandom(4), "big")
-    failures: list[str] = []
-    lock = threading.Lock()
+    def __init__(self, zk_hosts: str, seconds: float, writers: int, record_size: int,
+                 say: Callable[[str], None]) -> None:
+        self.zk_hosts = zk_hosts
+        self.seconds = seconds
+        self.writers = writers
+        self.record_size = record_size
+        self.say = say
+        self.run_id = int.from_bytes(os.urandom(4), "big")
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        # -- the subscriber's --
+        self.writers_done = threading.Event()
+        self.expected_total = 0  # set once the writers have finished
+        self.sub_ready = threading.Event()
+        self.seen: list[RecordId] = []
+        self.delivery_ns: list[int] = []
+        self.sub_state: dict[str, Any] = {"error": None, "order_ok": True, "others": 0}
+        # -- the writers' --
+        self.written: dict[RecordId, int] = {}  # rid -> crc32 of its data
+        self.insert_ns: list[int] = []
+        self.path = {"fast_path": 0, "slow_path": 0, "retries": 0}
+        self.writer_errors: list[str] = []
+        self.stop_at = 0.0  # set by the barrier's action, before any writer is released
+        self.started_at = 0.0
+        self.start = threading.Barrier(writers + 1, action=self._go)
+        self.elapsed = 0.0
+        # -- the read-back's --
+        self.read_ns: list[int] = []
+        self.read_ok = 0
 
-    # -- subscriber ---------------------------------------------------------------------------
-    writers_done = threading.Event()
-    expected_total: list[int] = []  # set once the writers have finished
-    sub_ready = threading.Event()
-    seen: list[RecordId] = []
-    delivery_ns: list[int] = []
-    sub_state: dict[str, Any] = {"error": None, "order_ok": True, "others": 0}
+    def _go(self) -> None:
+        self.started_at = time.perf_counter()
+        self.stop_at = self.started_at + self.seconds
 
-    def subscriber() -> None:
+    def subscriber(self) -> None:
+        from ziplog.client.blocking import Client
+
         try:
-            with Client(zk_hosts) as c, c.subscribe(RID_GENESIS) as sub:
-                sub_ready.set()
+            with Client(self.zk_hosts) as c, c.subscribe(RID_GENESIS) as sub:
+                self.sub_ready.set()
                 last_gsn = 0
                 deadline = None
                 while True:
@@ -77,157 +98,163 @@ def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size:
                     now = time.perf_counter_ns()
                     if rec is not None:
                         if rec.rid.gsn <= last_gsn:
-                            sub_state["order_ok"] = False
-                            sub_state["error"] = f"gsn {rec.rid.gsn} delivered after gsn {last_gsn}"
+                            self.sub_state["order_ok"] = False
+                            self.sub_state["error"] = f"gsn {rec.rid.gsn} delivered after gsn {last_gsn}"
                         last_gsn = rec.rid.gsn
                         h = _header(rec.data)
-                        if h is not None and h[0] == run_id:
-                            seen.append(rec.rid)
-                            delivery_ns.append(now - h[3])
+                        if h is not None and h[0] == self.run_id:
+                            self.seen.append(rec.rid)
+                            self.delivery_ns.append(now - h[3])
                         else:
-                            sub_state["others"] += 1  # records from before this run
-                    if writers_done.is_set():
+                            self.sub_state["others"] += 1  # records from before this run
+                    if self.writers_done.is_set():
                         if deadline is None:
                             deadline = time.monotonic() + 20.0
-                        if len(seen) >= expected_total[0] or time.monotonic() > deadline:
+                        if len(self.seen) >= self.expected_total or time.monotonic() > deadline:
                             return
         except BaseException as e:  # reported in the summary
-            sub_state["error"] = f"{type(e).__name__}: {e}"
-            sub_ready.set()
+            self.sub_state["error"] = f"{type(e).__name__}: {e}"
+            self.sub_ready.set()
 
-    # -- writers ------------------------------------------------------------------------------
-    written: dict[RecordId, int] = {}  # rid -> crc32 of its data
-    chains: list[list[RecordId]] = [[] for _ in range(writers)]
-    insert_ns: list[int] = []
-    path = {"fast_path": 0, "slow_path": 0, "retries": 0}
-    writer_errors: list[str] = []
-    stop_at = [0.0, 0.0]  # end, start (set by the barrier's action, before any writer is released)
+    def writer(self, w: int) -> None:
+        from ziplog.client.blocking import Client
 
-    def go() -> None:
-        stop_at[1] = time.perf_counter()
-        stop_at[0] = stop_at[1] + seconds
-
-    start = threading.Barrier(writers + 1, action=go)
-
-    def writer(w: int) -> None:
         lat: list[int] = []
         mine: dict[RecordId, int] = {}
         try:
-            with Client(zk_hosts) as c:
-                start.wait()
+            with Client(self.zk_hosts) as c:
+                self.start.wait()
                 after = RID_GENESIS
                 i = 0
-                while time.perf_counter() < stop_at[0]:
+                while time.perf_counter() < self.stop_at:
                     t0 = time.perf_counter_ns()
-                    data = _payload(run_id, w, i, t0, record_size)
+                    data = _payload(self.run_id, w, i, t0, self.record_size)
                     rid = c.insert_after(data, after)
                     lat.append(time.perf_counter_ns() - t0)
                     if rid.gsn <= after.gsn:
-                        writer_errors.append(f"writer {w}: {rid} is not after {after}")
+                        self.writer_errors.append(f"writer {w}: {rid} is not after {after}")
                     mine[rid] = zlib.crc32(data)
-                    chains[w].append(rid)
                     after = rid
                     i += 1
-                with lock:
-                    for k in path:
-                        path[k] += c.stats.get(k, 0)
+                with self.lock:
+                    for k in self.path:
+                        self.path[k] += c.stats.get(k, 0)
         except BaseException as e:
-            writer_errors.append(f"writer {w}: {type(e).__name__}: {e}")
+            self.writer_errors.append(f"writer {w}: {type(e).__name__}: {e}")
             try:
-                start.abort()
+                self.start.abort()
             except Exception:
                 pass
         finally:
-            with lock:
-                insert_ns.extend(lat)
-                written.update(mine)
+            with self.lock:
+                self.insert_ns.extend(lat)
+                self.written.update(mine)
 
-    sub_thread = threading.Thread(target=subscriber, name="demo-subscriber", daemon=True)
-    sub_thread.start()
-    sub_ready.wait(30.0)
-    threads = [threading.Thread(target=writer, args=(w,), name=f"demo-writer-{w}", daemon=True)
-               for w in range(writers)]
-    for t in threads:
-        t.start()
-    say(f"{writers} writers inserting {record_size} B records (InsertAfter chains) for {seconds:g} s; "
-        "1 subscriber following from the start of the log")
-    try:
-        start.wait(60.0)
-    except threading.BrokenBarrierError:
-        failures.append("the writers did not start")
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - (stop_at[1] or time.perf_counter())
-    failures.extend(writer_errors)
-    if not written:
-        failures.append("no record was written")
-    expected_total.append(len(written))
-    writers_done.set()
-    say(f"wrote {len(written)} records in {elapsed:.1f} s; waiting for the subscriber to see them all")
-    if len({rid.gsn for rid in written}) != len(written):
-        failures.append("two records share a gsn")
-
-    sub_thread.join(30.0)
-    if sub_thread.is_alive():
-        failures.append("subscriber did not finish")
-    if sub_state["error"]:
-        failures.append(f"subscriber: {sub_state['error']}")
-    if len(seen) != len(set(seen)):
-        failures.append("subscriber saw a record twice")
-    if set(seen) != set(written):
-        missing = len(set(written) - set(seen))
-        failures.append(f"subscriber saw {len(set(seen))} of {len(written)} records ({missing} missing)")
-
-    # -- read back ----------------------------------------------------------------------------
-    read_ns: list[int] = []
-    read_ok = 0
-    if written:
-        order = sorted(written)
-        rng = random.Random(run_id)
-        sample = order[:10] + order[-10:] + rng.sample(order, min(max(reads - 20, 0), len(order)))
-        say(f"reading back {len(sample)} records (oldest, most recent and random ones)")
+    def write_and_follow(self) -> None:
+        """The writers for ``seconds`` while the subscriber follows; then every record
+        must have reached it, once."""
+        sub_thread = threading.Thread(target=self.subscriber, name="demo-subscriber", daemon=True)
+        sub_thread.start()
+        self.sub_ready.wait(30.0)
+        threads = [threading.Thread(target=self.writer, args=(w,), name=f"demo-writer-{w}", daemon=True)
+                   for w in range(self.writers)]
+        for t in threads:
+            t.start()
+        self.say(f"{self.writers} writers inserting {self.record_size} B records (InsertAfter chains) for "
+                 f"{self.seconds:g} s; 1 subscriber following from the start of the log")
         try:
-            with Client(zk_hosts) as c:
+            self.start.wait(60.0)
+        except threading.BrokenBarrierError:
+            self.failures.append("the writers did not start")
+        for t in threads:
+            t.join()
+        self.elapsed = time.perf_counter() - (self.started_at or time.perf_counter())
+        written, failures = self.written, self.failures
+        failures.extend(self.writer_errors)
+        if not written:
+            failures.append("no record was written")
+        self.expected_total = len(written)
+        self.writers_done.set()
+        self.say(f"wrote {len(written)} records in {self.elapsed:.1f} s; waiting for the subscriber to see them all")
+        if len({rid.gsn for rid in written}) != len(written):
+            failures.append("two records share a gsn")
+        sub_thread.join(30.0)
+        if sub_thread.is_alive():
+            failures.append("subscriber did not finish")
+        if self.sub_state["error"]:
+            failures.append(f"subscriber: {self.sub_state['error']}")
+        seen = self.seen
+        if len(seen) != len(set(seen)):
+            failures.append("subscriber saw a record twice")
+        if set(seen) != set(written):
+            missing = len(set(written) - set(seen))
+            failures.append(f"subscriber saw {len(set(seen))} of {len(written)} records ({missing} missing)")
+
+    def read_back(self, reads: int) -> None:
+        """The oldest, the most recent and random records read back intact."""
+        from ziplog.client.blocking import Client
+
+        written = self.written
+        if not written:
+            return
+        order = sorted(written)
+        rng = random.Random(self.run_id)
+        sample = order[:10] + order[-10:] + rng.sample(order, min(max(reads - 20, 0), len(order)))
+        self.say(f"reading back {len(sample)} records (oldest, most recent and random ones)")
+        try:
+            with Client(self.zk_hosts) as c:
                 for rid in sample:
                     t0 = time.perf_counter_ns()
                     data = c.read_record(rid)
-                    read_ns.append(time.perf_counter_ns() - t0)
+                    self.read_ns.append(time.perf_counter_ns() - t0)
                     h = _header(data)
-                    if zlib.crc32(data) != written[rid] or h is None or h[0] != run_id:
-                        failures.append(f"read_record({rid}) returned different contents")
+                    if zlib.crc32(data) != written[rid] or h is None or h[0] != self.run_id:
+                        self.failures.append(f"read_record({rid}) returned different contents")
                     else:
-                        read_ok += 1
+                        self.read_ok += 1
         except Exception as e:
-            failures.append(f"read_record: {type(e).__name__}: {e}")
+            self.failures.append(f"read_record: {type(e).__name__}: {e}")
 
-    ins = summarize(insert_ns)
-    rd = summarize(read_ns)
-    dl = summarize(delivery_ns)
-    decided = path["fast_path"] + path["slow_path"]
-    return {
-        "ok": not failures,
-        "failures": failures,
-        "writers": writers,
-        "seconds": elapsed,
-        "record_bytes": record_size,
-        "records_written": len(written),
-        "records_seen": len(set(seen) & set(written)),
-        "inserts_per_s": len(written) / elapsed if elapsed > 0 else 0.0,
-        "shards_used": sorted({rid.shard for rid in written}),
-        "insert_p50_us": ins["p50_us"],
-        "insert_p99_us": ins["p99_us"],
-        "fast_path": path["fast_path"],
-        "slow_path": path["slow_path"],
-        "retries": path["retries"],
-        "fast_path_ratio": path["fast_path"] / decided if decided else None,
-        "reads": len(read_ns),
-        "reads_ok": read_ok,
-        "read_p50_us": rd["p50_us"],
-        "delivery_p50_us": dl["p50_us"],
-        "delivery_p99_us": dl["p99_us"],
-        "order_ok": sub_state["order_ok"],
-        "earlier_records_seen": sub_state["others"],
-    }
+    def summary(self) -> dict[str, Any]:
+        from ziplog.tools.stats import summarize
+
+        ins, rd, dl = summarize(self.insert_ns), summarize(self.read_ns), summarize(self.delivery_ns)
+        path, written, elapsed = self.path, self.written, self.elapsed
+        decided = path["fast_path"] + path["slow_path"]
+        return {
+            "ok": not self.failures,
+            "failures": self.failures,
+            "writers": self.writers,
+            "seconds": elapsed,
+            "record_bytes": self.record_size,
+            "records_written": len(written),
+            "records_seen": len(set(self.seen) & set(written)),
+            "inserts_per_s": len(written) / elapsed if elapsed > 0 else 0.0,
+            "shards_used": sorted({rid.shard for rid in written}),
+            "insert_p50_us": ins["p50_us"],
+            "insert_p99_us": ins["p99_us"],
+            "fast_path": path["fast_path"],
+            "slow_path": path["slow_path"],
+            "retries": path["retries"],
+            "fast_path_ratio": path["fast_path"] / decided if decided else None,
+            "reads": len(self.read_ns),
+            "reads_ok": self.read_ok,
+            "read_p50_us": rd["p50_us"],
+            "delivery_p50_us": dl["p50_us"],
+            "delivery_p99_us": dl["p99_us"],
+            "order_ok": self.sub_state["order_ok"],
+            "earlier_records_seen": self.sub_state["others"],
+        }
+
+
+def run_demo(zk_hosts: str, seconds: float = 3.0, writers: int = 4, record_size: int = 4096,
+             reads: int = 100, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the demo workload against the cluster at ``zk_hosts``; returns a summary dict
+    whose ``ok`` is True when every check passed (``failures`` lists the others)."""
+    run = _DemoRun(zk_hosts, seconds, writers, record_size, log or (lambda msg: print(msg, flush=True)))
+    run.write_and_follow()
+    run.read_back(reads)
+    return run.summary()
 
 
 def format_summary(s: dict[str, Any]) -> str:

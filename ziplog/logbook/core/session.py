@@ -1,7 +1,7 @@
 """A LogBook session as a sans-I/O protocol: each call is a generator that yields the
-operations it needs (:class:`Insert` into the log, :class:`Lookup` in the index,
-:class:`ReadRecord`) and is sent their results, as LogDB's transactions are. Every
-engine drives the same steps.
+operations it needs (the log's ``Insert`` and ``ReadRecord``, :mod:`ziplog.cores.app_session`,
+and :class:`Lookup` in the index) and is sent their results, as LogDB's transactions
+are. Every engine drives the same steps.
 
 Boki's guarantees come from one number, the session's **position** P (Boki's metalog
 position of a function), carried from call to call and handed to children:
@@ -17,21 +17,14 @@ position of a function), carried from call to call and handed to children:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any, Generator
 
+from ziplog.cores.app_session import Insert, ReadRecord, drive
 from ziplog.logbook.core import records as r
-from ziplog.logbook.core.index import Hit
 from ziplog.protocol.errors import TrimmedError, ZiplogError
 
 #: the largest seqnum (check_tail reads back from it)
 MAX_SEQNUM = (1 << 64) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Insert:
-    """Insert ``data`` into the log after gsn ``after``; its (gsn, shard) is sent back."""
-    data: bytes
-    after: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,25 +42,10 @@ class Lookup:
     gapless: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ReadRecord:
-    hit: Hit
-
-
 Op = Insert | Lookup | ReadRecord
 Steps = Generator[Op, Any, Any]
 
-
-def drive(steps: Generator[Any, Any, Any], perform: Callable[[Any], Any]) -> Any:
-    """Run ``steps`` to their end, sending each operation's result from ``perform``
-    (an exception ``perform`` raises ends them too)."""
-    value: Any = None
-    while True:
-        try:
-            op = steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value = perform(op)
+__all__ = ["Insert", "Lookup", "ReadRecord", "Op", "Steps", "drive", "MAX_SEQNUM", "LogRecord", "Position"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +75,7 @@ class Position:
 def append(pos: Position, book: int, data: bytes, tags: "list[int | str] | tuple[int | str, ...]" = ()) -> Steps:
     """Append ``data`` to ``book`` with ``tags``; returns its seqnum."""
     record = r.encode(r.entry(book, data, tags))
-    gsn, _ = yield Insert(record, pos.gsn)
+    gsn, _ = yield Insert(record, (pos.gsn, -1))  # InsertAfter reads only the gsn
     assert gsn > pos.gsn, ("InsertAfter placed an append at or below the session's position", gsn, pos.gsn)
     pos.reached(gsn)
     return gsn
@@ -107,7 +85,7 @@ def trim(pos: Position, book: int, seqnum: int) -> Steps:
     """Trim ``book`` below ``seqnum``: a trim record, after the session's position."""
     if not 0 <= seqnum <= MAX_SEQNUM:
         raise ValueError("a seqnum is in 0..2**64-1")
-    gsn, _ = yield Insert(r.encode(r.Trim(book=book, seqnum=seqnum)), pos.gsn)
+    gsn, _ = yield Insert(r.encode(r.Trim(book=book, seqnum=seqnum)), (pos.gsn, -1))
     pos.reached(gsn)
     return None
 

@@ -1,7 +1,7 @@
 """A LogDB transaction as a sans-I/O protocol: each step is a generator that yields the
-operations it needs (:class:`Ask` a coordinator, :class:`AskKv` a KV shard,
-:class:`ReadRecord`, :class:`Insert` into the log) and is sent their results (or has
-their error thrown in). The blocking and the asyncio client drive the same generators,
+operations it needs (:class:`Ask` a coordinator, :class:`AskKv` a KV shard, and the
+log's ``ReadRecord`` and ``Insert``, :mod:`ziplog.cores.app_session`) and is sent their
+results (or has their error thrown in). The blocking and the asyncio client drive the same generators,
 so the protocol exists once.
 
 The paper's protocol (dissertation 4.3):
@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Generator
 
+from ziplog.cores.app_session import Insert, ReadRecord, Rid
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.kvshard import owner
 from ziplog.logdb.core.records import (
@@ -41,9 +42,6 @@ from ziplog.logdb.core.records import (
 )
 from ziplog.protocol.errors import TrimmedError, ZiplogError
 
-Rid = tuple[int, int]
-
-
 @dataclass(frozen=True, slots=True)
 class Ask:
     """Send ``request`` to a coordinator replica; the answer is sent back."""
@@ -55,18 +53,6 @@ class AskKv:
     """Send ``request`` to KV shard ``shard``; the answer is sent back."""
     shard: int
     request: f.Request
-
-
-@dataclass(frozen=True, slots=True)
-class ReadRecord:
-    rid: Rid
-
-
-@dataclass(frozen=True, slots=True)
-class Insert:
-    """Insert ``data`` after ``after``; its rid is sent back."""
-    data: bytes
-    after: Rid
 
 
 Op = Ask | AskKv | ReadRecord | Insert
