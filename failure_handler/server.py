@@ -33,7 +33,14 @@ from ziplog.protocol import layout
 from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.topology import TopologyView
-from ziplog.shell.elected import ElectedDriver, ElectionPort, elected_parser, parse_elected_args, run_elected
+from ziplog.shell.elected import (
+    ElectedDriver,
+    ElectionPort,
+    elected_parser,
+    open_member_report,
+    parse_elected_args,
+    run_elected,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -152,10 +159,8 @@ class FailureHandlerDriver(ElectedDriver):
         core = self.core
         if core is None:
             return
-        try:
-            msg = wire.open_signed(self.key, frame, wire.decode_suspect)
-        except wire.ProtocolError as exc:
-            self.bad_input("bad suspicion report dropped", exc)
+        msg = open_member_report(self.key, frame, wire.decode_suspect, self.bad_input, "suspicion report")
+        if msg is None:
             return
         if not core.on_suspect(msg.shard, msg.replica, self.rt.now()):
             self.bad_input("suspicion from no replica of a shard this group owns dropped", (msg.shard, msg.replica))

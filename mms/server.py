@@ -34,7 +34,14 @@ from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
-from ziplog.shell.elected import ElectedDriver, ElectionPort, elected_parser, parse_elected_args, run_elected
+from ziplog.shell.elected import (
+    ElectedDriver,
+    ElectionPort,
+    elected_parser,
+    open_member_report,
+    parse_elected_args,
+    run_elected,
+)
 from ziplog.shell.metrics import counter, counters, gauge
 
 if TYPE_CHECKING:
@@ -135,10 +142,8 @@ class MembershipDriver(ElectedDriver):
         seq = self.seq
         if seq is None:
             return
-        try:
-            msg = wire.open_signed(self.key, frame, wire.decode_rate)
-        except wire.ProtocolError as exc:
-            self.bad_input("bad rate report dropped", exc)
+        msg = open_member_report(self.key, frame, wire.decode_rate, self.bad_input, "rate report")
+        if msg is None:
             return
         if not seq.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns):
             self.bad_input("rate report of an unknown shard dropped", msg.shard)

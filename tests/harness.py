@@ -19,10 +19,9 @@ MS = 1_000_000
 
 def request(core: ReplicaCore, route: bytes, msg: wire.Request, now: int) -> None:
     """``msg`` alone in a turn, as the core's driver hands it over: the request, then
-    (an INSERT is held until the turn's input is read) the held inserts."""
+    the end of the turn's input (an INSERT is held until then)."""
     core.on_request(route, msg, now)
-    for r, held in core.take_ordered():
-        core.on_ordered(r, held, now)
+    core.end_input(now)
 
 
 def backup_route(replica: int) -> bytes:
@@ -111,8 +110,7 @@ class ShardHarness:
         request as it is read, then the held inserts once the input is read)."""
         for msg in inserts:
             core.on_request(b"client", wire.decode_request(wire.encode(msg)), self.now)
-        for route, held in core.take_ordered():
-            core.on_ordered(route, held, self.now)
+        core.end_input(self.now)
 
     def replies(self, req_id: int) -> list[tuple[int, wire.Reply]]:
         return [(i, m) for i, m in self.client if m.req_id == req_id]

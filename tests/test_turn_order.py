@@ -114,8 +114,7 @@ def test_a_turns_acks_to_one_client_leave_in_one_frame() -> None:
         for m in [*mine, other]:
             route = b"client" if m.client_id == 7 else b"other"
             core.on_request(route, wire.decode_request(wire.encode(m)), h.now)
-        for route, held in core.take_ordered():
-            core.on_ordered(route, held, h.now)
+        core.end_input(h.now)
         sent = [(dest, wire.decode_reply(wire.encode(msg))) for dest, msg in core.ready().messages
                 if dest in (b"client", b"other")]
         assert [type(m) for _, m in sent] == [wire.Acks, wire.Ack], sent
@@ -150,8 +149,7 @@ def test_an_epoch_broadcast_is_taken_in_stamp_order_with_the_turns_inserts() -> 
             else:
                 assert isinstance(item, wire.Insert)
                 core.on_request(b"client", wire.decode_request(wire.encode(item)), h.now)
-        for route, held in core.take_ordered():
-            core.on_ordered(route, held, h.now)
+        core.end_input(h.now)
     h.pump()
     waits = [InsertWait(1, 2), InsertWait(2, 2)]
     for w in waits:

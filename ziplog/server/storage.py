@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ziplog.cores.effects import Messages, Peer, ReadHistory, Ready, ShardReplicas
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
@@ -297,10 +297,12 @@ class StorageDriver:
         """The turn's input is read: the core takes the inserts, notices and epochs it
         held, in stamp order, and the ACKs leave before the turn's forwards and
         bookkeeping."""
-        core, guard = self.core, self.guard
-        for route, msg in core.take_ordered():
-            guard.call("its ROUTER", core.on_ordered, route, msg, now, reply=self._ordered_failed)
-        self._perform(core.ready())
+        self.core.end_input(now, self._contain_ordered)
+        self._perform(self.core.ready())
+
+    def _contain_ordered(self, take: Callable[[bytes, Ordered, int], None], route: bytes, msg: Ordered,
+                         now: int) -> None:
+        self.guard.call("its ROUTER", take, route, msg, now, reply=self._ordered_failed)
 
     def _ordered_failed(self, exc: Exception, route: bytes, msg: Ordered, now: int) -> None:
         if type(msg) is f.Insert:  # a NOTICE or an epoch is answered by nothing

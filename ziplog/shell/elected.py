@@ -125,3 +125,17 @@ def run_elected(args: argparse.Namespace, rt: Any, driver: Any, coord: Any) -> i
     driver.start()
     metrics = serve_metrics(args, driver.metrics)
     return serve_forever(rt, metrics, driver, coord)
+
+
+def open_member_report(key: ClusterKey, frame: bytes, decode: Any, bad_input: Callable[..., None],
+                       what: str) -> Any:
+    """A report a cluster member sealed (a primary's RATE, a replica's SUSPECT), opened
+    and decoded by ``decode`` (one of ``frames``' edge decoders); None, with a throttled
+    line through ``bad_input``, when it is not one."""
+    from ziplog.protocol import frames as wire
+
+    try:
+        return wire.open_signed(key, frame, decode)
+    except wire.ProtocolError as exc:
+        bad_input(f"bad {what} dropped", exc)
+        return None

@@ -48,6 +48,8 @@ class HeldEpoch(NamedTuple):
 
 #: what a replica takes in stamp order (``ReplicaCore.take_ordered``)
 Ordered = Union[f.Insert, f.Notice, HeldEpoch]
+#: how a driver has the held messages taken (``ReplicaCore.end_input``)
+Contain = Callable[[Callable[[bytes, Ordered, int], None], bytes, Ordered, int], None]
 
 
 def _stamp_of(held: tuple[bytes, Ordered]) -> int:
@@ -92,7 +94,7 @@ class ReplicaCore:
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
         self.driver_stats: dict[str, int] = {}
-        #: this turn's inserts and notices, held until :meth:`take_ordered` (see there)
+        #: this turn's inserts and notices, held until :meth:`end_input` (see :meth:`take_ordered`)
         self.held: list[tuple[bytes, Ordered]] = []
         self.log = DecidedLog(self.out)
         self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
@@ -170,7 +172,14 @@ class ReplicaCore:
     # -- inputs ---------------------------------------------------------------------------------
     def on_request(self, route: bytes, msg: f.Request, now: int) -> None:
         """A frame on the replica's ROUTER (clients, backups, the failure handler). An
-        INSERT or a NOTICE is held until the turn's input ends (:meth:`take_ordered`)."""
+        INSERT or a NOTICE is held until the turn's input ends (:meth:`end_input`).
+
+        The turn protocol, the same for every driver (the storage driver, the simulation
+        through it, the core tests' harness): each request of a turn goes to
+        :meth:`on_request` as it is read (an epoch broadcast to :meth:`hold_epoch`); once
+        the turn's input is read, :meth:`end_input` takes what was held, in stamp order,
+        and :meth:`ready` hands over the answers; then :meth:`tick` and :meth:`flush`, and
+        :meth:`ready` again."""
         t = type(msg)
         if t is f.Insert or t is f.Notice:
             self._hold(route, msg, now)  # type: ignore[arg-type]
@@ -181,13 +190,23 @@ class ReplicaCore:
         held = self.held
         held.append((route, item))
         if len(held) >= self.s.max_turn_inserts:  # a flood: take these now, in order
-            for r, m in self.take_ordered():
-                self.on_ordered(r, m, now)
+            self.end_input(now)
+
+    def end_input(self, now: int, contain: Contain | None = None) -> None:
+        """The turn's input is read: take the inserts, notices and epochs held, in the
+        order :meth:`take_ordered` gives. ``contain(take, route, msg, now)``, when given,
+        calls ``take(route, msg, now)`` for each so that a driver keeps a failure in one
+        from ending the others (:class:`~ziplog.shell.inbound.InboundGuard`)."""
+        take = self.on_ordered
+        for route, msg in self.take_ordered():
+            if contain is None:
+                take(route, msg, now)
+            else:
+                contain(take, route, msg, now)
 
     def take_ordered(self) -> list[tuple[bytes, Ordered]]:
         """The inserts, notices and epochs held since the last call, in the order to take them
-        (the driver calls :meth:`on_ordered` with each once it has read all its input
-        for the turn): by their senders' stamps, arrival order among equal ones. A
+        (:meth:`end_input` takes them): by their senders' stamps, arrival order among equal ones. A
         primary places inserts in the order it takes them, and passes slots on a NOTICE
         when it takes it; a backup guesses in the order it takes them. In arrival order
         the two differ whenever concurrent messages reach them in different orders (read
@@ -211,7 +230,7 @@ class ReplicaCore:
         self._hold(b"", HeldEpoch(config, f.wall_stamp(now, self.s.wall_offset_ns)), now)
 
     def on_ordered(self, route: bytes, msg: Ordered, now: int) -> None:
-        """Take one INSERT, NOTICE or held epoch (from :meth:`take_ordered`)."""
+        """Take one INSERT, NOTICE or held epoch (from :meth:`end_input`)."""
         t = type(msg)
         if t is f.Insert:
             self._on_insert(route, msg, now)  # type: ignore[arg-type]
