@@ -13,7 +13,11 @@
 
 Inputs are typed messages and the passage of time; every effect (messages, events to
 persist, coordination reads) waits in the core until :meth:`ready` hands the batch
-over. :meth:`next_deadline` says when :meth:`tick` has work. No sockets, clocks or
+over. The turn protocol, the same for every driver (the storage driver, the simulation
+through it, the core tests' harness): each request of a turn goes to ``on_request`` as it
+is read (an epoch broadcast to ``hold_epoch``); once the turn's input is read,
+``end_input`` takes what was held (inserts, notices, epochs) in stamp order, and
+``ready`` hands over the answers; then ``tick`` and ``flush``, and ``ready`` again. :meth:`next_deadline` says when :meth:`tick` has work. No sockets, clocks or
 threads: ``ziplog.server.storage`` drives it in production and ``tests/sim`` drives the
 same driver in simulation.
 """
@@ -172,14 +176,8 @@ class ReplicaCore:
     # -- inputs ---------------------------------------------------------------------------------
     def on_request(self, route: bytes, msg: f.Request, now: int) -> None:
         """A frame on the replica's ROUTER (clients, backups, the failure handler). An
-        INSERT or a NOTICE is held until the turn's input ends (:meth:`end_input`).
-
-        The turn protocol, the same for every driver (the storage driver, the simulation
-        through it, the core tests' harness): each request of a turn goes to
-        :meth:`on_request` as it is read (an epoch broadcast to :meth:`hold_epoch`); once
-        the turn's input is read, :meth:`end_input` takes what was held, in stamp order,
-        and :meth:`ready` hands over the answers; then :meth:`tick` and :meth:`flush`, and
-        :meth:`ready` again."""
+        INSERT or a NOTICE is held until the turn's input ends (:meth:`end_input`; the
+        turn protocol is in the module's documentation)."""
         t = type(msg)
         if t is f.Insert or t is f.Notice:
             self._hold(route, msg, now)  # type: ignore[arg-type]
@@ -193,10 +191,8 @@ class ReplicaCore:
             self.end_input(now)
 
     def end_input(self, now: int, contain: Contain | None = None) -> None:
-        """The turn's input is read: take the inserts, notices and epochs held, in the
-        order :meth:`take_ordered` gives. ``contain(take, route, msg, now)``, when given,
-        calls ``take(route, msg, now)`` for each so that a driver keeps a failure in one
-        from ending the others (:class:`~ziplog.shell.inbound.InboundGuard`)."""
+        """The turn's input is read: take what was held, in :meth:`take_ordered`'s order,
+        each through ``contain(take, route, msg, now)`` if given (a driver's guard)."""
         take = self.on_ordered
         for route, msg in self.take_ordered():
             if contain is None:
@@ -205,16 +201,13 @@ class ReplicaCore:
                 contain(take, route, msg, now)
 
     def take_ordered(self) -> list[tuple[bytes, Ordered]]:
-        """The inserts, notices and epochs held since the last call, in the order to take them
-        (:meth:`end_input` takes them): by their senders' stamps, arrival order among equal ones. A
-        primary places inserts in the order it takes them, and passes slots on a NOTICE
-        when it takes it; a backup guesses in the order it takes them. In arrival order
-        the two differ whenever concurrent messages reach them in different orders (read
-        from their sockets in different orders, or one client's copies sent around
-        another's), and each such pair costs slow-path inserts. Sorting each turn's by
-        stamp makes both replicas take a turn's in the same order, and across turns it
-        follows the order they were sent in, which is the order their copies reach both
-        replicas in, most of the time."""
+        """The inserts, notices and epochs held since the last call, in the order to take
+        them (:meth:`end_input` takes them): by their senders' stamps, arrival order among
+        equal ones. Both replicas then take a turn's in the same order, though their
+        sockets were read in different orders, and across turns in the order they were
+        sent, which is most of the time the order both replicas received them in: each
+        pair the two would take in opposite orders costs slow-path inserts
+        (docs/ARCHITECTURE.md, Life of an insert)."""
         held = self.held
         if len(held) > 1:
             held.sort(key=_stamp_of)
