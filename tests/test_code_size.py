@@ -14,7 +14,7 @@ MAX_STORAGE_MODULE = 500
 
 
 def _definitions(package: str) -> list[tuple[str, ast.AST, int]]:
-    out = []
+    out: list[tuple[str, ast.AST, int]] = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
