@@ -34,7 +34,6 @@ class Forwarding:
         self.bytes = 0
         #: (frontier, last epoch) a backup is at after every FORWARD sent so far
         self.mark: tuple[int, int] = (0, -1)
-        self.stable_sent = 0
         #: the highest stable gsn the backups were told of that holds a record (a FORWARD
         #: of the stable watermark alone is worth it only when it makes a record stable)
         self.stable_record_sent = 0
@@ -150,7 +149,7 @@ class Forwarding:
             self.out.send(self.backup_routes[r], msg)
         self.events = []
         self.bytes = 0
-        self.stable_sent = self.stable_record_sent = log.stable
+        self.stable_record_sent = log.stable
         self.last_forward_ns = now
         self.mark_point()
 
@@ -162,7 +161,7 @@ class Forwarding:
     def in_step_after_recovery(self) -> None:
         """Recovery is over: every replica holds exactly the recovered state."""
         self.prefixes = {r: self.log.frontier for r in range(1, self.s.replicas)}
-        self.stable_sent = self.stable_record_sent = self.log.stable
+        self.stable_record_sent = self.log.stable
         self.mark_point()
 
     def next_deadline(self, best: int | None) -> int | None:
