@@ -17,8 +17,10 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from ziplog.io.keys import client_keys, server_keys
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 from ziplog.io.zmq_runtime import bind, connect
+from ziplog.protocol.keys import Credentials
 
 log = logging.getLogger("ziplog.io")
 
@@ -69,7 +71,8 @@ class _NativeConnection:
         self.rt = rt
         self.addr = addr
         self.on_frame = on_frame
-        self.dealer = ZmtpDealer(addr, self._on_message, max_message=max_bytes if max_bytes > 0 else 1 << 30)
+        self.dealer = ZmtpDealer(addr, self._on_message, max_message=max_bytes if max_bytes > 0 else 1 << 30,
+                                 curve=client_keys(rt.credentials))
         self.dealer.start()
         self.reader: Any = self.dealer._task
 
@@ -78,6 +81,11 @@ class _NativeConnection:
 
     def send(self, frame: bytes) -> bool:
         return self.dealer.send([frame])
+
+    @property
+    def refused(self) -> str | None:
+        """Why the server refused the last handshake (None: it did not)."""
+        return self.dealer.refused
 
     def connect(self, addr: str) -> None:
         raise NotImplementedError("a native DEALER connects to one address")
@@ -144,7 +152,8 @@ class _NativeRouter:
 
         self.rt = rt
         self.router = ZmtpRouter(on_message, host=host, port=port,
-                                 max_message=DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes)
+                                 max_message=DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes,
+                                 curve=server_keys(rt.credentials))
         self.router.bind()
         self.addr = self.router.endpoint
         self._closed = asyncio.Event()
@@ -159,6 +168,9 @@ class _NativeRouter:
 
     def send_to(self, route: bytes, frame: bytes) -> bool:
         return self.router.send_to(route, [frame])
+
+    def peer_key(self, route: bytes) -> bytes | None:
+        return self.router.peer_key(route)
 
     def close(self) -> None:
         self.rt._connections.discard(self)
@@ -181,8 +193,12 @@ class _Handle:
 
 
 class AsyncioRuntime:
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, native: bool = False) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, native: bool = False,
+                 credentials: Credentials | None = None) -> None:
         self.loop = loop or asyncio.get_running_loop()
+        #: CURVE keys (None: NULL); only the native endpoints speak CURVE here
+        self.credentials = credentials
+        assert credentials is None or native, "CURVE is spoken by the native endpoints"
         #: DEALERs speak ZMTP natively (no libzmq I/O thread) instead of through zmq.asyncio
         self.native = native
         self.ctx = zmq.asyncio.Context()

@@ -51,6 +51,7 @@ from zmq import zmq_poll
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 from ziplog.protocol.addresses import is_ipv6, tcp_addr
+from ziplog.protocol.keys import Credentials
 
 log = logging.getLogger("ziplog.io")
 
@@ -203,10 +204,23 @@ class _Router(_Socket):
             return False
 
 
+class _MembersOnly:
+    """pyzmq's ZAP credentials provider: a CURVE client passes when its key is ``member``."""
+
+    def __init__(self, member: bytes) -> None:
+        self.member = member
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.member
+
+
 class ZmqRuntime:
     def __init__(self, ctx: zmq.Context | None = None, precise_timers: bool = False, wake: bool = True,
                  drain_limit: int = DRAIN_LIMIT, native: bool = False, poll_max_ns: int = 0,
-                 yield_after_answers: bool = False) -> None:
+                 yield_after_answers: bool = False, credentials: Credentials | None = None) -> None:
+        #: CURVE keys for every endpoint made here (None: NULL), and libzmq's ZAP handler
+        self.credentials = credentials
+        self._zap: Any = None
         #: ROUTERs and DEALERs served natively (:mod:`ziplog.io.zmtp_poll`: plain sockets in
         #: this loop, ZMTP spoken by ziplog's codec) instead of by libzmq
         self.native = native
@@ -372,7 +386,11 @@ class ZmqRuntime:
                port: int = 0, max_bytes: int = -1) -> Any:
         if self.native:
             from ziplog.io.zmtp_poll import NativeRouter
-            return NativeRouter(self, on_frame, on_multipart, host, port, max_bytes)
+            return NativeRouter(self, on_frame, on_multipart, host, port, max_bytes, self.credentials)
+        if self.credentials is not None:
+            # libzmq tells a ROUTER's reader who sent a frame only through ZAP's User-Id
+            # on each message; the rights checks read the native ROUTER's peer_key.
+            raise ValueError("a ROUTER under CURVE is served by the native transport (not --transport zmq)")
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.SNDHWM, HWM)
@@ -409,6 +427,7 @@ class ZmqRuntime:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
+        self._curve_client(sock)
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         connect(sock, addr)
@@ -432,7 +451,7 @@ class ZmqRuntime:
     def dealer(self, addr: str, on_frame: FrameHandler, label: str = "", max_bytes: int = -1) -> Any:
         if self.native:
             from ziplog.io.zmtp_poll import NativeDealer
-            return NativeDealer(self, addr, on_frame, max_bytes)
+            return NativeDealer(self, addr, on_frame, max_bytes, self.credentials)
         s = self._connected(zmq.DEALER, addr, on_frame, HWM, max_bytes)
         s.sock.setsockopt(zmq.RCVHWM, HWM)
         return s
@@ -442,7 +461,7 @@ class ZmqRuntime:
         keeps the poll set small)."""
         if self.native:
             from ziplog.io.zmtp_poll import NativeSubscriber
-            return NativeSubscriber(self, addr, on_frame, max_bytes)
+            return NativeSubscriber(self, addr, on_frame, max_bytes, self.credentials)
         return self._connected(zmq.SUB, addr, on_frame, 1000, max_bytes)
 
     def pusher(self, addr: str) -> _Socket:
@@ -452,6 +471,7 @@ class ZmqRuntime:
         sock = self.ctx.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        self._curve_server(sock)
         s = _Socket(self, sock, bind(sock, host, 0))
         self._add(s, None)
         return s
@@ -461,10 +481,37 @@ class ZmqRuntime:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, 0)
+        self._curve_server(sock)
         s = _Puller(self, sock, bind(sock, host, 0))
         s.reader = self._drainer(sock, on_frame)
         self._add(s, None if paused else s.reader)
         return s
+
+    def _curve_client(self, sock: zmq.Socket) -> None:
+        cred = self.credentials
+        if cred is not None:
+            sock.curve_serverkey = cred.server_public
+            sock.curve_publickey = cred.client.public
+            sock.curve_secretkey = cred.client.secret
+
+    def _curve_server(self, sock: zmq.Socket) -> None:
+        """A bound libzmq socket (the MMS's PUB, a PULL) under CURVE: only members (the
+        cluster's own key) pass its ZAP handler; what they send is sealed besides."""
+        cred = self.credentials
+        if cred is None:
+            return
+        assert cred.server is not None, "a bound socket under CURVE needs the server's key pair"
+        if self._zap is None:
+            from zmq.auth.thread import ThreadAuthenticator
+            from zmq.utils import z85
+
+            member = z85.encode(cred.server.public)
+            self._zap = ThreadAuthenticator(self.ctx, log=logging.getLogger("ziplog.io.zap"))
+            self._zap.start()
+            self._zap.configure_curve_callback("*", _MembersOnly(member))
+        sock.curve_server = True
+        sock.curve_publickey = cred.server.public
+        sock.curve_secretkey = cred.server.secret
 
     # -- the loop ---------------------------------------------------------------------------------
     def _next_timer(self) -> int | None:
@@ -643,6 +690,9 @@ class ZmqRuntime:
             s.sock.close(0)
         self._sockets.clear()
         self._all.clear()
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if self._signal_rx is not None:
             signal.set_wakeup_fd(-1)
         for pipe_end in (self._wake_rx, self._wake_tx, self._signal_rx, self._signal_tx):

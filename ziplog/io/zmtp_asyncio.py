@@ -1,5 +1,6 @@
-"""ROUTER and DEALER sockets on asyncio (uvloop when the loop is one), speaking ZMTP 3.1/NULL
-through the sans-I/O codec :mod:`ziplog.protocol.zmtp`: no libzmq I/O thread and no hop
+"""ROUTER and DEALER sockets on asyncio (uvloop when the loop is one), speaking ZMTP 3.1
+(NULL, or CURVE when given ``curve=`` keys: the router as the server, which knows each
+route's client key, :meth:`ZmtpRouter.peer_key`; the dealer as the client) through the sans-I/O codec :mod:`ziplog.protocol.zmtp`: no libzmq I/O thread and no hop
 between threads per message, still wire-compatible with pyzmq/libzmq peers.
 
 * :class:`ZmtpRouter` binds host:port and hands each message to ``on_message(route,
@@ -49,13 +50,14 @@ from ziplog.protocol.addresses import tcp_addr
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
     DEFAULT_MAX_PARTS,
+    CurveKeys,
+    HandshakeReply,
     Handshaken,
     Message,
     PeerError,
     Ping,
     ProtocolViolation,
     ZmtpConnection,
-    encode_message,
     parse_endpoint,
 )
 
@@ -89,6 +91,8 @@ class _Owner(Protocol):
 
     def _lost(self, link: "_Link") -> None: ...
 
+    def _refused(self, link: "_Link", reason: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class _Settings:
@@ -101,10 +105,11 @@ class _Settings:
     handshake_timeout: float
     heartbeat_ivl: float | None
     heartbeat_timeout: float | None
+    curve: CurveKeys | None = None
 
     def link(self, owner: _Owner, socket_type: str, identity: bytes = b"") -> "_Link":
         codec = ZmtpConnection(socket_type, identity=identity, max_frame=self.max_frame,
-                               max_message=self.max_message, max_parts=self.max_parts)
+                               max_message=self.max_message, max_parts=self.max_parts, curve=self.curve)
         return _Link(owner, codec, self)
 
 
@@ -166,6 +171,8 @@ class _Link(asyncio.Protocol):
                     self.abort()
                     return
                 self.write(codec.send_pong(ev.context))
+            elif type(ev) is HandshakeReply:
+                self.write(ev.data)
             elif type(ev) is Handshaken:
                 self.handshake = ev
                 self._cancel_timer()
@@ -174,6 +181,7 @@ class _Link(asyncio.Protocol):
                 owner._handshaken(self, ev)
             elif type(ev) is ProtocolViolation:
                 log.warning("ZMTP peer %s: %s; closing", self._peer(), ev.reason)
+                owner._refused(self, ev.reason)
                 farewell = codec.send_error(ev.reason)
                 if farewell:
                     self.write(farewell)
@@ -182,6 +190,7 @@ class _Link(asyncio.Protocol):
                     self.abort()
             elif type(ev) is PeerError:
                 log.warning("ZMTP peer sent ERROR %r; closing", ev.reason)
+                owner._refused(self, ev.reason.decode("ascii", "replace"))
                 self.abort()
             # Pong: any traffic already counted as a sign of life
 
@@ -267,7 +276,8 @@ class ZmtpRouter:
                  heartbeat_ivl: float | None = None, heartbeat_timeout: float | None = None,
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, handover: bool = False,
                  on_connect: Callable[[bytes], None] | None = None,
-                 on_disconnect: Callable[[bytes], None] | None = None) -> None:
+                 on_disconnect: Callable[[bytes], None] | None = None, curve: CurveKeys | None = None) -> None:
+        assert curve is None or curve.is_server, "a ROUTER answers CURVE as the server"
         self.on_message = on_message
         self.host = host
         self.port = port
@@ -276,7 +286,7 @@ class ZmtpRouter:
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
         self._settings = _Settings(max_message, max_frame, max_parts, max_write_buffer, handshake_timeout,
-                                   heartbeat_ivl, heartbeat_timeout)
+                                   heartbeat_ivl, heartbeat_timeout, curve)
         self._routes: dict[bytes, _Link] = {}
         self._links: set[_Link] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -328,8 +338,15 @@ class ZmtpRouter:
         if link is None or link.write_buffer_size() > self.max_write_buffer:
             self.dropped += 1
             return False
-        link.write(encode_message(parts))
+        link.write(link.codec.send_message(parts))
         return True
+
+    def peer_key(self, route: bytes) -> bytes | None:
+        """The CURVE key of the client on ``route`` (None: a NULL connection, or gone)."""
+        link = self._routes.get(route)
+        if link is None or link.handshake is None:
+            return None
+        return link.handshake.peer_key or None
 
     def disconnect(self, route: bytes) -> None:
         """Close a peer's connection (it may reconnect)."""
@@ -400,6 +417,9 @@ class ZmtpRouter:
     def _writable(self, link: _Link) -> None:
         pass
 
+    def _refused(self, link: _Link, reason: str) -> None:
+        pass
+
     def _lost(self, link: _Link) -> None:
         self._links.discard(link)
         route = link.route
@@ -423,7 +443,8 @@ class ZmtpDealer:
                  heartbeat_ivl: float | None = None, heartbeat_timeout: float | None = None,
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                  on_connect: Callable[[], None] | None = None,
-                 on_disconnect: Callable[[], None] | None = None) -> None:
+                 on_disconnect: Callable[[], None] | None = None, curve: CurveKeys | None = None) -> None:
+        assert curve is None or not curve.is_server, "a DEALER opens CURVE as the client"
         self.host, self.port = parse_endpoint(endpoint)
         self.on_message = on_message
         self.identity = bytes(identity)
@@ -433,8 +454,13 @@ class ZmtpDealer:
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
         self._settings = _Settings(max_message, max_frame, max_parts, max_write_buffer, handshake_timeout,
-                                   heartbeat_ivl, heartbeat_timeout)
-        self._queue: deque[bytes] = deque()
+                                   heartbeat_ivl, heartbeat_timeout, curve)
+        #: messages waiting for a connection, encoded when they leave (a CURVE box's nonce
+        #: is its connection's)
+        self._queue: deque[list[bytes]] = deque()
+        #: why the server refused the last handshake (a mechanism or a key it does not
+        #: take), until one succeeds: a client reports it instead of waiting
+        self.refused: str | None = None
         self._link: _Link | None = None  # the handshaken connection, when there is one
         self._current: _Link | None = None  # the connection being made or in use
         self._connected = asyncio.Event()
@@ -463,15 +489,14 @@ class ZmtpDealer:
 
     def send(self, parts: list[bytes]) -> bool:
         """Write one message now, or queue it; False when the queue is full (dropped)."""
-        data = encode_message(parts)
         link = self._link
         if link is not None and not link.paused and not self._queue:
-            link.write(data)
+            link.write(link.codec.send_message(parts))
             return True
         if len(self._queue) >= self.queue_limit:
             self.dropped += 1
             return False
-        self._queue.append(data)
+        self._queue.append(parts)
         return True
 
     def close(self) -> None:
@@ -532,6 +557,7 @@ class ZmtpDealer:
     # -- what the link tells --------------------------------------------------------------------------------
     def _handshaken(self, link: _Link, ev: Handshaken) -> None:
         self._link = link
+        self.refused = None
         self._connected.set()
         self._flush(link)
         if self.on_connect is not None:
@@ -550,14 +576,19 @@ class ZmtpDealer:
     def _flush(self, link: _Link) -> None:
         """Write the queue, in order, until it is empty or the transport pauses us."""
         q = self._queue
+        encode = link.codec.send_message
         while q and not link.paused:
             batch: list[bytes] = []
             size = 0
             while q and size < _FLUSH_BYTES:
-                data = q.popleft()
+                data = encode(q.popleft())
                 batch.append(data)
                 size += len(data)
             link.write(b"".join(batch))
+
+    def _refused(self, link: _Link, reason: str) -> None:
+        if link.handshake is None:
+            self.refused = reason
 
     def _lost(self, link: _Link) -> None:
         if self._link is link:

@@ -24,13 +24,14 @@ from typing import Sequence
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
     DEFAULT_MAX_PARTS,
+    CurveKeys,
+    HandshakeReply,
     Handshaken,
     Message,
     PeerError,
     Ping,
     ProtocolViolation,
     ZmtpConnection,
-    encode_message,
     parse_endpoint,
 )
 
@@ -47,8 +48,13 @@ class BlockingDealer:
 
     def __init__(self, endpoint: str, *, identity: bytes = b"", max_message: int = DEFAULT_MAX_MESSAGE,
                  max_frame: int | None = None, max_parts: int = DEFAULT_MAX_PARTS,
-                 connect_timeout: float = 10.0, reconnect_ivl: float = 0.1, reconnect_ivl_max: float = 2.0) -> None:
+                 connect_timeout: float = 10.0, reconnect_ivl: float = 0.1, reconnect_ivl_max: float = 2.0,
+                 curve: CurveKeys | None = None) -> None:
+        assert curve is None or not curve.is_server, "a DEALER opens CURVE as the client"
         self.host, self.port = parse_endpoint(endpoint)
+        self.curve = curve
+        #: why the server refused the last handshake, until one succeeds
+        self.refused: str | None = None
         self.identity = bytes(identity)
         self.connect_timeout = connect_timeout
         self.reconnect_ivl = reconnect_ivl
@@ -74,12 +80,12 @@ class BlockingDealer:
         """Write one message (connecting first if need be; once more on a fresh
         connection if the write fails). TimeoutError when no connection can be made
         within ``connect_timeout``."""
-        data = encode_message(parts)
         deadline = time.monotonic() + self.connect_timeout
         for attempt in range(2):
             if not self._ensure(deadline):
                 raise TimeoutError(f"no ZMTP connection to {self.host}:{self.port}")
-            assert self._sock is not None
+            assert self._sock is not None and self._codec is not None
+            data = self._codec.send_message(parts)  # per connection: a CURVE box's nonce is its own
             try:
                 self._sock.settimeout(None)
                 self._sock.sendall(data)
@@ -182,7 +188,7 @@ class BlockingDealer:
         read stay in the codec for :meth:`recv`."""
         max_message, max_frame, max_parts = self._limits
         codec = ZmtpConnection("DEALER", identity=self.identity, max_message=max_message,
-                               max_frame=max_frame, max_parts=max_parts)
+                               max_frame=max_frame, max_parts=max_parts, curve=self.curve)
         sock: socket.socket | None = None
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -193,8 +199,13 @@ class BlockingDealer:
                 ev = codec.next_event()
                 if isinstance(ev, Handshaken):
                     self._sock, self._codec, self.handshake = sock, codec, ev
+                    self.refused = None
                     return True
-                if ev is not None:  # a violation or an ERROR: this peer is no DEALER's
+                if isinstance(ev, HandshakeReply):
+                    sock.sendall(ev.data)
+                    continue
+                if isinstance(ev, (ProtocolViolation, PeerError)):  # this peer is no DEALER's, or refused us
+                    self.refused = ev.reason if isinstance(ev.reason, str) else ev.reason.decode("ascii", "replace")
                     sock.close()
                     return False
                 if deadline is not None:

@@ -22,6 +22,10 @@ Semantics kept from libzmq's sockets:
   as libzmq's SUB does.
 * Frames above ``max_bytes`` are refused from their header: the connection is closed
   (libzmq's ZMQ_MAXMSGSIZE).
+* **CURVE**: with ``credentials`` (:class:`ziplog.protocol.keys.Credentials`), a ROUTER
+  answers as the server with ``credentials.server`` and knows each route's client key
+  (:meth:`NativeRouter.peer_key`); a DEALER or SUB connects as ``credentials.client``
+  to ``credentials.server_public``. Every frame then travels in a box.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from typing import Any, Callable
 
 from ziplog.io.ports import FrameHandler, MultipartHandler, RoutedHandler
 from ziplog.protocol.addresses import tcp_addr
+from ziplog.io.keys import client_keys, server_keys
+from ziplog.protocol.keys import Credentials
 from ziplog.protocol.zmtp import (
     DEFAULT_MAX_MESSAGE,
-    SUBSCRIBE_ALL,
+    HandshakeReply,
     Handshaken,
     Message,
     PeerError,
@@ -154,7 +160,10 @@ class _Conn:
 
     def write_frame(self, body: bytes) -> bool:
         """``write(encode_frame(body))``, without joining a large body to its header
-        first: both leave in one ``sendmsg``, or are appended to what waits."""
+        first: both leave in one ``sendmsg``, or are appended to what waits (under
+        CURVE, the frame's box)."""
+        if self.codec.curve is not None:
+            return self.write(self.codec.send_message((body,)))
         if len(body) < GATHER_BYTES:
             return self.write(encode_frame(body))
         if self.closed:
@@ -247,10 +256,17 @@ class _Conn:
                         self.owner.on_message(self, ev.parts)
                     elif type(ev) is Ping:
                         self.write(codec.send_pong(ev.context))
+                    elif type(ev) is HandshakeReply:
+                        self.write(ev.data)
                     elif type(ev) is Handshaken:
                         self.owner.on_handshaken(self, ev)
                     elif type(ev) is ProtocolViolation or type(ev) is PeerError:
-                        log.warning("a ZeroMQ peer broke the protocol (%s): connection closed", ev.reason)
+                        self.owner.on_refused(self, ev)
+                        if type(ev) is ProtocolViolation:
+                            farewell = codec.send_error(ev.reason)
+                            if farewell:
+                                self.write(farewell)
+                                self.flush()
                         self.close()
                         return
             finally:
@@ -276,7 +292,7 @@ class NativeRouter:
     """A bound ROUTER (see the module's docstring); ``addr`` is ``tcp://host:port``."""
 
     def __init__(self, rt: Any, on_frame: RoutedHandler, on_multipart: MultipartHandler, host: str, port: int,
-                 max_bytes: int = -1) -> None:
+                 max_bytes: int = -1, credentials: Credentials | None = None) -> None:
         self.rt = rt
         self.on_frame = on_frame
         self.on_multipart = on_multipart
@@ -290,7 +306,10 @@ class NativeRouter:
         bound = self.listener.getsockname()[1]
         self.addr = tcp_addr(host, bound)
         self.routes: dict[bytes, _Conn] = {}
+        #: route -> the client's CURVE key (routes of CURVE connections only)
+        self.keys: dict[bytes, bytes] = {}
         self.conns: set[_Conn] = set()
+        self.curve = server_keys(credentials)
         self._next_id = random.getrandbits(32)
         self.closed = False
         rt.watch_fd(self.listener.fileno(), self._accept, None)
@@ -308,7 +327,7 @@ class NativeRouter:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(self.rt, sock, ZmtpConnection("ROUTER", max_frame=self.max_bytes,
-                                                       max_message=self.max_bytes), self)
+                                                       max_message=self.max_bytes, curve=self.curve), self)
             self.conns.add(conn)
             conn.start()
 
@@ -319,6 +338,15 @@ class NativeRouter:
             route = b"\x00" + self._next_id.to_bytes(4, "big")
         conn.route = route
         self.routes[route] = conn
+        if ev.peer_key:
+            self.keys[route] = ev.peer_key
+
+    def on_refused(self, conn: _Conn, ev: ProtocolViolation | PeerError) -> None:
+        log.warning("a ZeroMQ peer broke the protocol (%s): connection closed", ev.reason)
+
+    def peer_key(self, route: bytes) -> bytes | None:
+        """The CURVE key of the client on ``route`` (None: a NULL connection, or gone)."""
+        return self.keys.get(route)
 
     def on_message(self, conn: _Conn, parts: list[bytes]) -> None:
         route = conn.route
@@ -332,6 +360,7 @@ class NativeRouter:
         self.conns.discard(conn)
         if conn.route is not None and self.routes.get(conn.route) is conn:
             del self.routes[conn.route]
+            self.keys.pop(conn.route, None)
 
     def send_to(self, route: bytes, frame: bytes) -> bool:
         conn = self.routes.get(route)
@@ -356,9 +385,14 @@ class NativeDealer:
     #: the socket type named in the handshake
     SOCKET_TYPE = "DEALER"
 
-    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> None:
+    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1,
+                 credentials: Credentials | None = None) -> None:
         self.rt = rt
         self.addr = addr
+        self.curve = client_keys(credentials)
+        #: why the server last refused the handshake (a mechanism or key mismatch), until
+        #: a handshake succeeds: a client reports it instead of waiting
+        self.refused: str | None = None
         self.host, self.port = parse_endpoint(addr)
         self.on_frame = on_frame
         self.max_bytes = DEFAULT_MAX_MESSAGE * 64 if max_bytes < 0 else max_bytes
@@ -407,7 +441,7 @@ class NativeDealer:
             self._retry()
             return
         self.conn = _Conn(self.rt, sock, ZmtpConnection(self.SOCKET_TYPE, max_frame=self.max_bytes,
-                                                        max_message=self.max_bytes), self)
+                                                        max_message=self.max_bytes, curve=self.curve), self)
         self.conn.start()
 
     def _retry(self) -> None:
@@ -418,9 +452,16 @@ class NativeDealer:
 
     def on_handshaken(self, conn: _Conn, ev: Handshaken) -> None:
         self.ready = True
+        self.refused = None
         self._backoff = RECONNECT_MIN_NS
         while self.queue and not conn.closed:
-            conn.write(self.queue.popleft())
+            conn.write_frame(self.queue.popleft())
+
+    def on_refused(self, conn: _Conn, ev: ProtocolViolation | PeerError) -> None:
+        reason = ev.reason if isinstance(ev.reason, str) else ev.reason.decode("ascii", "replace")
+        if conn.codec.peer_socket_type is None:  # in the handshake
+            self.refused = reason
+        log.warning("%s: the ZeroMQ connection ended (%s)", self.addr, reason)
 
     def on_message(self, conn: _Conn, parts: list[bytes]) -> None:
         self.on_frame(parts[-1] if len(parts) == 1 else b"".join(parts))
@@ -440,7 +481,7 @@ class NativeDealer:
             return conn.write_frame(frame)
         if len(self.queue) >= QUEUE_LIMIT:
             return False
-        self.queue.append(encode_frame(frame))
+        self.queue.append(frame)  # framed (and boxed) when it leaves: nonces are per connection
         return True
 
     def connect(self, addr: str) -> None:
@@ -469,24 +510,26 @@ class _PublisherLink(NativeDealer):
 
     def on_handshaken(self, conn: _Conn, ev: Handshaken) -> None:
         super().on_handshaken(conn, ev)
-        conn.write(SUBSCRIBE_ALL[ev.peer_version >= (3, 1)])
+        conn.write(conn.codec.send_subscribe_all())
 
 
 class NativeSubscriber:
     """A SUB (see the module's docstring): ``connect`` adds a publisher."""
 
-    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1) -> None:
+    def __init__(self, rt: Any, addr: str, on_frame: FrameHandler, max_bytes: int = -1,
+                 credentials: Credentials | None = None) -> None:
         self.rt = rt
         self.addr = addr
         self.on_frame = on_frame
         self.max_bytes = max_bytes
+        self.credentials = credentials
         self.links: dict[str, _PublisherLink] = {}
         self.closed = False
         self.connect(addr)
 
     def connect(self, addr: str) -> None:
         if not self.closed and addr not in self.links:
-            self.links[addr] = _PublisherLink(self.rt, addr, self.on_frame, self.max_bytes)
+            self.links[addr] = _PublisherLink(self.rt, addr, self.on_frame, self.max_bytes, self.credentials)
 
     def send(self, frame: bytes) -> bool:
         raise NotImplementedError("a SUB sends nothing")

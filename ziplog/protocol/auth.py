@@ -31,6 +31,8 @@ import base64
 import hashlib
 import hmac
 
+from ziplog.protocol.keys import KeyPair
+
 #: the ZooKeeper digest user every cluster session authenticates as
 ZK_USER = "ziplog-cluster"
 MAC_BYTES = 32
@@ -41,13 +43,21 @@ MIN_SECRET_BYTES = 16
 class ClusterKey:
     """The keys derived from a cluster's secret."""
 
-    __slots__ = ("frame_key", "zk_password")
+    __slots__ = ("frame_key", "zk_password", "_curve_secret")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"a cluster secret needs at least {MIN_SECRET_BYTES} bytes")
         self.frame_key = hashlib.sha256(b"ziplog frame key\0" + secret).digest()
         self.zk_password = hashlib.sha256(b"ziplog zookeeper digest\0" + secret).hexdigest()
+        self._curve_secret = hashlib.sha256(b"ziplog curve server key\0" + secret).digest()
+
+    def curve_server(self) -> KeyPair:
+        """The cluster's CURVE server key pair (see :mod:`ziplog.protocol.keys` for why one
+        pair serves every server): any 32 bytes are a Curve25519 secret key."""
+        from ziplog.protocol.curve import public_key  # its crypto loads only when asked for
+
+        return KeyPair(public_key(self._curve_secret), self._curve_secret)
 
     def mac(self, frame: bytes) -> bytes:
         return hashlib.blake2b(frame, key=self.frame_key, digest_size=MAC_BYTES).digest()

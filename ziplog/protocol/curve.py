@@ -18,7 +18,8 @@ rises by one with every box a side sends and must rise with every box a side acc
   long-term key is proven, and only the server learns it;
 * READY (server): ``\\x05READY``, a short nonce, Box[metadata](S' -> C');
 * MESSAGE (both): ``\\x07MESSAGE``, a short nonce, Box[flags + body](C' <-> S'), the
-  flags byte carrying ZMTP's MORE (bit 0) and COMMAND (bit 2).
+  flags byte carrying MORE (bit 0) and COMMAND (bit 1: libzmq boxes its own message
+  flags, not the wire's, whose COMMAND is bit 2).
 
 Randomness (the transient keys, the long nonces, the cookie key) is handed in as a
 ``random_bytes(n)`` function, as a core is handed its ``random.Random``: the driver gives
@@ -53,8 +54,10 @@ _MESSAGE = b"\x07MESSAGE"
 _ERROR = b"\x05ERROR"
 
 _NONCE = struct.Struct(">Q")
-#: the MORE and COMMAND bits of a message's flags byte, the only ones a box may carry
-FLAG_MASK = 0x05
+#: the MORE and COMMAND bits of a box's flags byte, the only ones a box may carry
+BOX_MORE = 0x01
+BOX_COMMAND = 0x02
+FLAG_MASK = BOX_MORE | BOX_COMMAND
 
 RandomBytes = Callable[[int], bytes]
 

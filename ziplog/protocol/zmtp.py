@@ -1,5 +1,5 @@
-"""ZMTP 3.1 with the NULL security mechanism, sans I/O: the bytes ZeroMQ peers exchange on
-a TCP connection, so a ROUTER or DEALER can be served from asyncio (or a plain blocking
+"""ZMTP 3.1 with the NULL or the CURVE security mechanism, sans I/O: the bytes ZeroMQ peers
+exchange on a TCP connection, so a ROUTER or DEALER can be served from asyncio (or a plain blocking
 socket) without libzmq's I/O thread and still talk to pyzmq/libzmq peers.
 
 The reference is 37/ZMTP (https://rfc.zeromq.org/spec/37/); comments cite its sections.
@@ -24,7 +24,17 @@ A connection, as the caller sees it::
 
 Parsing is total: any byte sequence yields events, or stops at one
 :class:`ProtocolViolation` (or :class:`PeerError`) after which the connection is dead and
-further bytes are ignored. No input raises. Sizes are checked from the frame header,
+further bytes are ignored. No input raises.
+
+CURVE (RFC 26, CurveZMQ; the boxes are :mod:`ziplog.protocol.curve`'s) is asked for with
+``curve=``: a :class:`CurveKeys` with ``server_public`` makes the connection the client
+(it sends HELLO with its greeting, INITIATE when WELCOME comes, and is handshaken at
+READY), one without makes it the server (WELCOME, then READY once INITIATE vouches for the
+client's long-term key, which :class:`Handshaken` carries as ``peer_key``). Handshake
+answers come out as :class:`HandshakeReply` events for the caller to write. Then every
+wire frame is one MESSAGE box (flags 0, as libzmq sends it) holding one ZMTP frame's
+flags (MORE, COMMAND, as libzmq's message flags 1 and 2) and body: PING, PONG and SUBSCRIBE travel boxed too. Limits apply
+to the frames inside the boxes; a box is at most ``CURVE_OVERHEAD`` bytes larger. Sizes are checked from the frame header,
 before the body is waited for, so a peer cannot make the codec hold more than one frame
 header beyond the limits: ``max_frame`` per frame, ``max_message`` per multipart message
 (libzmq's ZMQ_MAXMSGSIZE is per frame), ``max_parts`` frames per message, ``max_command``
@@ -40,15 +50,18 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 __all__ = [
+    "CURVE_OVERHEAD",
+    "CurveKeys",
     "DEFAULT_MAX_COMMAND",
     "DEFAULT_MAX_MESSAGE",
     "DEFAULT_MAX_PARTS",
     "GREETING_SIZE",
     "SOCKET_TYPES",
     "Event",
+    "HandshakeReply",
     "Handshaken",
     "Message",
     "PeerError",
@@ -96,8 +109,22 @@ _U16 = struct.Struct(">H")
 # version 3.1, the mechanism null-padded to 20 octets, as-server (MUST be zero under NULL),
 # and 31 octets of zero filler.
 _NULL_MECHANISM = b"NULL".ljust(20, b"\x00")
+_CURVE_MECHANISM = b"CURVE".ljust(20, b"\x00")
 _GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x01" + _NULL_MECHANISM + b"\x00" + bytes(31)
 assert len(_GREETING) == GREETING_SIZE
+
+
+def _greeting_bytes(mechanism: bytes, as_server: bool) -> bytes:
+    return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x01" + mechanism + bytes((as_server,)) + bytes(31)
+
+
+# A box's flags byte: libzmq's message flags (more 1, command 2), not the wire's.
+_BOX_MORE = 0x01
+_BOX_COMMAND = 0x02
+
+#: what a MESSAGE box adds to the frame it carries: its name (8), nonce (8), MAC (16) and
+#: the flags byte (1)
+CURVE_OVERHEAD = 33
 
 #: Which peer socket types each socket type may talk to (37/ZMTP "The Socket-Type
 #: Property", the table of legal combinations).
@@ -163,6 +190,37 @@ class Handshaken:
     peer_version: tuple[int, int] = (3, 1)
     #: every READY property, names lower-cased ("names SHALL be case-insensitive")
     properties: dict[str, bytes] = field(default_factory=dict)
+    #: under CURVE, the peer's long-term public key (a client's, as its INITIATE vouched
+    #: for it; the server's, which the client named); b"" under NULL
+    peer_key: bytes = b""
+
+
+@dataclass(slots=True)
+class HandshakeReply:
+    """Bytes the CURVE handshake answers with (WELCOME, INITIATE, READY): write them
+    before anything else."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """A connection's CURVE keys (32 raw bytes each): our long-term pair, and, for a
+    client, the server's public key; ``random_bytes(n)`` gives the transient keys and
+    nonces (the operating system's generator in a driver)."""
+
+    public: bytes
+    secret: bytes
+    random_bytes: Callable[[int], bytes]
+    #: the server's public key when we are the client; b"" makes us the server
+    server_public: bytes = b""
+
+    @property
+    def is_server(self) -> bool:
+        return not self.server_public
+
+    def __repr__(self) -> str:
+        return f"CurveKeys(public={self.public.hex()[:16]}..., server={self.is_server})"
 
 
 @dataclass(slots=True)
@@ -203,7 +261,7 @@ class PeerError:
     reason: bytes
 
 
-Event = Union[Handshaken, Message, Ping, Pong, ProtocolViolation, PeerError]
+Event = Union[Handshaken, HandshakeReply, Message, Ping, Pong, ProtocolViolation, PeerError]
 
 # -- encoding -------------------------------------------------------------------------------------------
 
@@ -247,9 +305,17 @@ def encode_message(parts: Sequence[bytes]) -> bytes:
     return b"".join(out)
 
 
-def _encode_command(name: bytes, data: bytes) -> bytes:
+def _command_body(name: bytes, data: bytes) -> bytes:
     # "command-body = command-name command-data; command-name = short-size 1*255ALPHA"
-    body = bytes((len(name),)) + name + data
+    return bytes((len(name),)) + name + data
+
+
+def _encode_command(name: bytes, data: bytes) -> bytes:
+    body = _command_body(name, data)
+    return _frame_header(_COMMAND, len(body)) + body
+
+
+def _encode_command_frame(body: bytes) -> bytes:
     return _frame_header(_COMMAND, len(body)) + body
 
 
@@ -259,11 +325,6 @@ def _encode_property(name: bytes, value: bytes) -> bytes:
 
 
 # -- the connection -------------------------------------------------------------------------------------
-
-#: A SUB's subscription to every message, indexed by "the peer speaks 3.1": a SUBSCRIBE
-#: command with an empty topic (3.1), or a message of the one octet 0x01 (3.0: "a
-#: subscription message begins with a 1").
-SUBSCRIBE_ALL: tuple[bytes, bytes] = (encode_message((b"\x01",)), _encode_command(b"SUBSCRIBE", b""))
 
 _GREETING_STATE = 0
 _HANDSHAKE = 1
@@ -286,14 +347,15 @@ class ZmtpConnection:
 
     __slots__ = (
         "socket_type", "identity", "max_frame", "max_message", "max_parts", "max_command",
-        "metadata", "peer_socket_type", "peer_identity", "peer_version",
+        "metadata", "peer_socket_type", "peer_identity", "peer_version", "curve",
         "_state", "_buf", "_pos", "_chunks", "_chunks_len", "_parts", "_msg_bytes",
+        "_wire_max_frame", "_handshake_side", "_boxes", "_curve_step", "_pending",
     )
 
     def __init__(self, socket_type: str, *, identity: bytes = b"",
                  max_frame: int | None = None, max_message: int = DEFAULT_MAX_MESSAGE,
                  max_parts: int = DEFAULT_MAX_PARTS, max_command: int = DEFAULT_MAX_COMMAND,
-                 metadata: Mapping[str, bytes] | None = None) -> None:
+                 metadata: Mapping[str, bytes] | None = None, curve: CurveKeys | None = None) -> None:
         st = socket_type.upper()
         if st not in SOCKET_TYPES:
             raise ValueError(f"unknown ZMTP socket type {socket_type!r}")
@@ -325,6 +387,24 @@ class ZmtpConnection:
         # The frames of the message being received, and their total size.
         self._parts: list[bytes] = []
         self._msg_bytes = 0
+        # CURVE: the handshake's side (a CurveClient or CurveServer), then the boxes of
+        # the traffic; which handshake command comes next; a Handshaken held back behind
+        # the READY it follows. A wire frame is the box of a frame within the limits.
+        self.curve = curve
+        self._handshake_side: Any = None
+        self._boxes: Any = None
+        self._curve_step = 0
+        self._pending: Event | None = None
+        self._wire_max_frame = self.max_frame
+        if curve is not None:
+            from ziplog.protocol import curve as curvezmq  # its crypto loads only when asked for
+
+            if curve.is_server:
+                self._handshake_side = curvezmq.CurveServer(curve.public, curve.secret, curve.random_bytes)
+            else:
+                self._handshake_side = curvezmq.CurveClient(curve.server_public, curve.public, curve.secret,
+                                                            curve.random_bytes)
+            self._wire_max_frame = self.max_frame + CURVE_OVERHEAD
 
     # -- what the caller looks at ---------------------------------------------------------------------
     @property
@@ -345,38 +425,71 @@ class ZmtpConnection:
 
     # -- output ---------------------------------------------------------------------------------------
     def send_greeting(self) -> bytes:
-        """Our 64-octet greeting: version 3.1, mechanism NULL, as-server 0."""
-        return _GREETING
+        """Our 64-octet greeting: version 3.1, mechanism NULL (as-server 0) or CURVE
+        (as-server 1 for the server)."""
+        curve = self.curve
+        if curve is None:
+            return _GREETING
+        return _greeting_bytes(_CURVE_MECHANISM, curve.is_server)
 
-    def send_ready(self) -> bytes:
-        """Our READY: Socket-Type, Identity (for REQ/DEALER/ROUTER, even empty, as
-        libzmq sends it), then any extra metadata."""
+    def _metadata(self) -> bytes:
+        # Socket-Type, Identity (for REQ/DEALER/ROUTER, even empty, as libzmq sends
+        # it), then any extra metadata: READY's body under NULL, boxed under CURVE.
         props = [_encode_property(b"Socket-Type", self.socket_type.encode())]
         if self.socket_type in _IDENTITY_TYPES:
             props.append(_encode_property(b"Identity", self.identity))
         for name, value in self.metadata.items():
             props.append(_encode_property(name.encode("ascii"), bytes(value)))
-        return _encode_command(b"READY", b"".join(props))
+        return b"".join(props)
+
+    def send_ready(self) -> bytes:
+        """Our NULL READY (CURVE's READY is the server's answer to INITIATE)."""
+        return _encode_command(b"READY", self._metadata())
 
     def start(self) -> bytes:
-        """Greeting and READY, to write as soon as the TCP connection is up."""
-        return self.send_greeting() + self.send_ready()
+        """What to write as soon as the TCP connection is up: the greeting and READY
+        (NULL), the greeting and HELLO (a CURVE client), the greeting (a CURVE server)."""
+        if self.curve is None:
+            return self.send_greeting() + self.send_ready()
+        if self.curve.is_server:
+            return self.send_greeting()
+        return self.send_greeting() + _encode_command_frame(self._handshake_side.hello())
 
     def send_message(self, parts: Sequence[bytes]) -> bytes:
         """One multipart message's frames (write only once :attr:`handshaken`)."""
-        return encode_frame(parts[0]) if len(parts) == 1 else encode_message(parts)
+        boxes = self._boxes
+        if boxes is None:
+            return encode_frame(parts[0]) if len(parts) == 1 else encode_message(parts)
+        last = len(parts) - 1
+        if last < 0:
+            raise ValueError("a message has at least one frame")
+        return b"".join([encode_frame(boxes.seal(part, _BOX_MORE if i < last else 0)) for i, part in enumerate(parts)])
+
+    def _send_command(self, name: bytes, data: bytes) -> bytes:
+        boxes = self._boxes
+        if boxes is None:
+            return _encode_command(name, data)
+        return encode_frame(boxes.seal(_command_body(name, data), _BOX_COMMAND))
 
     def send_ping(self, ttl: int = 0, context: bytes = b"") -> bytes:
         """A PING (ZMTP 3.1 only): ``ttl`` in tenths of a second, ``context`` <= 16 bytes."""
         if not 0 <= ttl <= 0xFFFF or len(context) > _MAX_PING_CONTEXT:
             raise ValueError("PING ttl is 0..65535 deciseconds, context at most 16 bytes")
-        return _encode_command(b"PING", _U16.pack(ttl) + context)
+        return self._send_command(b"PING", _U16.pack(ttl) + context)
 
     def send_pong(self, context: bytes = b"") -> bytes:
         """The PONG answering a PING: it echoes the PING's context."""
         if len(context) > _MAX_PING_CONTEXT:
             raise ValueError("PONG context is at most 16 bytes")
-        return _encode_command(b"PONG", bytes(context))
+        return self._send_command(b"PONG", bytes(context))
+
+    def send_subscribe_all(self) -> bytes:
+        """A SUB's subscription to every message (write once :attr:`handshaken`): a
+        SUBSCRIBE command with an empty topic to a 3.1 peer, a message of the one octet
+        0x01 to a 3.0 one ("a subscription message begins with a 1")."""
+        if self.peer_version is not None and self.peer_version >= (3, 1):
+            return self._send_command(b"SUBSCRIBE", b"")
+        return self.send_message((b"\x01",))
 
     def send_error(self, reason: str) -> bytes:
         """An ERROR command to write before closing, or b"" when the peer would not read
@@ -415,7 +528,7 @@ class ZmtpConnection:
 
     def next_event(self) -> Event | None:
         """The next event, or None until more bytes are fed (and forever once closed)."""
-        if self._state == _TRAFFIC and not self._chunks and not self._parts:
+        if self._state == _TRAFFIC and not self._chunks and not self._parts and self._boxes is None:
             # The common case in one step: a whole one-frame message (flags 0, or LONG
             # alone) within the limits, or nothing buffered. Anything else (a command, a
             # MORE frame, a frame still arriving, one over a limit) takes the general
@@ -450,6 +563,10 @@ class ZmtpConnection:
     def _next_event_any(self) -> Event | None:
         """:meth:`next_event` for any input, one state step after the other (the
         reference the one-step case must agree with)."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            return pending
         while True:
             st = self._state
             if st == _TRAFFIC:
@@ -476,6 +593,9 @@ class ZmtpConnection:
         self._chunks_len = 0
         self._parts = []
         self._msg_bytes = 0
+        self._pending = None
+        self._handshake_side = None
+        self._boxes = None
 
     def _have(self, n: int) -> bool:
         """Make ``n`` bytes contiguous at ``_buf[_pos:]`` if that many are buffered."""
@@ -522,13 +642,19 @@ class ZmtpConnection:
         # downgrades: a major above 3 means it talks 3.1 to us.
         version = (3, g[11]) if major == 3 else (3, 1)
         mechanism = g[12:32]
-        if mechanism != _NULL_MECHANISM:
+        ours = _NULL_MECHANISM if self.curve is None else _CURVE_MECHANISM
+        if mechanism != ours:
             # "If the mechanism that the peer received does not exactly match the mechanism
-            # it sent, it MUST close the connection."
+            # it sent, it MUST close the connection." The greeting was ZMTP's, so an
+            # ERROR (send_error) reaches a peer that reads its handshake.
+            self._pos += GREETING_SIZE
+            self.peer_version = version
             return self._violation(
-                f"peer asks for security mechanism {mechanism.rstrip(bytes(1))!r}; only NULL is supported")
-        # as-server (g[32]) and the filler have no significance under NULL (libzmq checks
-        # neither), so they are not validated.
+                f"the peer asks for security mechanism {mechanism.rstrip(bytes(1))!r}; this endpoint speaks "
+                f"{ours.rstrip(bytes(1))!r}" + (" only (it needs CURVE keys)" if self.curve is None else
+                                                 " only (the server is not CURVE)"))
+        # as-server (g[32]) and the filler have no significance under NULL, and under
+        # CURVE the roles are each side's own configuration (libzmq checks neither).
         self._pos += GREETING_SIZE
         self.peer_version = version
         self._state = _HANDSHAKE
@@ -564,7 +690,7 @@ class ZmtpConnection:
         elif handshake:
             return self._violation("message frame before the peer's READY")
         else:
-            if size > self.max_frame:
+            if size > self._wire_max_frame:
                 return self._violation(f"frame of {size} bytes is above the limit of {self.max_frame}")
             if self._msg_bytes + size > self.max_message:
                 return self._violation(
@@ -586,6 +712,8 @@ class ZmtpConnection:
         fr = self._frame(True)
         if fr is None or isinstance(fr, ProtocolViolation):
             return fr
+        if self.curve is not None:
+            return self._curve_handshake(fr[1])
         cmd = self._command(fr[1])
         if isinstance(cmd, ProtocolViolation):
             return cmd
@@ -597,11 +725,75 @@ class ZmtpConnection:
         # "null = ready *message | error": nothing else may come first.
         return self._violation(f"{name!r} command before READY")
 
+    def _curve_handshake(self, body: bytes) -> object:
+        """One CURVE handshake command: HELLO then INITIATE (server), WELCOME then READY
+        (client); an ERROR ends it."""
+        from ziplog.protocol.curve import CurveError
+
+        cmd = self._command(body)
+        if isinstance(cmd, ProtocolViolation):
+            return cmd
+        if cmd[0] == b"ERROR":
+            return self._error(cmd[1])
+        side = self._handshake_side
+        assert self.curve is not None and side is not None
+        step = self._curve_step
+        try:
+            if self.curve.is_server:
+                if step == 0:
+                    welcome = side.on_hello(body)
+                    self._curve_step = 1
+                    return HandshakeReply(_encode_command_frame(welcome))
+                client_key, metadata = side.on_initiate(body)
+                props = self._properties(metadata)
+                if isinstance(props, ProtocolViolation):
+                    return props
+                ready, self._boxes = side.ready(self._metadata())
+                done = self._peer_ready(props, client_key)
+                if isinstance(done, Handshaken):
+                    self._pending = done
+                    return HandshakeReply(_encode_command_frame(ready))
+                return done
+            if step == 0:
+                initiate = side.on_welcome(body, self._metadata())
+                self._curve_step = 1
+                return HandshakeReply(_encode_command_frame(initiate))
+            metadata, boxes = side.on_ready(body)
+            props = self._properties(metadata)
+            if isinstance(props, ProtocolViolation):
+                return props
+            self._boxes = boxes
+            return self._peer_ready(props, self.curve.server_public)
+        except CurveError as exc:
+            return self._violation(f"CURVE handshake: {exc.reason}")
+
     def _traffic(self) -> object:
         fr = self._frame(False)
         if fr is None or isinstance(fr, ProtocolViolation):
             return fr
         flags, body = fr
+        boxes = self._boxes
+        if boxes is not None:
+            # Each wire frame is one MESSAGE box (libzmq's have flags 0 on the wire);
+            # what it holds is the frame: its flags and body.
+            from ziplog.protocol.curve import CurveError
+
+            if flags & (_COMMAND | _MORE):
+                return self._violation(f"a wire frame with flags 0x{flags:02x} under CURVE (boxes carry the flags)")
+            try:
+                box_flags, body = boxes.open(body)
+            except CurveError as exc:
+                return self._violation(f"CURVE: {exc.reason}")
+            flags = (_MORE if box_flags & _BOX_MORE else 0) | (_COMMAND if box_flags & _BOX_COMMAND else 0)
+            if not flags & _COMMAND:
+                if len(body) > self.max_frame:
+                    return self._violation(f"frame of {len(body)} bytes is above the limit of {self.max_frame}")
+                if self._msg_bytes + len(body) > self.max_message:
+                    return self._violation(
+                        f"message of at least {self._msg_bytes + len(body)} bytes is above the limit of "
+                        f"{self.max_message}")
+                if len(self._parts) >= self.max_parts:
+                    return self._violation(f"message of more than {self.max_parts} frames")
         if flags & _COMMAND:
             # "traffic = *(command | message)". libzmq may put a PING or PONG between the
             # frames of a multipart message (its encoder takes the next message per
@@ -658,6 +850,12 @@ class ZmtpConnection:
         return PeerError(data[1:])
 
     def _ready(self, data: bytes) -> object:
+        props = self._properties(data)
+        if isinstance(props, ProtocolViolation):
+            return props
+        return self._peer_ready(props, b"")
+
+    def _properties(self, data: bytes) -> dict[str, bytes] | ProtocolViolation:
         props: dict[str, bytes] = {}
         i = 0
         n = len(data)
@@ -679,6 +877,9 @@ class ZmtpConnection:
                 return self._violation(f"READY property {name!r} value truncated")
             props[name.decode("ascii").lower()] = data[i:i + vlen]
             i += vlen
+        return props
+
+    def _peer_ready(self, props: dict[str, bytes], peer_key: bytes) -> Handshaken | ProtocolViolation:
         raw_type = props.get("socket-type")
         if raw_type is None:
             return self._violation("READY without Socket-Type")
@@ -695,4 +896,4 @@ class ZmtpConnection:
         self.peer_identity = identity
         self._state = _TRAFFIC
         assert self.peer_version is not None
-        return Handshaken(peer_type, identity, self.peer_version, props)
+        return Handshaken(peer_type, identity, self.peer_version, props, peer_key)
