@@ -314,13 +314,14 @@ class FailureHandlerDriver(ElectedDriver):
 def main(argv: list[str] | None = None) -> int:
     from ziplog.io.zk_recovery import KazooHandlerCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
+    from ziplog.shell.process import member_credentials
 
     ap = elected_parser("failure_handler.server", "ziplog failure handler replica")
     ap.add_argument("--retry-ms", type=float, default=HandlerSettings.retry_ns / 1e6)
     ap.add_argument("--group", type=int, default=0, help="this replica's group: it owns shards with shard %% groups == group")
     ap.add_argument("--groups", type=int, default=1)
     args, key = parse_elected_args(ap, argv, "failure_handler", "failure-handler")
-    rt = ZmqRuntime()
+    rt = ZmqRuntime(credentials=member_credentials(args, key))
     coord = KazooHandlerCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = FailureHandlerDriver(rt, rt, coord, coord.election, args.id, key,
                                   HandlerSettings(retry_ns=int(args.retry_ms * 1e6)), args.group, args.groups, args.bind,

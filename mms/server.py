@@ -221,6 +221,7 @@ class MembershipDriver(ElectedDriver):
 def main(argv: list[str] | None = None) -> int:
     from ziplog.io.zk_membership import KazooMembershipCoordination
     from ziplog.io.zmq_runtime import ZmqRuntime
+    from ziplog.shell.process import member_credentials
 
     ap = elected_parser("mms.server", "ziplog membership service replica")
     ap.add_argument("--interval-ms", type=float, default=10.0)
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs-per-commit", type=int, default=10,
                     help="epochs committed to ZooKeeper per transaction (1: one commit per epoch)")
     args, key = parse_elected_args(ap, argv, "mms", "mms")
-    rt = ZmqRuntime(precise_timers=True)  # epochs go out on time, not up to a millisecond late
+    # epochs go out on time, not up to a millisecond late
+    rt = ZmqRuntime(precise_timers=True, credentials=member_credentials(args, key))
     coord = KazooMembershipCoordination(args.zk, key, rt, args.bind, args.advertise)
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),

@@ -67,10 +67,12 @@ def test_a_wildcard_bind_without_an_advertised_address_is_a_usage_error(module: 
 def test_a_cluster_bound_to_wildcards_and_ipv6_registers_and_serves_what_it_advertises() -> None:
     """Storage replicas bind every IPv6 interface and advertise ::1; the MMS binds ::1
     (libzmq's PUB and PULL over IPv6); the failure handlers bind 0.0.0.0 and advertise
-    127.0.0.3. Replicas, clients and the control plane dial what is registered."""
+    127.0.0.3. Replicas, clients and the control plane dial what is registered. A
+    wildcard is not loopback, so the replicas and handlers would speak CURVE by default:
+    the whole cluster does (``curve=True``; one mechanism per cluster), over IPv6 too."""
     with ziplog.local_cluster(shards=1, replicas=2, server_args=["--bind", "::", "--advertise", "::1"],
                               mms_args=["--bind", "::1"], fh_args=["--bind", "0.0.0.0", "--advertise", "127.0.0.3"],
-                              mms_replicas=1, fh_replicas=1) as cluster:
+                              mms_replicas=1, fh_replicas=1, curve=True) as cluster:
         with cluster.client() as c:
             addrs = c.topology.replica_addrs(0)
             assert addrs is not None and all(a.startswith("tcp://[::1]:") for a in addrs), addrs

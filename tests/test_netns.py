@@ -68,7 +68,10 @@ def test_replicas_register_and_talk_over_their_hosts_addresses(bed: netns.NetnsB
                                                                cluster: ziplog.LocalCluster) -> None:
     want = {(s, r): bed.hosts[f"s{s}r{r}"].addr for s in range(SHARDS) for r in range(REPLICAS)}
     client_host = bed.hosts["client"]
-    out = _on(client_host, [sys.executable, "-m", "ziplog.tools.cli", "status", "--zk", cluster.zk_hosts])
+    assert cluster.curve, "off loopback a cluster speaks CURVE by default"
+    key = cluster.add_client("operator", "admin")
+    out = _on(client_host, [sys.executable, "-m", "ziplog.tools.cli", "status", "--zk", cluster.zk_hosts,
+                            "--key-file", str(key)])
     assert "127.0.0.1" not in out, out
     for addr in want.values():
         assert f"tcp://{addr}:" in out, out
@@ -88,9 +91,9 @@ def test_replicas_register_and_talk_over_their_hosts_addresses(bed: netns.NetnsB
 class RemoteLoad:
     """``tests/netns_load.py`` on the client host, asked over its stdin."""
 
-    def __init__(self, host: Host, zk_hosts: str, log: Path) -> None:
+    def __init__(self, host: Host, zk_hosts: str, log: Path, key_file: Path) -> None:
         self.stderr = open(log, "wb")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "ZIPLOG_CLIENT_KEY_FILE": str(key_file)}
         self.proc = subprocess.Popen(host.wrap([sys.executable, "-m", "tests.netns_load", zk_hosts]), cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                      text=True)
@@ -132,7 +135,8 @@ class RemoteLoad:
 
 def test_a_killed_replica_and_a_host_cut_off_lose_nothing(bed: netns.NetnsBed, cluster: ziplog.LocalCluster,
                                                           tmp_path: Path) -> None:
-    load = RemoteLoad(bed.hosts["client"], cluster.zk_hosts, tmp_path / "load.log")
+    load = RemoteLoad(bed.hosts["client"], cluster.zk_hosts, tmp_path / "load.log",
+                      cluster.add_client("load", "append,read,admin"))
     try:
         load.acked(200)
         # a backup killed: the supervisor starts it again on its own host

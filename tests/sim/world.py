@@ -330,6 +330,9 @@ class SimRouter:
             for fn in after:
                 fn()
 
+    def peer_key(self, route: bytes) -> bytes | None:
+        return None  # NULL only
+
     def send_to(self, route: bytes, frame: bytes) -> bool:
         world = self.proc.world
         d = world.routes.get(route)

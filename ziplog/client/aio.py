@@ -19,6 +19,7 @@ client, on an asyncio runtime; a call's coroutine waits for the driver to say it
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
@@ -36,6 +37,7 @@ from ziplog.cores.client.subscription import SubState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
+from ziplog.io.keys import client_credentials
 from ziplog.io.ports import wall_offset_ns
 from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
@@ -69,8 +71,10 @@ class AsyncClient(ClientBase):
     ``async with AsyncClient(...)``; any number of tasks of one event loop may use it."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
-                 client_id: int | None = None) -> None:
+                 client_id: int | None = None, key_file: str | os.PathLike[str] | None = None) -> None:
         self.zk_hosts = zk_hosts
+        #: CURVE keys from ``key_file`` (or ``$ZIPLOG_CLIENT_KEY_FILE``); None: NULL
+        self.credentials = client_credentials(key_file)
         self.timeout = timeout
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9), wall_offset_ns=wall_offset_ns())
@@ -111,7 +115,8 @@ class AsyncClient(ClientBase):
             return conn, topo
 
         self._zk, topology = await asyncio.to_thread(start)
-        self._rt = rt = AsyncioRuntime(native=native_transport_wanted())
+        self._rt = rt = AsyncioRuntime(native=native_transport_wanted() or self.credentials is not None,
+                                       credentials=self.credentials)
         self.topology = topology
         self._driver = driver = ClientDriver(rt, rt, topology, self._state)
         topology.on_change(lambda: rt.call_soon_threadsafe(driver.on_topology))

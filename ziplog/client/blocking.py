@@ -13,6 +13,7 @@ a call of this client waits.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -29,10 +30,12 @@ from ziplog.cores.client.calls import Call
 from ziplog.cores.client.state import NS_PER_S, ClientState
 from ziplog.cores.client.watermark import RangePager, WatermarkQuery
 from ziplog.io import zk
+from ziplog.io.keys import client_credentials
 from ziplog.io.ports import wall_offset_ns
 from ziplog.io.zmq_runtime import ZmqRuntime
 from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
+from ziplog.protocol.keys import Credentials
 from ziplog.protocol.errors import (
     ClientClosedError,
     NoShardAvailableError,
@@ -49,17 +52,25 @@ class Client(ClientBase):
     """A ziplog client. Thread-compatible, not thread-safe: use one per thread."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
-                 client_id: int | None = None) -> None:
+                 client_id: int | None = None, key_file: str | os.PathLike[str] | None = None,
+                 credentials: Credentials | None = None) -> None:
+        """``key_file``: the client key (``ziplog client add``) for a cluster that speaks
+        CURVE; default: the file ``$ZIPLOG_CLIENT_KEY_FILE`` names, else none (NULL).
+        ``credentials``: the keys themselves instead (a cluster's own tools connect with
+        the cluster's key pair, which holds every right)."""
+        if credentials is None:
+            credentials = client_credentials(key_file)
         zk_session = zk.connect(zk_hosts)
         topology = zk.Topology(zk_session)
-        self._start(zk_session, topology, timeout, policy, client_id)
+        self._start(zk_session, topology, timeout, policy, client_id, credentials)
         topology.on_change(lambda: self._rt.call_soon_threadsafe(self._driver.on_topology))
         if not topology.wait(lambda: bool(topology.live_shards()), timeout):
             self.close()
             raise NoShardAvailableError("no live shard appeared in ZooKeeper")
 
     @classmethod
-    def direct(cls, replicas: dict[int, Sequence[str]], *, timeout: float = 30.0) -> "Client":
+    def direct(cls, replicas: dict[int, Sequence[str]], *, timeout: float = 30.0,
+               key_file: str | os.PathLike[str] | None = None) -> "Client":
         """A client of the named replicas only (shard -> its replicas' addresses, the
         primary first), with no ZooKeeper session: for reads where the caller knows where
         a shard lives (a Spark task, from its plan). ``read_range``, ``count_range`` and
@@ -70,11 +81,11 @@ class Client(ClientBase):
         topology.replica_counts = {s: len(addrs) for s, addrs in replicas.items()}
         topology.changed()
         client = cls.__new__(cls)
-        client._start(None, topology, timeout, None, None)
+        client._start(None, topology, timeout, None, None, client_credentials(key_file))
         return client
 
     def _start(self, zk_session: Any, topology: TopologyView, timeout: float, policy: Policy | None,
-               client_id: int | None) -> None:
+               client_id: int | None, credentials: Credentials | None) -> None:
         self.timeout = timeout
         self._closed = False
         self._zk = zk_session
@@ -84,7 +95,7 @@ class Client(ClientBase):
         # when the topology moves (a replica restarted at a new address, a shard back
         # from recovery): without it the call saw the change only when its poll timed
         # out, up to MAX_WAIT_MS later, and a restart stalled the writer that much longer.
-        self._rt = ZmqRuntime(wake=True, drain_limit=1, native=native_transport_wanted())
+        self._rt = ZmqRuntime(wake=True, drain_limit=1, native=native_transport_wanted(), credentials=credentials)
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9), wall_offset_ns=wall_offset_ns())
         self._driver = ClientDriver(self._rt, self._rt, self.topology, self._state)

@@ -26,7 +26,7 @@ from ziplog.cores.client.subscription import SubscriptionCore
 from ziplog.cores.effects import Close, Messages, Open
 from ziplog.io.ports import Connector, Endpoint, Runtime, Timer
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import ClientClosedError, ZiplogError
+from ziplog.protocol.errors import ClientClosedError, UnauthenticatedError, ZiplogError
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import RID_RECENT, RecordId
 
@@ -190,13 +190,27 @@ class ClientDriver:
         for call in list(self.calls):
             at = call.wake_at
             if at is not None and at <= now and not call.done:
-                self._run(call, call.on_timer(now, topo))
+                refused = self._refused(call.waiting_on())
+                if refused is not None:  # resending would be refused alike: the client's keys are wrong
+                    self._run(call, call.fail(UnauthenticatedError(refused)))
+                else:
+                    self._run(call, call.on_timer(now, topo))
         later = [at for c in self.calls if (at := c.wake_at) is not None]
         if later:
             # A call's step above may have armed the timer: read in a method of its own,
             # where no narrowing from this one's first line applies (compiled code trusts
             # a narrowing; this one's would say None).
             self._arm_by(min(later))
+
+    def _refused(self, addrs: Sequence[str]) -> str | None:
+        """Why a replica among ``addrs`` refused our handshake (no CURVE key given to a
+        CURVE cluster, a key file naming another server key), if one did."""
+        for addr in addrs:
+            conn = self.conns.get(addr)
+            reason = getattr(conn, "refused", None)
+            if reason:
+                return f"{addr} refused the connection ({reason})"
+        return None
 
     def endpoints_of(self, call: Call) -> list[Endpoint]:
         """The connections ``call`` waits on (the replicas it sent to). The same list
@@ -347,6 +361,12 @@ class SubscriptionDriver:
 
     def _on_timer(self) -> None:
         self.timer = self.timer_at = None
+        for shard, conn in self.conns.items():
+            reason = getattr(conn, "refused", None)
+            if reason:
+                self.perform(self.core.failed(UnauthenticatedError(f"shard {shard}'s replica refused the "
+                                                                   f"connection ({reason})")))
+                return
         self.perform(self.core.on_timer(self.driver.rt.now(), self.driver.topology))
 
     def on_topology(self) -> None:

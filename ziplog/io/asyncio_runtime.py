@@ -117,6 +117,9 @@ class _Router:
             else:
                 turn(on_multipart, parts[0], len(parts) - 1)
 
+    def peer_key(self, route: bytes) -> bytes | None:
+        return None  # NULL only
+
     def send_to(self, route: bytes, frame: bytes) -> bool:
         try:
             fut: Any = self.sock.send_multipart([route, frame], copy=len(frame) < 65536)

@@ -26,8 +26,21 @@ from ziplog.protocol.keys import KEY_BYTES, Credentials, KeyPair
 from ziplog.protocol.zmtp import CurveKeys
 
 
+#: where a client finds its key file when none is named
+CLIENT_KEY_ENV = "ZIPLOG_CLIENT_KEY_FILE"
+
+
 class KeyFileError(ValueError):
     """A key file that cannot be read or does not hold keys."""
+
+
+def client_credentials(key_file: str | os.PathLike[str] | None) -> Credentials | None:
+    """A client's CURVE credentials from ``key_file``, or the file ``$ZIPLOG_CLIENT_KEY_FILE``
+    names; None (NULL: a loopback cluster without CURVE) when neither is given."""
+    path = os.fspath(key_file) if key_file is not None else os.environ.get(CLIENT_KEY_ENV)
+    if not path:
+        return None
+    return read_key_file(path)[1]
 
 
 def server_keys(credentials: Credentials | None) -> CurveKeys | None:

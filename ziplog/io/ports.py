@@ -86,6 +86,9 @@ class Router(Protocol):
     def send_to(self, route: bytes, frame: bytes) -> bool:
         """Queue ``frame`` for ``route``; False when it was dropped (queue full, peer gone)."""
 
+    def peer_key(self, route: bytes) -> bytes | None:
+        """The CURVE key of the client on ``route`` (None: NULL, or the route is gone)."""
+
     def close(self) -> None: ...
 
 

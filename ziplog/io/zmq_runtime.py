@@ -192,6 +192,9 @@ class _Puller(_Socket):
 class _Router(_Socket):
     __slots__ = ()
 
+    def peer_key(self, route: bytes) -> bytes | None:
+        return None  # NULL only
+
     def send_to(self, route: bytes, frame: bytes) -> bool:
         try:
             self.sock.send(route, SNDMORE | NOBLOCK)
@@ -706,10 +709,11 @@ class ZmqRuntime:
             self.ctx.destroy(linger=0)
 
 
-def round_trip(addr: str, frame: bytes, timeout_ns: int, max_bytes: int = -1) -> bytes | None:
+def round_trip(addr: str, frame: bytes, timeout_ns: int, max_bytes: int = -1,
+               credentials: Credentials | None = None) -> bytes | None:
     """Send ``frame`` on a DEALER to the ROUTER at ``addr`` and wait for one frame back
     (None: nothing came within ``timeout_ns``); for one-off probes (a replica's STATUS)."""
-    rt = ZmqRuntime(wake=False, drain_limit=1)
+    rt = ZmqRuntime(wake=False, drain_limit=1, credentials=credentials)
     got: list[bytes] = []
     try:
         rt.dealer(addr, got.append, "probe", max_bytes).send(frame)

@@ -71,6 +71,8 @@ HWM_BYTES = 64 << 20
 GATHER_BYTES = 16 << 10
 #: messages a DEALER queues while it is not connected
 QUEUE_LIMIT = 100_000
+#: a ROUTER logs refused peers at most once per this long
+REFUSAL_LOG_NS = 1_000_000_000
 RECONNECT_MIN_NS = 10_000_000
 RECONNECT_MAX_NS = 1_000_000_000
 
@@ -310,6 +312,8 @@ class NativeRouter:
         self.keys: dict[bytes, bytes] = {}
         self.conns: set[_Conn] = set()
         self.curve = server_keys(credentials)
+        self._refusals = 0
+        self._refusal_logged_ns = -REFUSAL_LOG_NS
         self._next_id = random.getrandbits(32)
         self.closed = False
         rt.watch_fd(self.listener.fileno(), self._accept, None)
@@ -342,7 +346,15 @@ class NativeRouter:
             self.keys[route] = ev.peer_key
 
     def on_refused(self, conn: _Conn, ev: ProtocolViolation | PeerError) -> None:
-        log.warning("a ZeroMQ peer broke the protocol (%s): connection closed", ev.reason)
+        # A peer reconnecting with the wrong mechanism or key fails again every backoff:
+        # one line per REFUSAL_LOG_NS, with how many there were.
+        self._refusals += 1
+        now = self.rt.now()
+        if now - self._refusal_logged_ns >= REFUSAL_LOG_NS:
+            log.warning("a ZeroMQ peer broke the protocol (%s): connection closed (%d such since the last line)",
+                        ev.reason, self._refusals)
+            self._refusals = 0
+            self._refusal_logged_ns = now
 
     def peer_key(self, route: bytes) -> bytes | None:
         """The CURVE key of the client on ``route`` (None: a NULL connection, or gone)."""
@@ -459,9 +471,10 @@ class NativeDealer:
 
     def on_refused(self, conn: _Conn, ev: ProtocolViolation | PeerError) -> None:
         reason = ev.reason if isinstance(ev.reason, str) else ev.reason.decode("ascii", "replace")
+        if reason != self.refused:  # said once, not at every reconnection
+            log.warning("%s: the ZeroMQ connection ended (%s)", self.addr, reason)
         if conn.codec.peer_socket_type is None:  # in the handshake
             self.refused = reason
-        log.warning("%s: the ZeroMQ connection ended (%s)", self.addr, reason)
 
     def on_message(self, conn: _Conn, parts: list[bytes]) -> None:
         self.on_frame(parts[-1] if len(parts) == 1 else b"".join(parts))

@@ -28,6 +28,18 @@ def is_wildcard(host: str) -> bool:
     return host.strip("[]") in WILDCARDS
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, or ``localhost``) is the loopback interface only:
+    a wildcard is every interface, so it is not."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
 def tcp_addr(host: str, port: int) -> str:
     """``tcp://host:port``, the host bracketed when it is an IPv6 address."""
     host = host.strip("[]")

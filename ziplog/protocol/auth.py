@@ -1,6 +1,6 @@
 """Cluster membership as a credential (pure): one secret, shared by every cluster process
 (storage replicas, membership service, failure handler, operators' tools), from which
-two keys are derived:
+three keys are derived:
 
 * the **frame key**: frames that carry authority (a peer's HELLO and PREFIX, the failure
   handler's PROBE, ACQUIRED, FETCH, INSTALL and RESUME, a replica's SUSPECT and RATE)
@@ -10,19 +10,22 @@ two keys are derived:
 * the **ZooKeeper digest**: the cluster's sessions authenticate with it, and every node
   they create is readable by anyone and writable only by that digest, so a client (which
   has no secret) reads the topology and cannot rewrite membership, registrations or
-  recovery records.
+  recovery records;
+* the **CURVE server key pair** (:meth:`ClusterKey.curve_server`), which every cluster
+  process serves and connects with when its connections speak CURVE
+  (:mod:`ziplog.protocol.keys`).
 
-Why a MAC per authority frame and not ZeroMQ's CURVE: CURVE secures whole connections,
-so every client would need the servers' keys and every insert would pay for encryption
-on its two-message-delay path; here client traffic is untouched and only control frames
-(a few per epoch, and on recovery) pay a MAC, under a microsecond for a small frame
-(keyed BLAKE2b; HMAC-SHA256 costs three times as much in Python).
+Why a MAC per authority frame besides CURVE: CURVE says which key opened a connection,
+not that a frame carries a member's authority on every path (NULL clusters, libzmq
+sockets, a frame relayed); the MAC does, under a microsecond for a small frame (keyed
+BLAKE2b; HMAC-SHA256 costs three times as much in Python).
 Replies and broadcasts (ACK, FORWARD, EPOCH, RECOVERY_OK) arrive on connections the
 receiver opened to an address it read from ZooKeeper, which only members can write, so
 they are not sealed. What a MAC does not give: secrecy, or protection against a replay
 of a captured frame by someone who can read cluster traffic (recovery frames name a
 generation the failure handler committed in ZooKeeper, so replaying an old one earns
-STALE); run the cluster on a network only it can read, as with any ZooKeeper ensemble.
+STALE); CURVE gives both (the default off loopback). ZooKeeper's own traffic is not
+encrypted: run the ensemble on a network only the cluster can read.
 """
 
 from __future__ import annotations

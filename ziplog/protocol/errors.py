@@ -42,6 +42,17 @@ class ClientClosedError(ZiplogError):
     """The client (or subscription) was closed."""
 
 
+class ForbiddenError(ZiplogError):
+    """The client's key lacks the right the operation needs, or is not registered (a
+    revoked key included): nothing of the request took effect."""
+
+
+class UnauthenticatedError(ZiplogError):
+    """The server refused the connection's handshake: it needs a client key (CURVE) the
+    client did not give, or the client's key file names another cluster's server key;
+    or, for a cluster frame, it was not sealed by a member."""
+
+
 class ServerError(ZiplogError):
     """A server answered with an error the client does not map to a narrower type."""
 
@@ -58,6 +69,8 @@ _BY_CODE: dict[str, type[ZiplogError]] = {
     wire.E_UNKNOWN_RID: UnknownRecordError,
     wire.E_TIMEOUT: ZiplogTimeoutError,
     wire.E_DISK_FULL: DiskFullError,
+    wire.E_FORBIDDEN: ForbiddenError,
+    wire.E_UNAUTHENTICATED: UnauthenticatedError,
 }
 
 

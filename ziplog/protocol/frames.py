@@ -106,6 +106,9 @@ E_UNAUTHENTICATED = "UNAUTHENTICATED"
 E_DISK_FULL = "DISK_FULL"
 #: The recovery generation is not the one the failure handler committed in ZooKeeper.
 E_UNCOMMITTED = "UNCOMMITTED"
+#: The connection's CURVE key lacks the right the op needs (append, read, trim, admin),
+#: or is not registered (``ziplog client add``). Nothing of the request took effect.
+E_FORBIDDEN = "FORBIDDEN"
 #: The server failed while handling this request (a bug: it dropped the request, logged
 #: it and goes on serving). Nothing of the request took effect; resending it is safe.
 E_INTERNAL = "INTERNAL"

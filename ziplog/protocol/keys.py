@@ -76,3 +76,12 @@ class Credentials:
     def member(cls, server: KeyPair) -> "Credentials":
         """A cluster process's: it serves with the cluster's pair and connects with it."""
         return cls(client=server, server_public=server.public, server=server)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEntry:
+    """A registered client key: its name, its public key, its rights."""
+
+    name: str
+    public: bytes
+    rights: frozenset[Right]

@@ -31,6 +31,9 @@ SHARDS = f"{ROOT}/shards"
 RECOVERY = f"{ROOT}/recovery"
 FH_ROOT = f"{ROOT}/fh"
 FH_REPLICAS = f"{FH_ROOT}/replicas"
+#: the client key registry: {name: {"public": 32 bytes, "rights": [str]}}, readable
+#: and writable by members only (``io.zk_clients``)
+CLIENTS = f"{ROOT}/clients"
 
 
 def fh_election_path(group: int = 0) -> str:

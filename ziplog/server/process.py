@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from ziplog.cores.replica import ReplicaSettings
 from ziplog.io.ports import StorageCoordination, wall_offset_ns
 from ziplog.io.segments import SEGMENT_BYTES, SegmentLog, replica_dir
+from ziplog.protocol.access import AccessTable
 from ziplog.protocol.auth import ClusterKey
+from ziplog.protocol.keys import ClientEntry
 from ziplog.server.storage import StorageDriver
 from ziplog.server.takeover import TakeOverRefused, take_over
 from ziplog.shell.config import parse_args
@@ -31,8 +33,10 @@ from ziplog.shell.metrics import add_metrics_arguments, counter, gauge, serve_me
 from ziplog.shell.process import (
     add_address_arguments,
     add_cluster_key_argument,
+    add_security_arguments,
     check_address_arguments,
     load_cluster_key,
+    member_credentials,
     serve_forever,
 )
 
@@ -282,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "it serves, then stop it (SIGTERM) and take its data directory once it has exited (a "
                          "restart whose gap is the old process's stop, not this one's start)")
     add_cluster_key_argument(ap)
+    add_security_arguments(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
     return ap
@@ -310,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     set_cpus(args.cpus)
     if args.malloc_trim_mb and not retain_freed_memory(args.malloc_trim_mb):
         log.info("this C library has no glibc mallopt: its malloc left as it is")
+    credentials = member_credentials(args, key)
+    if credentials is not None and args.transport != "native":
+        ap.error("CURVE (the default off loopback, or --curve) is served by the native transport only")
     rt = ZmqRuntime(native=args.transport == "native", poll_max_ns=args.poll_us * 1000,
-                    yield_after_answers=args.yield_after_answers)
+                    yield_after_answers=args.yield_after_answers, credentials=credentials)
     # One ZooKeeper session per replica: each registration lives and ends with its own.
     coords = [zk.StorageCoordination(args.zk, key) for _ in hosted]
     if args.take_over is not None:
@@ -330,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             rt.close()
             return 2
     drivers = [_storage_driver(args, shard, replica, rt, coord, key) for (shard, replica), coord in zip(hosted, coords)]
+    if credentials is not None:
+        _follow_client_registry(coords[0], key, rt, drivers)
     for driver in drivers:
         driver.start()
     metrics = serve_metrics(args, lambda: [m for d in drivers for m in d.metrics()] + runtime_metrics(rt))
@@ -355,5 +365,27 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
     if args.data_dir is not None:
         disk = SegmentLog(replica_dir(args.data_dir, shard, replica), fsync=args.fsync,
                           fsync_interval=args.fsync_interval, segment_bytes=args.segment_bytes)
-    return StorageDriver(settings, rt, rt, coord, disk, key, host=args.bind, port=args.port, advertise=args.advertise)
+    access = None if rt.credentials is None else AccessTable(rt.credentials.server.public)
+    return StorageDriver(settings, rt, rt, coord, disk, key, host=args.bind, port=args.port, advertise=args.advertise,
+                         access=access)
+
+
+def _follow_client_registry(coord: Any, key: ClusterKey, rt: Any, drivers: list[StorageDriver]) -> None:
+    """Every driver's table loaded from the client key registry before it serves, and
+    replaced on the runtime's thread at every change (the watch fires on kazoo's)."""
+    from ziplog.io.zk_clients import ClientRegistry
+
+    registry = ClientRegistry(coord.zk, key)
+    entries, version = registry.read()
+    for d in drivers:
+        d.on_access(entries, version)
+
+    def changed(entries: list[ClientEntry], version: int) -> None:
+        def load() -> None:
+            for d in drivers:
+                d.on_access(entries, version)
+
+        rt.call_soon_threadsafe(load)
+
+    registry.watch(changed)
 

@@ -31,10 +31,12 @@ from ziplog.io.ports import (
     StorageCoordination,
 )
 from ziplog.protocol import frames as f
+from ziplog.protocol.access import AccessTable
 from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
+from ziplog.protocol.keys import ClientEntry
 from ziplog.protocol.membership import history_ranges
 
 if TYPE_CHECKING:
@@ -67,8 +69,11 @@ def replica_logger(shard: int, replica: int) -> logging.Logger:
 class StorageDriver:
     def __init__(self, settings: ReplicaSettings, rt: Runtime, net: Network, coord: StorageCoordination,
                  disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None) -> None:
+                 advertise: str | None = None, access: AccessTable | None = None) -> None:
         self.settings = settings
+        #: under CURVE, the rights of the client keys (None: NULL, every op is served); what
+        #: STATUS says of them: the registry version loaded, requests refused FORBIDDEN
+        self.access = access
         #: this replica's logger (``ziplog.server.<shard>.<replica>``, named in every line):
         #: a process may serve replicas of several shards
         self.log = replica_logger(settings.shard, settings.replica)
@@ -83,6 +88,9 @@ class StorageDriver:
         self.disk = disk
         self.core = ReplicaCore(settings)
         self.core.driver_stats["inbound_failures"] = 0
+        if access is not None:
+            self.core.driver_stats["access_version"] = access.version
+            self.core.driver_stats["forbidden"] = 0
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
         self.refused_frames: dict[str, int] = {}
@@ -168,6 +176,8 @@ class StorageDriver:
                 msg = f.open_envelope(self.key, msg, f.decode_member_request)
                 if type(msg) in RECOVERY_REQUESTS:
                     self._check_generation(msg)
+            elif self.access is not None:
+                self._check_rights(route, msg)
         except f.ProtocolError as exc:
             self.refused_frames[exc.code] = self.refused_frames.get(exc.code, 0) + 1
             core.error(route, exc.req_id, exc.code, exc.message)
@@ -179,6 +189,33 @@ class StorageDriver:
         # Replies leave now (an INSERT's at the turn's end: the core holds inserts until
         # the turn's input is read), before forwards and bookkeeping.
         self._perform(core.ready())
+
+    def _check_rights(self, route: bytes, msg: f.Frame) -> None:
+        """A client's request is served only if its connection's key holds the op's right
+        (:mod:`ziplog.protocol.access`); else FORBIDDEN, and nothing changes."""
+        assert self.access is not None
+        why = self.access.refusal(self.router.peer_key(route), msg)
+        if why is not None:
+            self.core.driver_stats["forbidden"] += 1
+            req_id = getattr(msg, "req_id", None)
+            raise f.ProtocolError(f.E_FORBIDDEN, why, getattr(msg, "sub_id", req_id))
+
+    def on_access(self, entries: list[ClientEntry], version: int) -> None:
+        """The client key registry changed: the table is replaced, and subscriptions whose
+        key lost ``read`` end with FORBIDDEN (their client's subscription fails)."""
+        access = self.access
+        if access is None or self.closed:
+            return
+        access.load(entries, version)
+        self.core.driver_stats["access_version"] = access.version
+        fanout = self.core.fanout
+        for route, sub_id in list(fanout.subs):
+            if access.lost_read(self.router.peer_key(route)):
+                fanout.on_unsubscribe(route, f.Unsubscribe(sub_id=sub_id))
+                self.refused_frames[f.E_FORBIDDEN] = self.refused_frames.get(f.E_FORBIDDEN, 0) + 1
+                self.core.driver_stats["forbidden"] += 1
+                self.core.error(route, sub_id, f.E_FORBIDDEN, "the subscription's key lost the 'read' right")
+        self._perform(self.core.ready())
 
     def _check_generation(self, msg: f.Probe | f.Acquired | f.Fetch | f.Install | f.Resume) -> None:
         """A recovery step counts only under a generation the failure handler committed

@@ -88,12 +88,13 @@ class ElectedDriver:
 def elected_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The flags every elected control-plane replica takes first: ``--zk``, ``--id`` and
     its address; :func:`parse_elected_args` adds the rest."""
-    from ziplog.shell.process import add_address_arguments
+    from ziplog.shell.process import add_address_arguments, add_security_arguments
 
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--zk", required=True)
     ap.add_argument("--id", type=int, required=True)
     add_address_arguments(ap)
+    add_security_arguments(ap)
     return ap
 
 

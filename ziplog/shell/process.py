@@ -1,5 +1,5 @@
 """What every server process's ``main`` shares: the cluster key it proves membership
-with, and the end: run the runtime until SIGTERM/SIGINT, then close what it runs."""
+with, whether its connections speak CURVE, and the end: run the runtime until SIGTERM/SIGINT, then close what it runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from ziplog.protocol.auth import ClusterKey
 
 if TYPE_CHECKING:
     import asyncio
+
+    from ziplog.protocol.keys import Credentials
 
 
 class _Closable(Protocol):
@@ -69,6 +71,32 @@ def add_cluster_key_argument(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cluster-key-file", type=Path, default=None,
                     help=f"the cluster's secret (default: the file named by ${CLUSTER_KEY_ENV}); every cluster "
                          "process and operator tool shares it")
+
+
+def add_security_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--curve`` / ``--insecure``: whether the process's connections speak CURVE (see
+    :func:`member_credentials`). Every process of a cluster must say the same."""
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--curve", action="store_true",
+                       help="speak CURVE (encrypted; clients need a key: `ziplog client add`) on a loopback address "
+                            "too (off loopback it is the default)")
+    group.add_argument("--insecure", action="store_true",
+                       help="speak NULL (neither encrypted nor authenticated: anyone who can reach the port reads, "
+                            "appends and trims) on a non-loopback address")
+
+
+def member_credentials(args: argparse.Namespace, key: ClusterKey) -> "Credentials | None":
+    """The process's CURVE credentials (the cluster's server pair, which members also
+    connect with), or None for NULL: secure by default off loopback (``--insecure`` to
+    refuse it), NULL by default on loopback (``--curve`` to ask for it)."""
+    from ziplog.protocol.addresses import is_loopback
+    from ziplog.protocol.keys import Credentials
+
+    if getattr(args, "insecure", False):
+        return None
+    if getattr(args, "curve", False) or not is_loopback(args.bind):
+        return Credentials.member(key.curve_server())
+    return None
 
 
 def add_address_arguments(ap: argparse.ArgumentParser, port_help: str | None = None) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ziplog.protocol.errors import ZiplogError
+from ziplog.tools.cli_clients import add_client_key_commands
 from ziplog.shell.config import ROLES as CONFIG_ROLES
 from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
 
@@ -127,7 +128,7 @@ def _client(args: argparse.Namespace) -> Any:
     from ziplog.client.blocking import Client
     hosts = _zk_hosts(args)
     try:
-        return Client(hosts, timeout=args.timeout)
+        return Client(hosts, timeout=args.timeout, key_file=args.key_file)
     except ZiplogError:
         raise
     except Exception as e:  # kazoo's connection timeout and friends
@@ -508,6 +509,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return 2 if problems else 0
 
 
+def cmd_client_keys(args: argparse.Namespace) -> int:
+    """``ziplog client add|remove|list`` (``ziplog/tools/cli_clients.py``)."""
+    return int(args.registry_func(args, _zk_hosts(args), _out))
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from ziplog.shell.process import write_cluster_key
 
@@ -602,8 +608,15 @@ def _app_action(subs: Any, name: str, help: str, func: Callable[[argparse.Namesp
     sp: argparse.ArgumentParser = subs.add_parser(name, help=help, description=help)
     sp.add_argument("--zk", metavar="HOSTS", default=None, help=f"ZooKeeper hosts (default: ${ENV_ZK})")
     sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-call timeout (default 30)")
+    _key_file_argument(sp)
     sp.set_defaults(func=func)
     return sp
+
+
+def _key_file_argument(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--key-file", default=None, metavar="FILE",
+                    help="the client key for a cluster that speaks CURVE (`ziplog client add`; default: "
+                         "$ZIPLOG_CLIENT_KEY_FILE)")
 
 
 def _client_cmd(sub: Any, name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
@@ -612,6 +625,7 @@ def _client_cmd(sub: Any, name: str, help: str, func: Callable[[argparse.Namespa
     sp.add_argument("--zk", metavar="HOSTS", default=None,
                     help=f"ZooKeeper hosts, host:port[,host:port...] (default: ${ENV_ZK})")
     sp.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per-operation timeout (default 30)")
+    _key_file_argument(sp)
     sp.set_defaults(func=func)
     return sp
 
@@ -632,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operator_commands(sub)
     _add_client_commands(sub)
     _add_app_commands(sub)
+    add_client_key_commands(sub, ENV_ZK, cmd_client_keys)
     return p
 
 

@@ -26,6 +26,8 @@ from ziplog.io.segments import replica_dir
 from ziplog.io.zmq_runtime import round_trip
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.addresses import is_loopback
+from ziplog.protocol.keys import Credentials
 from ziplog.shell.process import load_cluster_key, write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.placement import Placement
@@ -70,7 +72,7 @@ class LocalCluster:
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
                  supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
                  placement: Placement | None = None, spread_cpus: bool = True,
-                 process_per_cpu: bool = False, own_zookeeper: bool = False) -> None:
+                 process_per_cpu: bool = False, own_zookeeper: bool = False, curve: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -118,6 +120,10 @@ class LocalCluster:
         #: membership with it; kept with the data, so a restart on it is the same cluster
         self.key_file = self.data_dir / "cluster.key"
         self.key = load_cluster_key(self.key_file) if self.key_file.exists() else write_cluster_key(self.key_file)
+        #: every process speaks CURVE: asked for, or the default of processes off loopback
+        self.curve = curve or not is_loopback(self.placement.server(0, 0).addr)
+        #: the cluster's own keys (its tools hold every right); None under NULL
+        self.credentials = Credentials.member(self.key.curve_server()) if self.curve else None
         self.mms: dict[int, subprocess.Popen[bytes]] = {}
         self.fh: dict[int, subprocess.Popen[bytes]] = {}
         self.servers: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
@@ -131,7 +137,7 @@ class LocalCluster:
     @property
     def member_args(self) -> list[str]:
         """What a cluster process's command line needs to prove membership."""
-        return ["--cluster-key-file", str(self.key_file)]
+        return ["--cluster-key-file", str(self.key_file), *(["--curve"] if self.curve else [])]
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn_mms(self, i: int) -> None:
@@ -245,7 +251,7 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def _primary_ready(self, addr: str) -> bool:
-        reply = replica_status(addr, 2000)
+        reply = replica_status(addr, 2000, self.credentials)
         if not isinstance(reply, wire.StatusOk):
             return False
         st = reply.status
@@ -349,8 +355,31 @@ class LocalCluster:
             raise RuntimeError(f"shard {shard} still a member after {timeout}s")
 
     def client(self, **kw: Any) -> Any:
+        """A client of this cluster (under CURVE, with the cluster's own keys unless
+        ``key_file`` or ``credentials`` says otherwise)."""
         from ziplog.client.blocking import Client
+        if self.credentials is not None and "key_file" not in kw:
+            kw.setdefault("credentials", self.credentials)
         return Client(self.zk_hosts, **kw)
+
+    def add_client(self, name: str, rights: str) -> Path:
+        """Register a client key with ``rights`` (``"append,read"``, ``"all"``) and write
+        its key file under the data directory: its path."""
+        from ziplog.io.keys import new_keypair, write_key_file
+        from ziplog.io.zk_clients import ClientRegistry
+        from ziplog.protocol.keys import parse_rights
+
+        pair = new_keypair()
+        ClientRegistry(self._zkc, self.key).add(name, pair.public, parse_rights(rights))
+        path = self.data_dir / "keys" / f"{name}.key"
+        path.parent.mkdir(exist_ok=True)
+        write_key_file(str(path), name, pair, self.key.curve_server().public)
+        return path
+
+    def remove_client(self, name: str) -> int:
+        """Remove a client key from the registry: its new version."""
+        from ziplog.io.zk_clients import ClientRegistry
+        return ClientRegistry(self._zkc, self.key).remove(name)
 
     def rolling_restart(self, timeout: float = 60.0, on_restart: Any = None) -> list[Any]:
         """Restart every process one at a time, each once the last is back
@@ -370,10 +399,11 @@ def kill_leader(zkc: Any, election: str, procs_by_id: dict[int, Any], respawn: C
     return leader
 
 
-def replica_status(addr: str, timeout_ms: int) -> wire.Reply | None:
+def replica_status(addr: str, timeout_ms: int, credentials: Credentials | None = None) -> wire.Reply | None:
     """One STATUS round trip to the storage replica at ``addr``: its reply, or None when
     none came within ``timeout_ms``."""
-    reply = round_trip(addr, wire.encode(wire.Status(req_id=1)), timeout_ms * 1_000_000, wire.CLIENT_REPLY_LIMIT)
+    reply = round_trip(addr, wire.encode(wire.Status(req_id=1)), timeout_ms * 1_000_000, wire.CLIENT_REPLY_LIMIT,
+                       credentials)
     return None if reply is None else wire.decode_reply(reply)
 
 

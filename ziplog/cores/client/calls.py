@@ -519,6 +519,9 @@ class StatusCall(Call):
             if isinstance(msg, wire.StatusOk):
                 self.entries[key] = {**msg.status, "shard": shard, "replica": replica, "addr": addr,
                                      "answer": ReplicaAnswer.OK.value}
+            elif isinstance(msg, wire.Error) and msg.code == wire.E_FORBIDDEN:
+                # the client's key lacks ``admin``: every replica would say the same
+                return self.fail(from_reply(msg.code, msg.message))
             elif isinstance(msg, wire.Error):
                 self.entries[key] = {"shard": shard, "replica": replica, "answer": ReplicaAnswer.ERROR.value,
                                      "error": f"{msg.code}: {msg.message}", "addr": addr}
