@@ -25,10 +25,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@if [ ! -f /usr/share/java/zookeeper.jar ] || ! command -v java >/dev/null \
 	    || ! command -v nats-server >/dev/null || ! command -v redis-server >/dev/null \
-	    || ! command -v nft >/dev/null || ! command -v ip >/dev/null; then \
-		echo "installing ZooKeeper, nats-server, redis-server, nftables, iproute2 (Debian packages)"; \
+	    || ! command -v nft >/dev/null || ! command -v ip >/dev/null || ! command -v tcpdump >/dev/null; then \
+		echo "installing ZooKeeper, nats-server, redis-server, nftables, iproute2, tcpdump (Debian packages)"; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
-			zookeeper default-jre-headless nats-server redis-server nftables iproute2 >/dev/null; \
+			zookeeper default-jre-headless nats-server redis-server nftables iproute2 tcpdump >/dev/null; \
 	fi
 	@test -d $(VENV) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast]'
