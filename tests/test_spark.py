@@ -481,3 +481,20 @@ def test_real_time_mode_is_refused_for_a_python_source(cluster: ziplog.LocalClus
     finally:
         if q is not None:
             q.stop()
+
+
+def test_reader_and_sink_with_a_client_key_on_a_curve_cluster(spark: SparkSession, tmp_path: Path) -> None:
+    """A cluster that speaks CURVE: the sink writes with a key holding append and read,
+    the reader reads with one holding read and admin (the plan asks STATUS for the trim
+    points), each given as option keyFile; a reader without one is refused, typed."""
+    with ziplog.local_cluster(shards=1, replicas=2, data_dir=tmp_path / "curve", curve=True,
+                              mms_replicas=1, fh_replicas=1) as secure:
+        writer = secure.add_client("spark-writer", "append,read")
+        reader = secure.add_client("spark-reader", "read,admin")
+        rows = [(b"keyed-%03d" % i,) for i in range(50)]
+        (spark.createDataFrame(rows, "data binary").repartition(2).write.format("ziplog")
+         .option("zk", secure.zk_hosts).option("keyFile", str(writer)).option("writeId", "keyed").mode("append").save())
+        got = rows_of(spark.read.format("ziplog").option("zk", secure.zk_hosts).option("keyFile", str(reader)).load())
+        assert sorted(d for _, _, d in got) == sorted(r[0] for r in rows)
+        with pytest.raises(Exception, match="refused the connection|UnauthenticatedError"):
+            spark.read.format("ziplog").option("zk", secure.zk_hosts).load().collect()

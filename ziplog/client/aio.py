@@ -39,6 +39,7 @@ from ziplog.io import zk
 from ziplog.io.asyncio_runtime import AsyncioRuntime
 from ziplog.io.keys import client_credentials
 from ziplog.io.ports import wall_offset_ns
+from ziplog.protocol.keys import Credentials
 from ziplog.io.zmtp_poll import native_transport_wanted
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import (
@@ -71,10 +72,12 @@ class AsyncClient(ClientBase):
     ``async with AsyncClient(...)``; any number of tasks of one event loop may use it."""
 
     def __init__(self, zk_hosts: str, *, timeout: float = 30.0, policy: Policy | None = None,
-                 client_id: int | None = None, key_file: str | os.PathLike[str] | None = None) -> None:
+                 client_id: int | None = None, key_file: str | os.PathLike[str] | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.zk_hosts = zk_hosts
-        #: CURVE keys from ``key_file`` (or ``$ZIPLOG_CLIENT_KEY_FILE``); None: NULL
-        self.credentials = client_credentials(key_file)
+        #: CURVE keys (``credentials``, else from ``key_file`` or ``$ZIPLOG_CLIENT_KEY_FILE``;
+        #: a cluster's own processes pass the cluster's); None: NULL
+        self.credentials = credentials if credentials is not None else client_credentials(key_file)
         self.timeout = timeout
         self._state = ClientState(client_id if client_id is not None else new_client_id(), policy, random.Random(),
                                   int(timeout * 1e9), wall_offset_ns=wall_offset_ns())

@@ -28,9 +28,10 @@ __all__ = ["AsyncLogBook", "AsyncEngine", "LogRecord"]
 
 class AsyncEngine(EngineState):
     def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
-                 cache_entries: int = CACHE_ENTRIES) -> None:
+                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None) -> None:
         super().__init__(timeout, aux_entries)
         self.zk_hosts = zk_hosts
+        self.key_file = key_file
         self.index_mode = index
         self.cache_entries = cache_entries
         self.client: AsyncClient | None = None
@@ -44,7 +45,7 @@ class AsyncEngine(EngineState):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         mode = await loop.run_in_executor(None, choose_mode, self.index_mode, self.zk_hosts, self.timeout)
-        self.client = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout)
+        self.client = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout, key_file=self.key_file)
         try:
             start = self.start_at(await self.client.watermark(), mode, self.cache_entries)
             self.sub = self.client.subscribe(RecordId(start, -1))
@@ -105,8 +106,9 @@ class AsyncLogBook(SessionBase):
     ``await AsyncLogBook.connect(...)``)."""
 
     def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, index: str = "auto",
-                 _engine: AsyncEngine | None = None, _position: int = 0) -> None:
-        super().__init__(book_id, _engine if _engine is not None else AsyncEngine(zk_hosts, timeout, index=index),
+                 key_file: str | None = None, _engine: AsyncEngine | None = None, _position: int = 0) -> None:
+        super().__init__(book_id, _engine if _engine is not None else AsyncEngine(zk_hosts, timeout, index=index,
+                                                                                 key_file=key_file),
                          _engine is None, _position)
         self._engine: AsyncEngine
 

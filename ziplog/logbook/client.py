@@ -192,10 +192,10 @@ class Engine(EngineState):
     subscription, and the aux-data cache; shared by the sessions of one thread."""
 
     def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
-                 cache_entries: int = CACHE_ENTRIES) -> None:
+                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None) -> None:
         super().__init__(timeout, aux_entries)
         mode = choose_mode(index, zk_hosts, timeout)
-        self.client = Client(zk_hosts, timeout=timeout)
+        self.client = Client(zk_hosts, timeout=timeout, key_file=key_file)
         self.tier: TierLink | None = None
         try:
             start = self.start_at(self.client.watermark(), mode, cache_entries)
@@ -273,9 +273,11 @@ class LogBook(SessionBase):
     """A session on book ``book_id``. Not thread-safe: one engine per thread."""
 
     def __init__(self, zk_hosts: str, book_id: int, *, timeout: float = 30.0, index: str = "auto",
-                 _engine: Engine | None = None, _position: int = 0) -> None:
-        """``index``: how the engine finds answers (see :class:`EngineState`)."""
-        super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout, index=index),
+                 key_file: str | None = None, _engine: Engine | None = None, _position: int = 0) -> None:
+        """``index``: how the engine finds answers (see :class:`EngineState`); ``key_file``:
+        the client key of a cluster that speaks CURVE (default ``$ZIPLOG_CLIENT_KEY_FILE``)."""
+        super().__init__(book_id, _engine if _engine is not None else Engine(zk_hosts, timeout, index=index,
+                                                                            key_file=key_file),
                          _engine is None, _position)
         self._engine: Engine
 

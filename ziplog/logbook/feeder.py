@@ -122,7 +122,7 @@ async def serve(args: argparse.Namespace) -> int:
             driver = FeederDriver(core, key, rt, now)
             changed = asyncio.Event()
             directory = TierDirectory(session.zk, lambda: _set_soon(loop, changed))
-            client = await AsyncClient.connect(args.zk)
+            client = await AsyncClient.connect(args.zk, credentials=rt.credentials)
             log.info("feeder up; assignment %s", history)
             while not stop.is_set():
                 if changed.is_set():

@@ -24,11 +24,17 @@ def parse_tier_args(ap: argparse.ArgumentParser, argv: Sequence[str] | None, rol
     its address) to ``ap``, then parse ``argv`` with the config file's ``[role]``."""
     from ziplog.shell.config import parse_args
     from ziplog.shell.logs import add_log_arguments
-    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
+    from ziplog.shell.process import (
+        add_address_arguments,
+        add_cluster_key_argument,
+        add_security_arguments,
+        check_address_arguments,
+    )
 
     if serves:
         add_address_arguments(ap, port_help="port (0: any free one)")
     add_cluster_key_argument(ap)
+    add_security_arguments(ap)
     add_log_arguments(ap)
     args = parse_args(ap, argv, role)
     if serves:
@@ -44,12 +50,14 @@ async def tier_process(args: argparse.Namespace) -> AsyncIterator[TierProcess]:
     from ziplog.io.asyncio_runtime import AsyncioRuntime
     from ziplog.io.zk_logbook import ensure_tier
     from ziplog.io.zmtp_poll import native_transport_wanted
-    from ziplog.shell.process import load_cluster_key, stop_event
+    from ziplog.shell.process import load_cluster_key, member_credentials, stop_event
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
     stop = stop_event()
-    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted())
+    credentials = member_credentials(args, key)
+    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted() or credentials is not None,
+                        credentials=credentials)
     try:
         ensure_tier(session.zk)
         yield TierProcess(key, session, stop, rt)

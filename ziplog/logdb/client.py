@@ -135,7 +135,7 @@ class LogDB(_Base):
     run on (default: its own)."""
 
     def __init__(self, zk_hosts: str, *, name: str = "default", timeout: float = 30.0,
-                 request_timeout: float = REQUEST_TIMEOUT_S, log: Any = None) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT_S, log: Any = None, key_file: str | None = None) -> None:
         self.timeout = timeout
         self.request_timeout = request_timeout
         self._closed = False
@@ -146,7 +146,7 @@ class LogDB(_Base):
         try:
             if log is None:
                 from ziplog.client.blocking import Client
-                self._log = Client(zk_hosts, timeout=timeout)
+                self._log = Client(zk_hosts, timeout=timeout, key_file=key_file)
             self._rt = self._log.runtime
             self._driver = TransactionDriver(self._rt, self._rt, self._dir, ClientLog(self._log.driver),
                                              int(timeout * 1e9), int(request_timeout * 1e9))
@@ -237,8 +237,9 @@ class AsyncLogDB(_Base):
     ``async with AsyncLogDB(zk_hosts) as db``). Transactions may run concurrently."""
 
     def __init__(self, zk_hosts: str, *, name: str = "default", timeout: float = 30.0,
-                 request_timeout: float = REQUEST_TIMEOUT_S, log: Any = None) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT_S, log: Any = None, key_file: str | None = None) -> None:
         self.zk_hosts = zk_hosts
+        self.key_file = key_file
         self.name = name
         self.timeout = timeout
         self.request_timeout = request_timeout
@@ -266,7 +267,7 @@ class AsyncLogDB(_Base):
         try:
             if self._log is None:
                 from ziplog.client.aio import AsyncClient
-                self._log = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout)
+                self._log = await AsyncClient.connect(self.zk_hosts, timeout=self.timeout, key_file=self.key_file)
             log: LogPort
             if hasattr(self._log, "driver"):  # a ziplog AsyncClient: run on its runtime
                 rt, log = self._log.runtime, ClientLog(self._log.driver)

@@ -154,12 +154,14 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
-    from ziplog.shell.process import load_cluster_key
+    from ziplog.shell.process import load_cluster_key, member_credentials
     from ziplog.shell.metrics import serve_metrics
 
     key = load_cluster_key(args.cluster_key_file)
     loop = asyncio.get_running_loop()
-    rt = AsyncioRuntime(loop, native=native_transport_wanted())
+    credentials = member_credentials(args, key)
+    rt = AsyncioRuntime(loop, native=native_transport_wanted() or credentials is not None,
+                        credentials=credentials)
     session = zk.ElectedSession(args.zk, key, rt, args.bind, args.advertise)
     stop = stop_event()
     client = None
@@ -190,7 +192,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         labels = {"name": args.name, "role": "coordinator", "id": str(args.id)}
         metrics = serve_metrics(args, lambda: driver.metrics(labels))
         log.info("coordinator %d: replaying from gsn %d", args.id, core.position + 1)
-        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
+        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk, credentials=credentials))
         session.keep_registered(f"{path}/coordinators/{args.id}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         driver.contend()
@@ -241,7 +243,12 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     from ziplog.shell.metrics import add_metrics_arguments
     from ziplog.shell.config import parse_args
     from ziplog.shell.logs import add_log_arguments, configure_logging
-    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
+    from ziplog.shell.process import (
+        add_address_arguments,
+        add_cluster_key_argument,
+        add_security_arguments,
+        check_address_arguments,
+    )
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.coordinator", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
                     help="never trim the log (it is shared with applications that still need old records)")
     add_address_arguments(ap, port_help="port for clients (0: any free one)")
     add_cluster_key_argument(ap)
+    add_security_arguments(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
     args = parse_args(ap, argv, "logdb_coordinator")

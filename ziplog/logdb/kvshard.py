@@ -141,13 +141,15 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.shell.process import stop_event
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
-    from ziplog.shell.process import load_cluster_key
+    from ziplog.shell.process import load_cluster_key, member_credentials
     from ziplog.shell.metrics import serve_metrics
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
     stop = stop_event()
-    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted())
+    credentials = member_credentials(args, key)
+    rt = AsyncioRuntime(asyncio.get_running_loop(), native=native_transport_wanted() or credentials is not None,
+                        credentials=credentials)
     client = None
     store = None
     metrics = None
@@ -164,7 +166,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         metrics = serve_metrics(args, lambda: driver.metrics(labels))
         log.info("KV shard %d of %d: applied up to gsn %d, replaying from gsn %d", args.index, args.shards,
                  core.applied, core.replay_from)
-        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk))
+        client = await (open_log() if open_log is not None else AsyncClient.connect(args.zk, credentials=credentials))
         def answer(route: bytes, frame: bytes) -> None:
             router.send_to(route, driver.answer(frame))
 
@@ -193,7 +195,12 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     from ziplog.shell.metrics import add_metrics_arguments
     from ziplog.shell.config import parse_args
     from ziplog.shell.logs import add_log_arguments, configure_logging
-    from ziplog.shell.process import add_address_arguments, add_cluster_key_argument, check_address_arguments
+    from ziplog.shell.process import (
+        add_address_arguments,
+        add_cluster_key_argument,
+        add_security_arguments,
+        check_address_arguments,
+    )
     ap = argparse.ArgumentParser(prog="python -m ziplog.logdb.kvshard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--name", default="default", help="the LogDB's name")
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None, open_log: Callable[[], Awaitable[Any]] |
     ap.add_argument("--snapshot-every", type=float, default=SNAPSHOT_NS / 1e9,
                     help="seconds between validator snapshots (the log can be trimmed only up to the last one)")
     add_cluster_key_argument(ap)
+    add_security_arguments(ap)
     add_metrics_arguments(ap)
     add_log_arguments(ap)
     args = parse_args(ap, argv, "kvshard")

@@ -94,7 +94,8 @@ def member_credentials(args: argparse.Namespace, key: ClusterKey) -> "Credential
 
     if getattr(args, "insecure", False):
         return None
-    if getattr(args, "curve", False) or not is_loopback(args.bind):
+    # a process that binds nothing (a LogBook feeder) speaks CURVE when told --curve
+    if getattr(args, "curve", False) or not is_loopback(getattr(args, "bind", "127.0.0.1")):
         return Credentials.member(key.curve_server())
     return None
 

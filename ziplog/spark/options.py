@@ -95,6 +95,9 @@ class ReadOptions:
     min_partitions: int | None
     records_per_partition: int
     fail_on_data_loss: bool
+    #: option keyFile: the client key of a cluster that speaks CURVE (rights: read, and
+    #: admin for the trim points the plan asks STATUS for); None: $ZIPLOG_CLIENT_KEY_FILE
+    key_file: str | None = None
 
     @staticmethod
     def parse(options: Mapping[str, Any], streaming: bool) -> "ReadOptions":
@@ -115,6 +118,7 @@ class ReadOptions:
             min_partitions=_int(options, "minPartitions", None),
             records_per_partition=_int(options, "maxRecordsPerPartition", DEFAULT_RECORDS_PER_PARTITION) or 1,
             fail_on_data_loss=_bool(options, "failOnDataLoss", True),
+            key_file=_get(options, "keyFile"),
         )
 
 
@@ -126,10 +130,13 @@ class WriteOptions:
     #: a partition's rows keep their order in the log (one insert in flight), or are
     #: pipelined in no particular order
     ordered: bool = True
+    #: option keyFile (rights: append, read); None: $ZIPLOG_CLIENT_KEY_FILE
+    key_file: str | None = None
 
     @staticmethod
     def parse(options: Mapping[str, Any]) -> "WriteOptions":
         zk = _get(options, "zk") or os.environ.get(ENV_ZK)
         if not zk:
             raise OptionError(f"option zk (ZooKeeper hosts) is required, or set ${ENV_ZK}")
-        return WriteOptions(zk=zk, write_id=_get(options, "writeId"), ordered=_bool(options, "ordered", True))
+        return WriteOptions(zk=zk, write_id=_get(options, "writeId"), ordered=_bool(options, "ordered", True),
+                            key_file=_get(options, "keyFile"))

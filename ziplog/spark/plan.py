@@ -34,6 +34,8 @@ class ZiplogPartition(InputPartition):  # type: ignore[misc]
     hi: int
     addrs: tuple[str, ...]
     zk: str
+    #: the reader's client key (option keyFile; None: $ZIPLOG_CLIENT_KEY_FILE, or none)
+    key_file: str | None = None
 
 
 def shards(client: Any) -> list[int]:
@@ -85,7 +87,7 @@ def nth_record(client: Any, after: int, upto: int, n: int) -> int:
 
 
 def partitions(client: Any, zk: str, after: int, upto: int, per_shard: dict[int, int], records_per_partition: int,
-               min_partitions: int | None) -> list[ZiplogPartition]:
+               min_partitions: int | None, key_file: str | None = None) -> list[ZiplogPartition]:
     """Per shard, the range (after, upto], split so that a partition holds at most
     ``records_per_partition`` records and there are at least ``min_partitions``."""
     total = sum(per_shard.values())
@@ -104,7 +106,7 @@ def partitions(client: Any, zk: str, after: int, upto: int, per_shard: dict[int,
         left = n
         while left > per:
             _, cut, _ = client.count_range(s, lo, upto, nth=per)
-            out.append(ZiplogPartition(s, lo, cut, addrs, zk))
+            out.append(ZiplogPartition(s, lo, cut, addrs, zk, key_file))
             lo, left = cut + 1, left - per
-        out.append(ZiplogPartition(s, lo, upto, addrs, zk))
+        out.append(ZiplogPartition(s, lo, upto, addrs, zk, key_file))
     return out

@@ -101,7 +101,7 @@ def write_batches(opts: WriteOptions, batches: Iterator[Any]) -> ZiplogCommitMes
     from ziplog.protocol.types import RID_GENESIS, Policy
     identity, partition = _task_identity(opts.write_id)
     n = 0
-    with Client(opts.zk, client_id=client_id_of(identity)) as client:
+    with Client(opts.zk, client_id=client_id_of(identity), key_file=opts.key_file) as client:
         shards = client.topology.shards()
         if not shards:
             raise RuntimeError("the log has no shards")

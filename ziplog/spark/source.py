@@ -47,7 +47,7 @@ class _Planner:
     def client(self) -> Any:
         if self._client is None:
             from ziplog.client.blocking import Client
-            self._client = Client(self.opts.zk)
+            self._client = Client(self.opts.zk, key_file=self.opts.key_file)
         return self._client
 
     def close_client(self) -> None:
@@ -84,13 +84,14 @@ class ZiplogBatchReader(_Planner, DataSourceReader):  # type: ignore[misc]
                 return []
             per_shard, start = plan.counts(c, start, end, self.opts.fail_on_data_loss)
             return plan.partitions(c, self.opts.zk, start, end, per_shard, self.opts.records_per_partition,
-                                   self.opts.min_partitions)
+                                   self.opts.min_partitions, self.opts.key_file)
         finally:
             self.close_client()
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, plan.ZiplogPartition)
-        yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs)
+        yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs,
+                                  partition.key_file)
 
 
 class ZiplogStreamReader(_Planner, DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
@@ -151,11 +152,12 @@ class ZiplogStreamReader(_Planner, DataSourceStreamReader, SupportsTriggerAvaila
         c = self.client()
         per_shard, after = plan.counts(c, after, upto, self.opts.fail_on_data_loss)
         return plan.partitions(c, self.opts.zk, after, upto, per_shard, self.opts.records_per_partition,
-                               self.opts.min_partitions)
+                               self.opts.min_partitions, self.opts.key_file)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, plan.ZiplogPartition)
-        yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs)
+        yield from read_partition(partition.zk, partition.shard, partition.lo, partition.hi, partition.addrs,
+                                  partition.key_file)
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # the log keeps everything until it is trimmed; nothing to release

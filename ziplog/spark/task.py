@@ -31,12 +31,13 @@ ARROW_SCHEMA = pa.schema([("gsn", pa.int64()), ("shard", pa.int32()), ("epoch", 
 Page = list[tuple[int, bytes]]
 
 
-def read_pages(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...]) -> Iterator[Page]:
+def read_pages(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...],
+               key_file: str | None = None) -> Iterator[Page]:
     """Pages of ``(gsn, data)`` of ``shard`` with ``lo <= gsn <= hi``, in gsn order."""
     start = lo
     if addrs:
         try:
-            with Client.direct({shard: addrs}, timeout=DIRECT_TIMEOUT_S * len(addrs)) as direct:
+            with Client.direct({shard: addrs}, timeout=DIRECT_TIMEOUT_S * len(addrs), key_file=key_file) as direct:
                 for page in direct.read_range_pages(shard, lo, hi):
                     start = page[-1][0] + 1
                     yield page
@@ -46,7 +47,7 @@ def read_pages(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...]) ->
         except ZiplogError as exc:
             log.info("shard %d: the replicas the plan named did not serve the range (%s); finding them in "
                      "ZooKeeper", shard, exc)
-    with Client(zk) as client:
+    with Client(zk, key_file=key_file) as client:
         yield from client.read_range_pages(shard, start, hi)
 
 
@@ -60,9 +61,10 @@ def record_batch(shard: int, page: Page) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([pa.array(gsns), shards, pa.array(epochs), data], schema=ARROW_SCHEMA)
 
 
-def read_partition(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...]) -> Iterator[pa.RecordBatch]:
+def read_partition(zk: str, shard: int, lo: int, hi: int, addrs: tuple[str, ...],
+                   key_file: str | None = None) -> Iterator[pa.RecordBatch]:
     """The rows of ``shard`` with ``lo <= gsn <= hi`` as Arrow record batches, in gsn order."""
-    for page in read_pages(zk, shard, lo, hi, addrs):
+    for page in read_pages(zk, shard, lo, hi, addrs, key_file):
         yield record_batch(shard, page)
 
 

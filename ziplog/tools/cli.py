@@ -531,7 +531,7 @@ def _logdb(args: argparse.Namespace) -> Any:
     from ziplog.logdb import LogDB
     hosts = _zk_hosts(args)
     try:
-        return LogDB(hosts, name=args.name, timeout=args.timeout)
+        return LogDB(hosts, name=args.name, timeout=args.timeout, key_file=args.key_file)
     except ZiplogError:
         raise
     except Exception as e:  # no LogDB registered, ZooKeeper unreachable
@@ -574,7 +574,7 @@ def _tag(text: str) -> int | str:
 
 def _book(args: argparse.Namespace) -> Any:
     from ziplog.logbook import LogBook
-    return LogBook(_zk_hosts(args), args.book, timeout=args.timeout)
+    return LogBook(_zk_hosts(args), args.book, timeout=args.timeout, key_file=args.key_file)
 
 
 def _print_record(rec: Any) -> int:

@@ -88,8 +88,7 @@ class LocalLogBook:
         is fed up to the log's watermark as it was when the wait began (``at_least``)."""
         deadline = time.monotonic() + timeout
         if at_least is None:
-            from ziplog.client.blocking import Client
-            with Client(self.zk_hosts, timeout=timeout) as c:
+            with self.cluster.client(timeout=timeout) as c:
                 at_least = c.watermark()
         while time.monotonic() < deadline:
             self._alive()
@@ -108,7 +107,7 @@ class LocalLogBook:
         addr = self._registered(NODES).get(p.pid) if p is not None else None
         if addr is None:
             return None
-        got = round_trip(addr, f.encode(f.Status(req=1)), 2_000_000_000, f.ANSWER_LIMIT)
+        got = round_trip(addr, f.encode(f.Status(req=1)), 2_000_000_000, f.ANSWER_LIMIT, self.cluster.credentials)
         if got is None:
             return None
         try:
