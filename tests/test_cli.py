@@ -16,7 +16,7 @@ import pytest
 import ziplog
 from ziplog import RecordId
 from ziplog.tools.cli import main, parse_rid
-from tests.load import REPO_ROOT, cli_env, running_cluster_up, stop_cluster_up, wait_status
+from tests.load import REPO_ROOT, cli_env, running_cluster_up, stop_cluster_up, storage_cmdlines, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +243,27 @@ def test_cluster_up_runs_until_sigterm(tmp_path) -> None:
         with ziplog.Client(hosts) as c:
             rid = c.insert_after(b"via cluster up")
             assert c.read_record(rid) == b"via cluster up"
+        assert "stopped" in stop_cluster_up(proc)
+
+
+def test_cluster_up_curve_prints_a_key_that_works(tmp_path) -> None:
+    """``cluster up --curve``: every process speaks CURVE; the key it prints (every right)
+    inserts and reads, from Python and the CLI; a client without a key is refused, typed."""
+    with running_cluster_up(tmp_path / "data", "--shards", "1", "--curve") as (proc, text):
+        hosts = re.search(r"ZooKeeper hosts:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
+        key = re.search(r"client key:\s+(\S+)", text).group(1)  # type: ignore[union-attr]
+        assert f"export ZIPLOG_CLIENT_KEY_FILE={key}" in text and f"key_file={key!r}" in text, text
+        assert all("--curve" in cmd for cmd in storage_cmdlines(proc))
+        with ziplog.Client(hosts, key_file=key) as c:
+            rid = c.insert_after(b"via cluster up --curve")
+            assert c.read_record(rid) == b"via cluster up --curve"
+        cli_run = subprocess.run([sys.executable, "-m", "ziplog.tools.cli", "tail", "--zk", hosts, "--from", "genesis",
+                                  "-n", "1", "--key-file", key], capture_output=True, text=True, env=cli_env(),
+                                 cwd=REPO_ROOT, timeout=60)
+        assert cli_run.returncode == 0 and "via cluster up --curve" in cli_run.stdout, cli_run.stderr
+        with ziplog.Client(hosts, key_file=None, timeout=5) as bare:
+            with pytest.raises(ziplog.UnauthenticatedError):
+                bare.insert_after(b"no key")
         assert "stopped" in stop_cluster_up(proc)
 
 

@@ -16,11 +16,13 @@ run_interpreted_if_asked()  # ZIPLOG_PURE=1: the compiled modules' sources, befo
 from ziplog.protocol.errors import (  # noqa: E402
     ClientClosedError,
     DiskFullError,
+    ForbiddenError,
     NoShardAvailableError,
     NotFoundError,
     RecordTooLargeError,
     ServerError,
     TrimmedError,
+    UnauthenticatedError,
     UnknownRecordError,
     ZiplogError,
     ZiplogTimeoutError,
@@ -55,4 +57,5 @@ __all__ = [
     "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "local_logbook", "LocalLogBook",
     "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
     "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
+    "ForbiddenError", "UnauthenticatedError",
 ]

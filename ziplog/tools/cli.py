@@ -151,16 +151,25 @@ def _print_up(c: Any, bed: Any, took_s: float) -> None:
     _out(f"  ZooKeeper hosts:  {hosts}")
     _out(f"  cluster key:      {c.key_file}  (cluster processes and operator tools prove membership "
          "with it)")
+    key = ""
+    if c.curve:
+        key_file = c.add_client("operator", "all") if not (c.data_dir / "keys" / "operator.key").exists() \
+            else c.data_dir / "keys" / "operator.key"
+        key = f", key_file={str(key_file)!r}"
+        _out(f"  client key:       {key_file}  (CURVE: every connection encrypted; this key holds every right, "
+             "`ziplog client add` makes others)")
     _out("")
     _out("  from a shell:")
     _out(f"    export {ENV_ZK}={hosts}")
+    if c.curve:
+        _out(f"    export ZIPLOG_CLIENT_KEY_FILE={c.data_dir / 'keys' / 'operator.key'}")
     _out(f"    ziplog insert --zk {hosts} hello")
     _out(f"    ziplog tail --zk {hosts} --from genesis")
     _out(f"    ziplog status --zk {hosts}")
     _out("")
     _out("  from Python:")
     _out("    import ziplog")
-    _out(f"    with ziplog.Client({hosts!r}) as log:")
+    _out(f"    with ziplog.Client({hosts!r}{key}) as log:")
     _out("        rid = log.insert_after(b\"hello\")")
     _out("        print(rid, log.read_record(rid))")
     _out("")
@@ -211,7 +220,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                     kw["server_args"] = ["--poll-us", str(args.poll_us)]
                 c = stack.enter_context(local_cluster(shards=args.shards, replicas=args.replicas,
                                                       data_dir=args.data_dir, process_per_cpu=args.process_per_cpu,
-                                                      **kw))
+                                                      curve=args.curve, **kw))
                 _print_up(c, bed, time.monotonic() - t0)
                 pid_file = c.data_dir / UP_PID_FILE
                 pid_file.write_text(f"{os.getpid()}\n")
@@ -667,6 +676,9 @@ def _add_cluster_commands(sub: Any) -> None:
     up.add_argument("--poll-us", type=_nonneg_int, default=0, metavar="US",
                     help="storage servers poll up to this long before they sleep (ziplog.server --poll-us): lower "
                          "latency for a few clients, at a cost in CPU (default 0: off; 200 is a good value)")
+    up.add_argument("--curve", action="store_true",
+                    help="every connection speaks CURVE (encrypted, clients need a key: one with every right is "
+                         "made and printed); the default with --netns, whose hosts are not loopback")
     up.add_argument("--netns", action="store_true",
                     help="run each process on a host of its own: Linux network namespaces with their own addresses "
                          "on a bridge (three control hosts, one per storage replica, one for clients; root only)")
