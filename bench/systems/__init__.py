@@ -14,6 +14,7 @@ from .base import Appender, AsyncAppender, ClientSpec, System, Unavailable
 SYSTEMS: dict[str, str] = {
     "ziplog": "bench.systems.ziplog_system:ZiplogSystem",
     "ziplog-poll": "bench.systems.ziplog_system:ZiplogPollingSystem",
+    "ziplog-curve": "bench.systems.ziplog_system:ZiplogCurveSystem",
     "floor": "bench.systems.floor:FloorSystem",
     "floor-tcp": "bench.systems.floor_tcp:FloorTcpSystem",
     "floor-zmtp": "bench.systems.floor_zmtp:FloorZmtpSystem",

@@ -77,10 +77,33 @@ class ZiplogPollingSystem(ZiplogSystem):
         return {**super().describe(), "polling": f"storage servers poll up to {POLL_US} us before they sleep"}
 
 
+class ZiplogCurveSystem(ZiplogSystem):
+    """ziplog whose every connection speaks CURVE (``--curve``), its client holding a
+    registered key with every right: what encryption and the rights check cost."""
+
+    name = "ziplog, CURVE"
+
+    def __init__(self, shards: int = 2, replicas: int = 2, data_dir: str | None = None, **cluster_kw: Any) -> None:
+        super().__init__(shards, replicas, data_dir, curve=True, **cluster_kw)
+        self.key_file: str | None = None
+
+    def start(self) -> None:
+        super().start()
+        self.key_file = str(self.cluster.add_client("bench", "all"))
+
+    def client_spec(self, shard: int | None = 0) -> ClientSpec:
+        spec = super().client_spec(shard)
+        return ClientSpec(spec.module, {**spec.params, "key_file": self.key_file})
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "security": "CURVE on every connection, the client's rights checked per request"}
+
+
 class ZiplogAppender:
-    def __init__(self, zk_hosts: str, shard: int | None) -> None:
+    def __init__(self, zk_hosts: str, shard: int | None, key_file: str | None = None) -> None:
         import ziplog
-        self.client = ziplog.Client(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard))
+        self.client = ziplog.Client(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard),
+                                    key_file=key_file)
         self.last = ziplog.RID_GENESIS
         self._insert = self.client.insert_after
 
@@ -115,11 +138,12 @@ class AsyncZiplogAppender:
         await self.client.close()
 
 
-def open_sync(zk_hosts: str, shard: int | None) -> ZiplogAppender:
-    return ZiplogAppender(zk_hosts, shard)
+def open_sync(zk_hosts: str, shard: int | None, key_file: str | None = None) -> ZiplogAppender:
+    return ZiplogAppender(zk_hosts, shard, key_file)
 
 
-async def open_async(zk_hosts: str, shard: int | None) -> AsyncZiplogAppender:
+async def open_async(zk_hosts: str, shard: int | None, key_file: str | None = None) -> AsyncZiplogAppender:
     import ziplog
-    client = await ziplog.AsyncClient.connect(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard))
+    client = await ziplog.AsyncClient.connect(zk_hosts, policy=None if shard is None else ziplog.Policy.fixed(shard),
+                                              key_file=key_file)
     return AsyncZiplogAppender(client)

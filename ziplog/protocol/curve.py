@@ -33,9 +33,12 @@ from __future__ import annotations
 import struct
 from typing import Callable
 
+import nacl.bindings
 import nacl.exceptions
 import nacl.public
 import nacl.secret
+
+from ziplog.protocol.keys import CurveError
 
 KEY_BYTES = 32
 MAC_BYTES = 16
@@ -60,14 +63,6 @@ BOX_COMMAND = 0x02
 FLAG_MASK = BOX_MORE | BOX_COMMAND
 
 RandomBytes = Callable[[int], bytes]
-
-
-class CurveError(ValueError):
-    """A peer's bytes failed a check of the handshake or of a box: the connection ends."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def public_key(secret: bytes) -> bytes:
@@ -112,31 +107,43 @@ def _command(body: bytes, name: bytes, what: str) -> None:
 
 class MessageBoxes:
     """The traffic of a connection once its handshake is done: each message frame
-    sealed as a MESSAGE (:meth:`seal`) or opened from one (:meth:`open`)."""
+    sealed as a MESSAGE (:meth:`seal`) or opened from one (:meth:`open`), with the
+    connection's precomputed shared key (libsodium's ``*_afternm``: the Curve25519 step
+    is done once per connection, not per box)."""
+
+    __slots__ = ("_key", "_send_prefix", "_recv_prefix", "_next_nonce", "_peer_nonce")
 
     def __init__(self, box: nacl.public.Box, is_server: bool, next_nonce: int, peer_nonce: int) -> None:
-        self._box = box
+        self._key = box.shared_key()
         self._send_prefix = b"CurveZMQMESSAGES" if is_server else b"CurveZMQMESSAGEC"
         self._recv_prefix = b"CurveZMQMESSAGEC" if is_server else b"CurveZMQMESSAGES"
         self._next_nonce = next_nonce
         self._peer_nonce = peer_nonce
 
-    def seal(self, body: bytes, flags: int = 0) -> bytes:
-        """A MESSAGE carrying ``body`` with ``flags`` (MORE, COMMAND)."""
+    def seal(self, body: bytes, flags: int = 0, header: Callable[[int], bytes] | None = None) -> bytes:
+        """A MESSAGE carrying ``body`` with ``flags`` (MORE, COMMAND); with ``header``, the
+        MESSAGE preceded by ``header(its size)`` in the same copy (a wire frame's header)."""
         short = _NONCE.pack(self._next_nonce)
         self._next_nonce += 1
-        return _MESSAGE + short + _seal(self._box, bytes((flags & FLAG_MASK,)) + body, self._send_prefix + short)
+        boxed = nacl.bindings.crypto_box_easy_afternm(bytes((flags & FLAG_MASK,)) + body, self._send_prefix + short,
+                                                      self._key)
+        if header is None:
+            return b"".join((_MESSAGE, short, boxed))
+        return b"".join((header(16 + len(boxed)), _MESSAGE, short, boxed))
 
     def open(self, frame: bytes) -> tuple[int, bytes]:
         """(flags, body) of a MESSAGE; its nonce must rise above every one opened before."""
-        _command(frame, _MESSAGE, "MESSAGE")
-        if len(frame) < len(_MESSAGE) + 8 + MAC_BYTES + 1:
+        if len(frame) < len(_MESSAGE) + 8 + MAC_BYTES + 1 or not frame.startswith(_MESSAGE):
+            _command(frame, _MESSAGE, "MESSAGE")
             raise CurveError("a MESSAGE too short to hold a box")
         short = frame[8:16]
         nonce = _NONCE.unpack(short)[0]
         if nonce <= self._peer_nonce:
             raise CurveError(f"MESSAGE nonce {nonce} does not rise above {self._peer_nonce} (a replay?)")
-        plain = _open(self._box, frame[16:], self._recv_prefix + short, "MESSAGE")
+        try:
+            plain = nacl.bindings.crypto_box_open_easy_afternm(frame[16:], self._recv_prefix + short, self._key)
+        except (nacl.exceptions.CryptoError, ValueError, TypeError):
+            raise CurveError("MESSAGE: the box does not open") from None
         self._peer_nonce = nonce
         return plain[0] & FLAG_MASK, plain[1:]
 

@@ -20,6 +20,16 @@ from enum import Enum
 KEY_BYTES = 32
 
 
+class CurveError(ValueError):
+    """A peer's bytes failed a check of the CURVE handshake or of a box: the connection
+    ends. (Here, not beside the crypto in :mod:`ziplog.protocol.curve`: the ZMTP codec
+    catches it on every boxed frame without loading the crypto until it is used.)"""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Right(str, Enum):
     """What a client key may do; a request needs the right of its operation."""
 

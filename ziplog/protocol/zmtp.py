@@ -52,6 +52,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from ziplog.protocol.keys import CurveError
+
 __all__ = [
     "CURVE_OVERHEAD",
     "CurveKeys",
@@ -460,6 +462,8 @@ class ZmtpConnection:
         boxes = self._boxes
         if boxes is None:
             return encode_frame(parts[0]) if len(parts) == 1 else encode_message(parts)
+        if len(parts) == 1:  # the common case: the frame and its box in one copy
+            return boxes.seal(parts[0], 0, frame_header)  # type: ignore[no-any-return]
         last = len(parts) - 1
         if last < 0:
             raise ValueError("a message has at least one frame")
@@ -728,8 +732,6 @@ class ZmtpConnection:
     def _curve_handshake(self, body: bytes) -> object:
         """One CURVE handshake command: HELLO then INITIATE (server), WELCOME then READY
         (client); an ERROR ends it."""
-        from ziplog.protocol.curve import CurveError
-
         cmd = self._command(body)
         if isinstance(cmd, ProtocolViolation):
             return cmd
@@ -776,8 +778,6 @@ class ZmtpConnection:
         if boxes is not None:
             # Each wire frame is one MESSAGE box (libzmq's have flags 0 on the wire);
             # what it holds is the frame: its flags and body.
-            from ziplog.protocol.curve import CurveError
-
             if flags & (_COMMAND | _MORE):
                 return self._violation(f"a wire frame with flags 0x{flags:02x} under CURVE (boxes carry the flags)")
             try:
