@@ -21,6 +21,11 @@ from ziplog.shell.throttled_log import ThrottledLog
 FrameHandler = Callable[[bytes], None]
 
 
+#: what :meth:`ReplicaLinks.follow_topology` saw of the primary
+NEW_PRIMARY_LINK = "new primary link"
+PRIMARY_GONE = "primary gone"
+
+
 class ReplicaLinks:
     def __init__(self, settings: ReplicaSettings, net: Network, coord: StorageCoordination, guard: InboundGuard,
                  trouble_log: ThrottledLog, on_epoch_frame: FrameHandler, on_primary_frame: FrameHandler) -> None:
@@ -35,6 +40,8 @@ class ReplicaLinks:
         self.primary_addr: str | None = None
         #: the ZooKeeper session that registered the primary we are linked to
         self.primary_owner: int | None = None
+        #: the primary's registration was seen gone (and the core told), until it is back
+        self.primary_gone = False
         self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
         self.epoch_pubs: set[str] = set()
         self.mms_pushes: dict[str, Endpoint] = {}
@@ -43,10 +50,11 @@ class ReplicaLinks:
         #: replica) -> (address, endpoint); made on the first notice to the shard
         self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
 
-    def follow_topology(self) -> bool:
+    def follow_topology(self) -> str:
         """Connect to new control-plane replicas, and (a backup) to the primary's new
-        address: True when a new link to the primary was made (the core introduces
-        itself on it)."""
+        address: :data:`NEW_PRIMARY_LINK` when a new link to the primary was made (the
+        core introduces itself on it), :data:`PRIMARY_GONE` when the primary's
+        registration has just left ZooKeeper, else ""."""
         topo = self.coord.topology
         net = self.net
         for pub in topo.mms_pubs():
@@ -64,15 +72,21 @@ class ReplicaLinks:
             if pull not in self.fh_pushes:
                 self.fh_pushes[pull] = net.pusher(pull)
         if self.settings.is_primary:
-            return False
+            return ""
         shard = self.settings.shard
         addr = topo.replicas.get(shard, {}).get(0)
         owner = topo.replica_owners.get(shard, {}).get(0)
+        if not addr:
+            if self.primary_addr is not None and not self.primary_gone:
+                self.primary_gone = True
+                return PRIMARY_GONE
+            return ""
+        self.primary_gone = False
         # A new address, or another incarnation at the same one (a primary restarted on a
         # fixed port: our old connection would carry on to it, and the restarted primary,
         # waiting for every backup's HELLO, would never hear ours).
-        if not addr or (addr == self.primary_addr and owner == self.primary_owner):
-            return False
+        if addr == self.primary_addr and owner == self.primary_owner:
+            return ""
         if self.primary is not None:
             self.primary.close()
         self.primary = net.dealer(addr, self.guard.frames("the primary's link", self.on_primary_frame),
@@ -80,7 +94,7 @@ class ReplicaLinks:
                                                                        self.settings.max_record_bytes))
         self.primary_addr = addr
         self.primary_owner = owner
-        return True
+        return NEW_PRIMARY_LINK
 
     def replicas_of(self, shard: int) -> list[Endpoint]:
         """The connections to ``shard``'s replicas at the addresses ZooKeeper holds now

@@ -19,7 +19,8 @@ from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.cores.replica.core import Ordered
 from ziplog.cores.replica.parking import Parked
 from ziplog.shell.inbound import InboundGuard
-from ziplog.server.links import ReplicaLinks
+from ziplog.server.client_rights import ClientRights
+from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
 from ziplog.server.replica_metrics import replica_metrics
 from ziplog.shell.metrics import Durations
 from ziplog.shell.throttled_log import ThrottledLog
@@ -71,9 +72,6 @@ class StorageDriver:
                  disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0,
                  advertise: str | None = None, access: AccessTable | None = None) -> None:
         self.settings = settings
-        #: under CURVE, the rights of the client keys (None: NULL, every op is served); what
-        #: STATUS says of them: the registry version loaded, requests refused FORBIDDEN
-        self.access = access
         #: this replica's logger (``ziplog.server.<shard>.<replica>``, named in every line):
         #: a process may serve replicas of several shards
         self.log = replica_logger(settings.shard, settings.replica)
@@ -88,9 +86,6 @@ class StorageDriver:
         self.disk = disk
         self.core = ReplicaCore(settings)
         self.core.driver_stats["inbound_failures"] = 0
-        if access is not None:
-            self.core.driver_stats["access_version"] = access.version
-            self.core.driver_stats["forbidden"] = 0
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
         self.refused_frames: dict[str, int] = {}
@@ -109,6 +104,8 @@ class StorageDriver:
                                  self.on_multipart, host, port, max_bytes=f.request_limit(settings.max_record_bytes))
         #: what this replica registers for peers and clients to dial
         self.addr = advertised(self.router.addr, advertise)
+        #: under CURVE, the client keys' rights (None: NULL, every op is served)
+        self.rights = None if access is None else ClientRights(access, self.core, self.router, self.refused_frames)
         self._disk_buf: list[DiskEvent] = []
         #: messages that leave once everything persisted before them is written
         self._durable: Messages = []
@@ -163,9 +160,12 @@ class StorageDriver:
         """Something moved in ZooKeeper: follow it (:class:`~ziplog.server.links.ReplicaLinks`)."""
         if self.closed:
             return
-        if self.links.follow_topology():
+        moved = self.links.follow_topology()
+        if moved == NEW_PRIMARY_LINK:
             self.core.connect_primary(self.rt.now())
             self._perform(self.core.ready())
+        elif moved == PRIMARY_GONE:
+            self.core.primary_unregistered(self.rt.now())
 
     # -- input ------------------------------------------------------------------------------------
     def on_request(self, route: bytes, frame: bytes) -> None:
@@ -176,8 +176,8 @@ class StorageDriver:
                 msg = f.open_envelope(self.key, msg, f.decode_member_request)
                 if type(msg) in RECOVERY_REQUESTS:
                     self._check_generation(msg)
-            elif self.access is not None:
-                self._check_rights(route, msg)
+            elif self.rights is not None:
+                self.rights.check(route, msg)
         except f.ProtocolError as exc:
             self.refused_frames[exc.code] = self.refused_frames.get(exc.code, 0) + 1
             core.error(route, exc.req_id, exc.code, exc.message)
@@ -190,32 +190,11 @@ class StorageDriver:
         # the turn's input is read), before forwards and bookkeeping.
         self._perform(core.ready())
 
-    def _check_rights(self, route: bytes, msg: f.Frame) -> None:
-        """A client's request is served only if its connection's key holds the op's right
-        (:mod:`ziplog.protocol.access`); else FORBIDDEN, and nothing changes."""
-        assert self.access is not None
-        why = self.access.refusal(self.router.peer_key(route), msg)
-        if why is not None:
-            self.core.driver_stats["forbidden"] += 1
-            req_id = getattr(msg, "req_id", None)
-            raise f.ProtocolError(f.E_FORBIDDEN, why, getattr(msg, "sub_id", req_id))
-
     def on_access(self, entries: list[ClientEntry], version: int) -> None:
-        """The client key registry changed: the table is replaced, and subscriptions whose
-        key lost ``read`` end with FORBIDDEN (their client's subscription fails)."""
-        access = self.access
-        if access is None or self.closed:
-            return
-        access.load(entries, version)
-        self.core.driver_stats["access_version"] = access.version
-        fanout = self.core.fanout
-        for route, sub_id in list(fanout.subs):
-            if access.lost_read(self.router.peer_key(route)):
-                fanout.on_unsubscribe(route, f.Unsubscribe(sub_id=sub_id))
-                self.refused_frames[f.E_FORBIDDEN] = self.refused_frames.get(f.E_FORBIDDEN, 0) + 1
-                self.core.driver_stats["forbidden"] += 1
-                self.core.error(route, sub_id, f.E_FORBIDDEN, "the subscription's key lost the 'read' right")
-        self._perform(self.core.ready())
+        """The client key registry changed (:meth:`ClientRights.load`)."""
+        if self.rights is not None and not self.closed:
+            self.rights.load(entries, version)
+            self._perform(self.core.ready())
 
     def _check_generation(self, msg: f.Probe | f.Acquired | f.Fetch | f.Install | f.Resume) -> None:
         """A recovery step counts only under a generation the failure handler committed

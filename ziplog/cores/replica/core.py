@@ -314,8 +314,7 @@ class ReplicaCore:
             self._began_epochs(now)
 
     def _began_epochs(self, now: int) -> None:
-        """A new epoch began: subscriptions learn its members, and inserts that waited
-        for it go on, in arrival order."""
+        """A new epoch began: subscriptions learn its members; inserts waiting for it go on."""
         self.fanout.mark_dirty()
         epoch = self.role.current_epoch()
         for p in self.parking.inserts_for(epoch):
@@ -323,16 +322,19 @@ class ReplicaCore:
             self._on_insert(p.route, p.msg, now)
 
     def on_disk(self, fault: str | None, now: int) -> None:
-        """The driver could not write the decided stream (``fault`` says why), or can
-        again (None). While it cannot, the replica takes no new records: a primary
-        refuses them for good (DISK_FULL), a backup guesses none; everything it holds it
-        keeps serving, and the driver keeps it buffered and retries."""
+        """The decided stream cannot be written (``fault``) or can again (None): while it
+        cannot, no new records (DISK_FULL from a primary, no guesses); the rest serves."""
         self.log.disk_fault = fault
 
     def connect_primary(self, now: int) -> None:
-        """(Re)connected to the primary (a backup's connection to a new address)."""
+        """(Re)connected to the primary (a new address): its silence counts from now."""
         if not self.is_primary:
+            self.liveness.restart_clock(0, now)
             self.role.connect_primary(now, self.recovery.frozen)  # type: ignore[union-attr]
+
+    def primary_unregistered(self, now: int) -> None:
+        """The primary left ZooKeeper (a graceful stop does at once): silence counts from now."""
+        self.liveness.restart_clock(0, now)  # a primary's own clock: no entry 0, no effect
 
     def _resumed(self, now: int) -> None:
         peers = list(range(1, self.s.replicas)) if self.is_primary else [0]
@@ -347,20 +349,18 @@ class ReplicaCore:
         if not frozen:
             self.role.tick(now)
         for p in self.parking.expired(now):
-            if type(p.msg) is f.Insert:
+            insert = type(p.msg) is f.Insert
+            if insert:
                 self.role.parked_insert_expired(p, now)
-                what = "epoch"
-            else:
-                what = "position"
-            self.error(p.route, p.msg.req_id, f.E_TIMEOUT, f"timed out waiting for the {what} the request names")
+            self.error(p.route, p.msg.req_id, f.E_TIMEOUT,
+                       f"timed out waiting for the {'epoch' if insert else 'position'} the request names")
         self.role.prune(now)
         if not frozen:
             self.liveness.check(now, self.role.blocked)
         self.fanout.expire_leases(now)
 
     def flush(self, now: int) -> None:
-        """End of a turn: the batched forward or prefix report, then reads and
-        subscriptions."""
+        """End of a turn: the batched forward or prefix report, then reads, subscriptions."""
         if not self.recovery.frozen:  # a frozen replica stores nothing new: nothing to tell its peers
             self.role.flush(now)
         self.fanout.flush()

@@ -24,6 +24,14 @@ class Liveness:
     def hear(self, replica: int, now: int) -> None:
         self.heard[replica] = now
 
+    def restart_clock(self, replica: int, now: int) -> None:
+        """``replica``'s registration changed (it left ZooKeeper, as a process stopping
+        gracefully does, or a new incarnation came): its silence counts from now, so a
+        restart that takes longer than the timeout is not taken for a failure; a peer
+        that stays gone is suspected one timeout later. A peer never heard stays unarmed."""
+        if replica in self.heard:
+            self.heard[replica] = max(self.heard[replica], now)
+
     def reset(self, now: int, peers: list[int]) -> None:
         """A recovery ended: suspicion starts afresh, armed for every peer (each took part
         in the recovery, so each is expected to speak from now on). A peer we still cannot
