@@ -1,6 +1,7 @@
-"""A DEALER over a plain blocking :class:`socket.socket`, speaking ZMTP 3.1/NULL through the
-sans-I/O codec :mod:`ziplog.protocol.zmtp`: for a blocking client that wants no libzmq
-I/O thread (each call does its own reads and writes, in the caller's thread).
+"""A DEALER over a plain blocking :class:`socket.socket`, speaking ZMTP 3.1 (NULL, or CURVE
+with ``curve=``) through the sans-I/O codec :mod:`ziplog.protocol.zmtp`: for a blocking
+client that wants no libzmq I/O thread (each call does its own reads and writes, in the
+caller's thread).
 
     with BlockingDealer("tcp://127.0.0.1:5555", identity=b"me") as d:
         d.send([b"request"])

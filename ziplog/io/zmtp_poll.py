@@ -1,6 +1,6 @@
 """ZeroMQ's ROUTER, DEALER and SUB served natively inside a :class:`ZmqRuntime`'s poll loop:
 plain non-blocking TCP sockets whose file descriptors the loop polls beside its libzmq
-sockets, speaking ZMTP 3.1/NULL through the sans-I/O codec
+sockets, speaking ZMTP 3.1 (NULL, or CURVE: below) through the sans-I/O codec
 (:mod:`ziplog.protocol.zmtp`). A frame read or written here never crosses a libzmq I/O
 thread: the process's own thread reads it, hands it to the driver in the same turn, and
 writes the answer with one ``send`` system call. Peers cannot tell: a pyzmq DEALER or

@@ -526,12 +526,34 @@ def cmd_client_keys(args: argparse.Namespace) -> int:
 def cmd_keygen(args: argparse.Namespace) -> int:
     from ziplog.shell.process import write_cluster_key
 
+    if args.client:
+        return _client_keygen(args)
     try:
         write_cluster_key(Path(args.file))
     except FileExistsError:
         raise _UsageError(f"{args.file} exists (a cluster key is never overwritten)") from None
     _out(f"wrote a new cluster key to {args.file}: give it to every process of the cluster "
          "(--cluster-key-file or $ZIPLOG_CLUSTER_KEY_FILE)")
+    return 0
+
+
+def _client_keygen(args: argparse.Namespace) -> int:
+    """``keygen --client FILE --server-key Z85``: a client's own key pair, for an operator
+    to register by its public key (``client add NAME --public-key``)."""
+    from ziplog.io.keys import KeyFileError, new_keypair, write_key_file, z85_key, z85_text
+
+    if not args.server_key:
+        raise _UsageError("--client needs --server-key Z85 (the cluster's, from `ziplog client list`)")
+    try:
+        server = z85_key(args.server_key, "server key")
+    except KeyFileError as exc:
+        raise _UsageError(str(exc)) from None
+    if Path(args.file).exists():
+        raise _UsageError(f"{args.file} exists (a key file is never overwritten)")
+    pair = new_keypair()
+    write_key_file(args.file, args.name or Path(args.file).stem, pair, server)
+    _out(f"wrote a new client key to {args.file}; have it registered with: "
+         f"ziplog client add NAME --rights R --public-key {z85_text(pair.public)}")
     return 0
 
 
@@ -719,6 +741,11 @@ def _add_operator_commands(sub: Any) -> None:
                         description="Write a new random cluster secret. Every storage replica, membership "
                                     "service and failure handler replica of one cluster is started with it.")
     kg.add_argument("file", metavar="FILE")
+    kg.add_argument("--client", action="store_true",
+                    help="write a client's CURVE key pair instead (a key file; register its public key with "
+                         "`ziplog client add NAME --public-key`)")
+    kg.add_argument("--server-key", default=None, metavar="Z85", help="with --client: the cluster's server key")
+    kg.add_argument("--name", default=None, help="with --client: the name in the key file (default: FILE's stem)")
     kg.set_defaults(func=cmd_keygen)
 
     cfsub = _command_group(sub, "config", "config files of server processes", "Config files.")

@@ -100,13 +100,14 @@ def cmd_client_list(args: argparse.Namespace, hosts: str, out: Callable[[str], N
 
     from ziplog.io.zk_clients import RegistryError
 
-    session, registry, _ = _registry(args, hosts)
+    session, registry, key = _registry(args, hosts)
     try:
         entries, version = registry.read()
     except RegistryError as exc:
         raise CommandError(str(exc)) from None
     finally:
         stop(session)
+    out(f"server key: {z85_text(key.curve_server().public)}  (a key file's `server`)")
     out(f"{'name':<20} {'public key':<40} rights")
     for e in sorted(entries, key=lambda e: e.name):
         out(f"{e.name:<20} {z85_text(e.public):<40} {','.join(sorted(r.value for r in e.rights)) or '-'}")
