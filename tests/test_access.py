@@ -157,9 +157,9 @@ def test_operator_verbs_need_the_cluster_key(cluster: LocalCluster, tmp_path: Pa
     server_key = listing.split("server key: ")[1].split()[0]
     # a client's own key pair, registered by its public key
     own = tmp_path / "own.key"
-    assert cli.main(["keygen", "--client", str(own), "--server-key", server_key]) == 0
-    public = capsys.readouterr().out.split("--public-key ")[1].split()[0]
-    assert cli.main(["client", "add", "own", "--rights", "read", "--public-key", public, "--zk", cluster.zk_hosts,
+    assert cli.main(["keygen", "--client", str(own), f"--server-key={server_key}"]) == 0
+    public = capsys.readouterr().out.split("--public-key=")[1].split()[0]
+    assert cli.main(["client", "add", "own", "--rights", "read", f"--public-key={public}", "--zk", cluster.zk_hosts,
                      "--cluster-key-file", str(cluster.key_file)]) == 0
     with Client(cluster.zk_hosts, key_file=str(own), timeout=TIMEOUT) as c:
         with pytest.raises(ForbiddenError, match="client 'own' lacks the 'append' right"):

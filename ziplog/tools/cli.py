@@ -543,7 +543,7 @@ def _client_keygen(args: argparse.Namespace) -> int:
     from ziplog.io.keys import KeyFileError, new_keypair, write_key_file, z85_key, z85_text
 
     if not args.server_key:
-        raise _UsageError("--client needs --server-key Z85 (the cluster's, from `ziplog client list`)")
+        raise _UsageError("--client needs --server-key=Z85 (the cluster's, from `ziplog client list`)")
     try:
         server = z85_key(args.server_key, "server key")
     except KeyFileError as exc:
@@ -553,7 +553,7 @@ def _client_keygen(args: argparse.Namespace) -> int:
     pair = new_keypair()
     write_key_file(args.file, args.name or Path(args.file).stem, pair, server)
     _out(f"wrote a new client key to {args.file}; have it registered with: "
-         f"ziplog client add NAME --rights R --public-key {z85_text(pair.public)}")
+         f"ziplog client add NAME --rights R --public-key={z85_text(pair.public)}")
     return 0
 
 
@@ -744,7 +744,8 @@ def _add_operator_commands(sub: Any) -> None:
     kg.add_argument("--client", action="store_true",
                     help="write a client's CURVE key pair instead (a key file; register its public key with "
                          "`ziplog client add NAME --public-key`)")
-    kg.add_argument("--server-key", default=None, metavar="Z85", help="with --client: the cluster's server key")
+    kg.add_argument("--server-key", default=None, metavar="Z85",
+                    help="with --client: the cluster's server key (write --server-key=Z85: a Z85 text may start with '-')")
     kg.add_argument("--name", default=None, help="with --client: the name in the key file (default: FILE's stem)")
     kg.set_defaults(func=cmd_keygen)
 

@@ -45,7 +45,7 @@ def cmd_client_add(args: argparse.Namespace, hosts: str, out: Callable[[str], No
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     if (args.out is None) == (args.public_key is None):
-        raise CommandError("give --out FILE (a new key pair, written there) or --public-key Z85 (the client's own)")
+        raise CommandError("give --out FILE (a new key pair, written there) or --public-key=Z85 (the client's own)")
     session, registry, key = _registry(args, hosts)
     try:
         server = key.curve_server().public
@@ -166,7 +166,9 @@ def add_client_key_commands(sub: Any, env_zk: str, run: Callable[[argparse.Names
     add.add_argument("--rights", required=True, metavar="R[,R...]",
                      help="append, read, trim, admin (comma-separated), or all")
     add.add_argument("--out", default=None, metavar="FILE", help="make a key pair and write its key file here")
-    add.add_argument("--public-key", default=None, metavar="Z85", help="register this public key (the client's own)")
+    add.add_argument("--public-key", default=None, metavar="Z85",
+                     help="register this public key (the client's own; write --public-key=Z85: a Z85 text may start "
+                          "with '-')")
     rm = action("remove", "remove a client key (its next request is refused)", cmd_client_remove)
     rm.add_argument("name", metavar="NAME")
     action("list", "list the registered keys and their rights", cmd_client_list)
