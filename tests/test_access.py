@@ -8,6 +8,7 @@ FORBIDDEN, and its next request is refused; refusals counted where the operator 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -144,7 +145,7 @@ def test_operator_verbs_need_the_cluster_key(cluster: LocalCluster, tmp_path: Pa
     other = tmp_path / "other.key"
     assert cli.main(["keygen", str(other)]) == 0
     for args in ([], ["--cluster-key-file", str(other)]):
-        with pytest.raises(SystemExit, match="no cluster key") if not args else _no_raise():
+        with pytest.raises(SystemExit, match="no cluster key") if not args else contextlib.nullcontext():
             rc = cli.main(["client", "list", "--zk", cluster.zk_hosts, *args])
             assert rc == 1
         capsys.readouterr()
@@ -173,14 +174,6 @@ def test_operator_verbs_need_the_cluster_key(cluster: LocalCluster, tmp_path: Pa
     with Client(cluster.zk_hosts, key_file=str(out_key), timeout=TIMEOUT) as c:
         with pytest.raises(ForbiddenError, match="not registered"):
             c.status()
-
-
-class _no_raise:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_the_trim_right_trims(cluster: LocalCluster) -> None:

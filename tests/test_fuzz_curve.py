@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings

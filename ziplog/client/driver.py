@@ -11,7 +11,7 @@ DEALER per shard. Replies are routed to calls by their request id.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ziplog.cores.client.calls import (
     Call,
@@ -45,6 +45,17 @@ class Record:
 
     def __repr__(self) -> str:
         return f"Record(rid={self.rid!r}, data={self.data[:32]!r}{'...' if len(self.data) > 32 else ''})"
+
+
+def refusal(conns: Iterable[tuple[str, Endpoint | None]]) -> str | None:
+    """Why one of the named connections' servers refused our handshake (no CURVE key
+    given to a CURVE cluster, a key file naming another server key), if one did: the
+    native endpoints keep it as ``refused``."""
+    for name, conn in conns:
+        reason = getattr(conn, "refused", None)
+        if reason:
+            return f"{name} refused the connection ({reason})"
+    return None
 
 
 #: what ``calls.pop`` answers for a call the driver does not hold
@@ -190,7 +201,7 @@ class ClientDriver:
         for call in list(self.calls):
             at = call.wake_at
             if at is not None and at <= now and not call.done:
-                refused = self._refused(call.waiting_on())
+                refused = refusal((addr, self.conns.get(addr)) for addr in call.waiting_on())
                 if refused is not None:  # resending would be refused alike: the client's keys are wrong
                     self._run(call, call.fail(UnauthenticatedError(refused)))
                 else:
@@ -201,16 +212,6 @@ class ClientDriver:
             # where no narrowing from this one's first line applies (compiled code trusts
             # a narrowing; this one's would say None).
             self._arm_by(min(later))
-
-    def _refused(self, addrs: Sequence[str]) -> str | None:
-        """Why a replica among ``addrs`` refused our handshake (no CURVE key given to a
-        CURVE cluster, a key file naming another server key), if one did."""
-        for addr in addrs:
-            conn = self.conns.get(addr)
-            reason = getattr(conn, "refused", None)
-            if reason:
-                return f"{addr} refused the connection ({reason})"
-        return None
 
     def endpoints_of(self, call: Call) -> list[Endpoint]:
         """The connections ``call`` waits on (the replicas it sent to). The same list
@@ -361,12 +362,10 @@ class SubscriptionDriver:
 
     def _on_timer(self) -> None:
         self.timer = self.timer_at = None
-        for shard, conn in self.conns.items():
-            reason = getattr(conn, "refused", None)
-            if reason:
-                self.perform(self.core.failed(UnauthenticatedError(f"shard {shard}'s replica refused the "
-                                                                   f"connection ({reason})")))
-                return
+        refused = refusal((f"shard {shard}'s replica", conn) for shard, conn in self.conns.items())
+        if refused is not None:
+            self.perform(self.core.failed(UnauthenticatedError(refused)))
+            return
         self.perform(self.core.on_timer(self.driver.rt.now(), self.driver.topology))
 
     def on_topology(self) -> None:

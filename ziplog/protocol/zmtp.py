@@ -747,27 +747,30 @@ class ZmtpConnection:
                     self._curve_step = 1
                     return HandshakeReply(_encode_command_frame(welcome))
                 client_key, metadata = side.on_initiate(body)
-                props = self._properties(metadata)
-                if isinstance(props, ProtocolViolation):
-                    return props
+                done = self._curve_peer_ready(metadata, client_key)
+                if isinstance(done, ProtocolViolation):
+                    return done
                 ready, self._boxes = side.ready(self._metadata())
-                done = self._peer_ready(props, client_key)
-                if isinstance(done, Handshaken):
-                    self._pending = done
-                    return HandshakeReply(_encode_command_frame(ready))
-                return done
+                self._pending = done  # after the READY that tells the client
+                return HandshakeReply(_encode_command_frame(ready))
             if step == 0:
                 initiate = side.on_welcome(body, self._metadata())
                 self._curve_step = 1
                 return HandshakeReply(_encode_command_frame(initiate))
             metadata, boxes = side.on_ready(body)
-            props = self._properties(metadata)
-            if isinstance(props, ProtocolViolation):
-                return props
-            self._boxes = boxes
-            return self._peer_ready(props, self.curve.server_public)
+            done = self._curve_peer_ready(metadata, self.curve.server_public)
+            if isinstance(done, Handshaken):
+                self._boxes = boxes
+            return done
         except CurveError as exc:
             return self._violation(f"CURVE handshake: {exc.reason}")
+
+    def _curve_peer_ready(self, metadata: bytes, peer_key: bytes) -> Handshaken | ProtocolViolation:
+        """The peer's boxed metadata (INITIATE's, READY's): its properties, as READY's."""
+        props = self._properties(metadata)
+        if isinstance(props, ProtocolViolation):
+            return props
+        return self._peer_ready(props, peer_key)
 
     def _traffic(self) -> object:
         fr = self._frame(False)
