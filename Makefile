@@ -43,6 +43,7 @@ run: setup
 	$(PY) -m ziplog.tools.demo
 	$(PY) -m ziplog.tools.logdb_demo
 	$(PY) -m ziplog.logbook.demo
+	$(PY) -m ziplog.logbook.flow_demo
 	$(PY) -m ziplog.tools.spark_demo
 
 # two workers (a module stays in one): the suite's clusters wait on timers and disks as

@@ -285,6 +285,11 @@ class LogBook(SessionBase):
         """A session on the same book and engine that starts at this one's position."""
         return LogBook("", self.book_id, **self._child_args())
 
+    def on_book(self, book_id: int) -> "LogBook":
+        """A session on book ``book_id`` with this one's engine, starting at this one's
+        position (a library that keeps two books, as BokiFlow keeps its locks apart)."""
+        return LogBook("", book_id, _engine=self._engine, _position=self._pos.gsn)
+
     def close(self) -> None:
         if self._own_engine:
             self._engine.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from ziplog.logbook import book_io
 from ziplog.logbook.client import LogBook
 from ziplog.logbook.core import queue as q
 from ziplog.logbook.core.session import drive
@@ -56,14 +57,6 @@ class BokiQueue:
         return data
 
     def _perform(self, op: q.Op) -> Any:
-        """One operation of the replay, through the LogBook (so at cuts at or above its
-        position, which every append and read moves up)."""
-        if type(op) is q.ReadNext:
-            # gapless: a push or pop a trim took would otherwise be skipped without a word
-            rec = self.lb.read_next(op.seqnum, tag=op.tag, gapless=True)
-            return None if rec is None else (rec.seqnum, rec.data)
-        if type(op) is q.ReadTail:
-            rec = self.lb.check_tail(op.tag)
-            return None if rec is None else rec.seqnum
-        assert type(op) is q.Append
-        return self.lb.append(op.data, tags=[op.tag])
+        """One operation of the replay, through the LogBook (its reads are gapless: a
+        push or pop a trim took would otherwise be skipped without a word)."""
+        return book_io.perform(self.lb, op)

@@ -33,6 +33,7 @@ from typing import Annotated, Any, Generator, Iterable, Iterator, Union
 
 import msgspec
 
+from ziplog.logbook.core.book_ops import Append, ReadNext, ReadTail
 from ziplog.protocol.app_records import RecordCodec
 from ziplog.protocol.errors import TrimmedError
 
@@ -85,29 +86,6 @@ def check_name(name: str) -> str:
 def queue_tag(name: str) -> str:
     """The tag a queue's records carry (a string tag: the record keeps it readable)."""
     return "queue:" + check_name(name)
-
-
-# -- the operations the steps yield -----------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ReadTail:
-    """The seqnum of the last record tagged ``tag`` at a cut at or above the session's
-    position (None: none) is sent back."""
-    tag: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReadNext:
-    """The first record tagged ``tag`` with seqnum at or above ``seqnum``, at a cut at or
-    above the session's position: ``(seqnum, data)`` or None is sent back."""
-    tag: str
-    seqnum: int
-
-
-@dataclass(frozen=True, slots=True)
-class Append:
-    """Append ``data`` tagged ``tag`` after the session's position; its seqnum is sent back."""
-    data: bytes
-    tag: str
 
 
 Op = ReadTail | ReadNext | Append

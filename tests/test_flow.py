@@ -1,0 +1,195 @@
+"""BokiFlow on a real cluster (ziplog/logbook/flow): a workflow killed at every one of its
+operations and run again, two runs of one workflow at once, and worker processes
+SIGKILLed under a bank of transfers and a counter behind a lock. Each database write
+happens once (the database's audit counts applied writes), every caller gets the first
+run's return value, the bank's total is kept and the counter misses no increment."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import ziplog
+from tests import flow_functions as bank
+from ziplog.logbook import LogBook
+from ziplog.logbook.core import flow as fc
+from ziplog.logbook.flow import FlowBook, FlowClient, SqliteDatabase, Worker, WorkerPool, run_workflow
+from ziplog.logbook.flow import travel
+
+BOOK = 40
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ziplog.LocalCluster]:
+    with ziplog.local_cluster(shards=2, replicas=2) as c:
+        yield c
+
+
+class Crash(BaseException):  # a process dying is no exception a function could catch
+    pass
+
+
+def _setup(lb: LogBook, db: SqliteDatabase, workflow: str) -> None:
+    FlowClient(lb).start("setup", None, workflow)
+    fc.unpack_outcome(run_workflow(FlowBook(lb, db), workflow, travel.functions.get))
+
+
+def test_a_trip_killed_at_every_operation_and_run_again_books_once(cluster: ziplog.LocalCluster,
+                                                                    tmp_path: Path) -> None:
+    with LogBook(cluster.zk_hosts, BOOK) as lb, LogBook(cluster.zk_hosts, BOOK) as other:
+        db = SqliteDatabase(str(tmp_path / "db.sqlite"), audit=True)
+        try:
+            _setup(lb, db, "setup-crash")
+            client = FlowClient(lb)
+            # a clean run, counting its operations
+            ops: list[Any] = []
+            flow = FlowBook(lb, db)
+            flow.hook = lambda op, phase: ops.append(op) if phase == "after" else None
+            Worker(flow, travel.functions)
+            client.start("book_trip", {"prefer": 0}, "clean")
+            clean = fc.unpack_outcome(run_workflow(flow, "clean", travel.functions.get))
+            assert clean["booked"] and len(ops) > 30
+            for k in range(1, len(ops) + 1):
+                wf = f"trip-{k}"
+                client.start("book_trip", {"prefer": k % 4}, wf)
+                seen = [0]
+
+                def crash(op: Any, phase: str) -> None:
+                    if phase == "after":  # the k-th operation took effect, then the run dies
+                        seen[0] += 1
+                        if seen[0] == k:
+                            raise Crash(k)
+
+                crashing = FlowBook(lb, db)
+                crashing.hook = crash
+                Worker(crashing, travel.functions)
+                first: Any = None
+                try:
+                    first = run_workflow(crashing, wf, travel.functions.get)
+                except Crash:
+                    pass
+                other.observe(lb.position)  # as a queue pop past the call's push hands it over
+                again_flow = FlowBook(other, db)  # another engine runs it again
+                Worker(again_flow, travel.functions)
+                again = run_workflow(again_flow, wf, travel.functions.get)
+                assert first is None or again == first, k
+            bookings = {k: fc.unpack(v) for k, v in db.rows("bookings").items()}
+            hotels = {k: fc.unpack(v) for k, v in db.rows("hotels").items()}
+            sold = Counter(b[0] for b in bookings.values())
+            assert all(hotels[h] + sold[h] == n for h, n in travel.HOTELS.items()), (hotels, sold)
+            applied = Counter((t, key) for t, key, _ in db.applied())
+            assert all(applied[("bookings", wf)] == 1 for wf in bookings)  # each booking written once
+            # each trip's outcome says booked iff its booking row exists
+            for k in range(1, len(ops) + 1):
+                outcome = fc.unpack_outcome(run_workflow(FlowBook(other, db), f"trip-{k}", travel.functions.get))
+                assert outcome["booked"] == (f"trip-{k}" in bookings), k
+        finally:
+            db.close()
+
+
+def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(cluster: ziplog.LocalCluster,
+                                                                          tmp_path: Path) -> None:
+    db_path = str(tmp_path / "db.sqlite")
+    with LogBook(cluster.zk_hosts, BOOK + 2) as lb:
+        db = SqliteDatabase(db_path, audit=True)
+        try:
+            _setup(lb, db, "setup-dup")
+            client = FlowClient(lb)
+            workflows = [f"dup-{i}" for i in range(4)]
+            for i, wf in enumerate(workflows):
+                client.start("book_trip", {"prefer": i}, wf)
+            answers: dict[str, list[Any]] = {wf: [] for wf in workflows}
+
+            def run() -> None:
+                with LogBook(cluster.zk_hosts, BOOK + 2) as mine:
+                    own_db = SqliteDatabase(db_path, audit=True)
+                    try:
+                        flow = FlowBook(mine, own_db)
+                        Worker(flow, travel.functions)
+                        for wf in workflows:
+                            answers[wf].append(run_workflow(flow, wf, travel.functions.get))
+                    finally:
+                        own_db.close()
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert all(len(a) == 2 and a[0] == a[1] for a in answers.values()), answers
+            applied = Counter((t, key) for t, key, _ in db.applied())
+            assert all(applied[("bookings", wf)] == 1 for wf in workflows), applied
+            booked = sum(fc.unpack_outcome(a[0])["booked"] for a in answers.values())
+            hotels = {k: fc.unpack(v) for k, v in db.rows("hotels").items()}
+            assert sum(travel.HOTELS.values()) - sum(hotels.values()) == booked == len(workflows)
+        finally:
+            db.close()
+
+
+def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(cluster: ziplog.LocalCluster,
+                                                                            tmp_path: Path) -> None:
+    db_path = str(tmp_path / "bank.sqlite")
+    SqliteDatabase(db_path, audit=True).close()
+    rng = random.Random(7)
+    book = BOOK + 4
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    pool = WorkerPool(cluster.zk_hosts, book, "tests.flow_functions:functions", db_path, 3, retry_after=1.0,
+                      audit=True, env=env)
+    pool.start()
+    try:
+        with LogBook(cluster.zk_hosts, book) as lb:
+            FlowClient(lb, retry_after=1.0).call("open_accounts", None, "open")
+            transfers: list[tuple[str, dict[str, Any]]] = [(f"tx-{i}", {"from": rng.choice(bank.ACCOUNTS), "to": rng.choice(bank.ACCOUNTS),
+                                      "amount": rng.randint(1, 40)}) for i in range(24)]
+            transfers = [(wf, r) for wf, r in transfers if r["from"] != r["to"]]
+            counts = [(f"count-{i}", None) for i in range(12)]
+            calls = [("transfer", wf, r) for wf, r in transfers] + [("count_under_lock", wf, r) for wf, r in counts]
+            rng.shuffle(calls)
+            answers: dict[str, Any] = {}
+
+            def client(mine: list[tuple[str, str, Any]]) -> None:
+                with LogBook(cluster.zk_hosts, book) as session:
+                    fcl = FlowClient(session, retry_after=1.0)
+                    for fn, wf, req in mine:
+                        answers[wf] = fcl.call(fn, req, wf, timeout=120)
+
+            threads = [threading.Thread(target=client, args=(calls[i::3],)) for i in range(3)]
+            for t in threads:
+                t.start()
+            kills = 0
+            while any(t.is_alive() for t in threads) and kills < 4:
+                time.sleep(0.4)
+                kills += pool.kill(rng.randrange(3)) is not None
+            for t in threads:
+                t.join()
+        assert kills > 0 and pool.restarts >= kills
+        db = SqliteDatabase(db_path)
+        try:
+            accounts = {k: fc.unpack(v) for k, v in db.rows("accounts").items()}
+            assert sum(accounts.values()) == START_TOTAL, accounts  # the bank's total is kept
+            assert fc.unpack(db.rows("counters")["c"]) == len(counts)  # no increment lost or made twice
+            assert sorted(answers[wf] for wf, _ in counts) == list(range(1, len(counts) + 1))
+            applied = Counter((t, k, v) for t, k, v in db.applied())
+            assert all(n == 1 for n in applied.values())
+            # each committed transfer moved its amount once: replaying the answers gives the balances
+            expect = dict.fromkeys(bank.ACCOUNTS, bank.START)
+            assert all(isinstance(answers[wf], bool) for wf, _ in transfers)
+            committed = [r for wf, r in transfers if answers[wf]]
+            for r in committed:
+                expect[r["from"]] -= r["amount"]
+                expect[r["to"]] += r["amount"]
+            assert accounts == expect
+        finally:
+            db.close()
+    finally:
+        pool.close()
+
+
+START_TOTAL = bank.START * len(bank.ACCOUNTS)

@@ -1,0 +1,265 @@
+"""A workflow's environment: BokiFlow's operations (:mod:`ziplog.logbook.core.flow`)
+performed on a LogBook and a database.
+
+    def transfer(env: Env, args: dict) -> bool:
+        with env.transaction() as t:
+            a, b = t.read("accounts", args["from"]), t.read("accounts", args["to"])
+            if a < args["amount"]:
+                return False
+            t.write("accounts", args["from"], a - args["amount"])
+            t.write("accounts", args["to"], b + args["amount"])
+        return t.committed
+
+A function is deterministic given what its environment returns: anything else it
+needs (a random number, the time) it asks of ``env.remember``. Each call numbers one
+step; run again, or twice at once, the function takes the first run's outcome of every
+step, so each database write and each call happens once.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Any, Callable, Iterator
+
+from ziplog.cores.app_session import drive
+from ziplog.logbook import book_io
+from ziplog.logbook.client import LogBook
+from ziplog.logbook.core import flow as fc
+from ziplog.logbook.core.book_ops import BookOp
+from ziplog.logbook.core.flow_lock import LockChain
+from ziplog.logbook.core.flow_records import holder_of
+from ziplog.logbook.flow.db import Database
+from ziplog.protocol.errors import ZiplogError
+
+__all__ = ["FlowBook", "Env", "Transaction", "TransactionAborted", "run_workflow"]
+
+#: called with (op, phase) around every operation a run performs ("before", "after"):
+#: the tests' crash points
+Hook = Callable[[Any, str], None]
+#: a registered function: called with its environment and its input
+Function = Callable[["Env", Any], Any]
+#: how long env.lock waits for a lock held elsewhere before it gives up, by default
+LOCK_WAIT_S = 10.0
+
+
+class TransactionAborted(Exception):
+    """A transaction's lock was held by another (raised inside ``with env.transaction()``
+    and swallowed at its end: the transaction is aborted, ``committed`` is False)."""
+
+
+class FlowBook:
+    """What a workflow runs on: its book (step records), the locks' book, a database, and
+    the function registry for calls (set by the runtime)."""
+
+    def __init__(self, lb: LogBook, db: Database, *, locks_book: int | None = None) -> None:
+        self.lb = lb
+        self.locks = lb.on_book(lb.book_id + 1 if locks_book is None else locks_book)
+        self.db = db
+        self.call: Callable[[str, str, bytes], bytes] | None = None
+        #: the lock chains replayed so far (each keeps its cursor); a bounded cache
+        self._chains: dict[str, LockChain] = {}
+        self.hook: Hook | None = None
+
+    def chain(self, name: str) -> LockChain:
+        chain = self._chains.pop(name, None)
+        if chain is None:
+            chain = LockChain(name)
+            if len(self._chains) >= 4096:
+                del self._chains[next(iter(self._chains))]
+        self._chains[name] = chain
+        return chain
+
+    def drive(self, steps: fc.Steps) -> Any:
+        return drive(steps, self.perform)
+
+    def perform(self, op: Any) -> Any:
+        hook = self.hook
+        if hook is not None:
+            hook(op, "before")
+        result = self._perform(op)
+        if hook is not None:
+            hook(op, "after")
+        return result
+
+    def _perform(self, op: Any) -> Any:
+        t = type(op)
+        if t is fc.OnLocks:
+            self.lb.observe(self.locks.position)  # one position across the two books
+            result = book_io.perform(self.locks, op.op)
+            self.lb.observe(self.locks.position)
+            return result
+        if t is fc.DbWrite:
+            return self.db.write(op.table, op.key, op.value, op.version)
+        if t is fc.DbRead:
+            return self.db.read(op.table, op.key)
+        if t is fc.Call:
+            if self.call is None:
+                raise RuntimeError("this flow book runs no calls: give it a runtime's functions")
+            return self.call(op.function, op.workflow, op.input)
+        book_op: BookOp = op
+        self.locks.observe(self.lb.position)
+        return book_io.perform(self.lb, book_op)
+
+
+class Env:
+    """The environment of one run of workflow ``workflow``."""
+
+    def __init__(self, flow: FlowBook, workflow: str) -> None:
+        self.flow = flow
+        self.workflow = workflow
+        self.step = 0
+        #: lock name -> the holder (the step that took it) this run holds it as
+        self.held: dict[str, str] = {}
+
+    def _next(self) -> int:
+        self.step += 1
+        return self.step
+
+    def write(self, table: str, key: str, value: Any) -> None:
+        """Write ``value`` (anything msgpack holds) at ``table``/``key``, once."""
+        self.flow.drive(fc.write(self.workflow, self._next(), table, key, fc.pack(value)))
+
+    def read(self, table: str, key: str, default: Any = None) -> Any:
+        """The value at ``table``/``key`` (``default`` if none), as the first run read it."""
+        data = self.flow.drive(fc.read(self.workflow, self._next(), table, key))
+        return default if data is None else fc.unpack(data)
+
+    def remember(self, make: Callable[[], Any]) -> Any:
+        """``make()``'s value in the first run (a random choice, a time, an id)."""
+        found = self.flow.drive(fc.first_step(self.workflow, self._next(), "remember"))
+        if found is not None:
+            return fc.unpack(found[1].value)
+        _, value = self.flow.drive(fc.logged(self.workflow, self.step, "remember", fc.pack(make())))
+        return fc.unpack(value)
+
+    def invoke(self, function: str, input: Any = None) -> Any:
+        """Call ``function(input)`` as a workflow of its own; its return value (its
+        exception, ``WorkflowFailed``, is raised here)."""
+        outcome = self.flow.drive(fc.invoke(self.workflow, self._next(), function, fc.pack(input)))
+        return fc.unpack_outcome(outcome)
+
+    def try_lock(self, name: str) -> bool:
+        """Take lock ``name`` if nobody holds it (one step, no waiting)."""
+        step = self._next()
+        taken = bool(self.flow.drive(fc.lock(self.workflow, step, self.flow.chain(name))))
+        if taken:
+            self.held[name] = holder_of(self.workflow, step)
+        return taken
+
+    def lock(self, name: str, timeout: float = LOCK_WAIT_S) -> bool:
+        """Take lock ``name``, trying again while another holds it, for up to ``timeout``
+        seconds; False if it could not (each try is a step: a re-run takes the same path)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.002
+        while not self.try_lock(name):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return True
+
+    def unlock(self, name: str) -> None:
+        holder = self.held.pop(name, None)
+        if holder is None:
+            raise ValueError(f"this workflow does not hold lock {name!r}")
+        self.flow.drive(fc.unlock(self.workflow, self._next(), self.flow.chain(name), holder))
+
+    def transaction(self) -> "Transaction":
+        return Transaction(self)
+
+
+def lock_name(table: str, key: str) -> str:
+    return f"{table}/{key}"
+
+
+class Transaction:
+    """Beldi's transaction: ``with env.transaction() as t:``; ``t.committed`` after."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.writes: dict[tuple[str, str], bytes] = {}
+        self.values: dict[tuple[str, str], Any] = {}
+        self.locked: list[str] = []
+        self.committed = False
+
+    def _lock(self, table: str, key: str) -> None:
+        name = lock_name(table, key)
+        if name not in self.locked:
+            if not self.env.try_lock(name):
+                raise TransactionAborted(f"{name} is locked by another transaction")
+            self.locked.append(name)
+
+    def read(self, table: str, key: str, default: Any = None) -> Any:
+        """The value at ``table``/``key`` in this transaction (its own write first)."""
+        self._lock(table, key)
+        k = (table, key)
+        if k in self.writes:
+            return fc.unpack(self.writes[k])
+        if k not in self.values:
+            self.values[k] = self.env.read(table, key)
+        value = self.values[k]
+        return default if value is None else value
+
+    def write(self, table: str, key: str, value: Any) -> None:
+        self._lock(table, key)
+        self.writes[(table, key)] = fc.pack(value)
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if kind is not None and (not issubclass(kind, Exception) or _is_infrastructure(exc)):
+            # the run is dying (or cannot reach the log): it records nothing more, and a
+            # run after it takes the transaction on from its last recorded step, locks held
+            return False
+        commit = kind is None
+        writes = [[t, k, v] for (t, k), v in self.writes.items()] if commit else []
+        env = self.env
+        _, self.committed, _ = env.flow.drive(fc.decide(env.workflow, env._next(), commit, writes))
+        for name in reversed(self.locked):
+            env.unlock(name)
+        return kind is TransactionAborted  # an abort ends the block; any other exception goes on
+
+
+def run_workflow(flow: FlowBook, workflow: str, lookup: Callable[[str], Function | None]) -> bytes:
+    """Run ``workflow`` (its intent says which function, found by ``lookup``, and which
+    input) to its end unless it has one: its outcome (``fc.pack_outcome`` bytes, the
+    first one recorded)."""
+    done = flow.drive(fc.read_done(workflow))
+    if done is not None:
+        return bytes(done)
+    found = flow.drive(fc.read_intent(workflow))
+    if found is None:
+        raise LookupError(f"workflow {workflow!r} was never called")
+    intent = found[1]
+    function = lookup(intent.function)
+    if function is None:
+        outcome = fc.pack_outcome(False, f"no function {intent.function!r} is registered")
+    else:
+        try:
+            outcome = fc.pack_outcome(True, function(Env(flow, workflow), fc.unpack(intent.input)))
+        except fc.WorkflowFailed as exc:
+            outcome = fc.pack_outcome(False, str(exc))
+        except fc.NondeterministicWorkflow:
+            raise  # recorded as nothing: the function must be mended
+        except Exception as exc:  # the function's own failure is its outcome, recorded once
+            if _is_infrastructure(exc):
+                raise
+            outcome = fc.pack_outcome(False, f"{type(exc).__name__}: {exc}")
+    return bytes(flow.drive(fc.finish(workflow, outcome)))
+
+
+def _is_infrastructure(exc: Exception) -> bool:
+    """A failure of the log or the database (the run stops and is run again later),
+    rather than of the function (its outcome)."""
+    return isinstance(exc, (ZiplogError, sqlite3.OperationalError, OSError, AssertionError))
+
+
+def iter_steps(flow: FlowBook, workflow: str, limit: int = 10_000) -> Iterator[tuple[int, int, Any]]:
+    """The workflow's recorded steps so far: (step, seqnum, outcome), in step order."""
+    for step in range(1, limit + 1):
+        found = flow.drive(fc.first_step(workflow, step, None))
+        if found is None:
+            return
+        yield step, found[0], fc.unpack(found[1].value)

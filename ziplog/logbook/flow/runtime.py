@@ -1,0 +1,281 @@
+"""BokiFlow's function runtime: functions registered by name, run by worker processes
+that take workflows from a BokiQueue, called from clients.
+
+* A **call** (:class:`FlowClient`) records the workflow's intent (first-wins per id: a
+  duplicate call of an id is the same workflow), pushes the id to the queue, and waits
+  for the workflow's done record; while it has none after ``retry_after`` seconds the id
+  is pushed again (a worker may have died with it: BokiQueue hands an element to one
+  pop only).
+* A **worker** (:class:`Worker`; ``python -m ziplog.logbook.flow.worker``) pops ids and
+  runs each workflow to its end (:func:`~ziplog.logbook.flow.env.run_workflow`). A
+  workflow run twice, at once or after a crash, takes the first run's outcome of every
+  step, so a retry costs time, never a second effect.
+* A **pool** (:class:`WorkerPool`) keeps N worker processes running, starting one again
+  when it dies, and sweeps: an intent with no done record after ``retry_after`` is
+  pushed again, so a workflow whose caller died too still ends.
+
+Nested calls (``env.invoke``) run in the caller's worker, as a workflow of their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Iterator
+
+from ziplog.cores.app_session import drive
+from ziplog.logbook import book_io
+from ziplog.logbook.client import LogBook
+from ziplog.logbook.core import flow as fc
+from ziplog.logbook.core import flow_records as fr
+from ziplog.logbook.flow.env import FlowBook, Function, run_workflow
+from ziplog.logbook.queue import BokiQueue
+
+__all__ = ["Functions", "FlowClient", "Worker", "WorkerPool", "QUEUE"]
+
+#: the queue workers take workflow ids from, unless told otherwise
+QUEUE = "flow"
+#: a call pushes its workflow again after this long without a done record
+RETRY_AFTER_S = 2.0
+#: the longest pause between two looks at an empty queue or a missing done record
+MAX_POLL_S = 0.02
+
+
+class Functions:
+    """A registry of functions by name::
+
+        functions = Functions()
+
+        @functions.register
+        def reserve(env, input): ...
+    """
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Function] = {}
+
+    def register(self, fn: Function | None = None, *, name: str | None = None) -> Any:
+        def add(f: Function) -> Function:
+            key = fr.check_name("function name", name or f.__name__)
+            if key in self._by_name:
+                raise ValueError(f"function {key!r} is registered already")
+            self._by_name[key] = f
+            return f
+        return add if fn is None else add(fn)
+
+    def get(self, name: str) -> Function | None:
+        return self._by_name.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+
+def load_functions(spec: str) -> Functions:
+    """``module:attribute`` -> the Functions it names (how worker processes find them)."""
+    module, _, attr = spec.partition(":")
+    found = getattr(importlib.import_module(module), attr or "functions")
+    if not isinstance(found, Functions):
+        raise TypeError(f"{spec} is not a Functions registry")
+    return found
+
+
+def _polls(timeout: float | None) -> Iterator[None]:
+    """Pauses growing to MAX_POLL_S, until ``timeout`` (None: for ever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while deadline is None or time.monotonic() < deadline:
+        yield None
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_POLL_S)
+
+
+class FlowClient:
+    """Calls workflows through ``queue`` of ``lb``'s book."""
+
+    def __init__(self, lb: LogBook, queue: str = QUEUE, *, retry_after: float = RETRY_AFTER_S) -> None:
+        self.lb = lb
+        self.queue = BokiQueue(lb, queue)
+        self.retry_after = retry_after
+
+    def _drive(self, steps: fc.Steps) -> Any:
+        return drive(steps, lambda op: book_io.perform(self.lb, op))
+
+    def start(self, function: str, input: Any = None, workflow: str | None = None) -> str:
+        """Call ``function(input)`` as ``workflow`` (a fresh id if None) without waiting;
+        the workflow's id. A call of an id called before is that workflow."""
+        workflow = fr.check_name("workflow id", workflow or uuid.uuid4().hex)
+        self._drive(fc.intent(workflow, fr.check_name("function name", function), fc.pack(input)))
+        self.queue.push(workflow.encode())
+        return workflow
+
+    def result(self, workflow: str, timeout: float | None = 60.0) -> Any:
+        """Wait for ``workflow``'s return value (``WorkflowFailed`` if it raised;
+        TimeoutError after ``timeout`` seconds), pushing it again while nobody ends it."""
+        pushed = time.monotonic()
+        for _ in _polls(timeout):
+            done = self._drive(fc.read_done(workflow))
+            if done is not None:
+                return fc.unpack_outcome(done)
+            if time.monotonic() - pushed >= self.retry_after:
+                self.queue.push(workflow.encode())
+                pushed = time.monotonic()
+        raise TimeoutError(f"workflow {workflow!r} did not end within {timeout} s")
+
+    def call(self, function: str, input: Any = None, workflow: str | None = None,
+             timeout: float | None = 60.0) -> Any:
+        return self.result(self.start(function, input, workflow), timeout)
+
+
+class Worker:
+    """Runs the workflows popped from ``queue`` with ``functions``."""
+
+    def __init__(self, flow: FlowBook, functions: Functions, queue: str = QUEUE) -> None:
+        self.flow = flow
+        self.functions = functions
+        self.queue = BokiQueue(flow.lb.child(), queue)
+        flow.call = self._call
+        self.ran = 0
+
+    def _call(self, function: str, workflow: str, input: bytes) -> bytes:
+        """A nested call: the callee's intent, then its run, here."""
+        self.flow.drive(fc.intent(workflow, function, input))
+        return run_workflow(self.flow, workflow, self.functions.get)
+
+    def run_one(self) -> bool:
+        """Pop one workflow id and run it; False if the queue was empty."""
+        self.flow.lb.observe(self.queue.lb.position)
+        data = self.queue.pop()
+        if data is None:
+            return False
+        self.flow.lb.observe(self.queue.lb.position)
+        run_workflow(self.flow, data.decode(), self.functions.get)
+        self.ran += 1
+        return True
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            for _ in _polls(None):
+                if stop.is_set() or self.run_one():
+                    break
+
+
+class Sweeper:
+    """Finds intents with no done record after ``retry_after`` and pushes them again.
+    Keeps the unfinished intents it saw (at most ``limit``: the oldest are forgotten
+    first, and a caller's own retries still cover them)."""
+
+    def __init__(self, lb: LogBook, queue: str = QUEUE, *, retry_after: float = RETRY_AFTER_S,
+                 limit: int = 100_000) -> None:
+        self.lb = lb
+        self.queue = BokiQueue(lb, queue)
+        self.retry_after = retry_after
+        self.limit = limit
+        self.cursor = 0
+        #: workflow -> when it was last pushed (or first seen)
+        self.pending: OrderedDict[str, float] = OrderedDict()
+        self.pushed = 0
+
+    def _drive(self, steps: fc.Steps) -> Any:
+        return drive(steps, lambda op: book_io.perform(self.lb, op))
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        while True:
+            rec = self.lb.read_next(self.cursor + 1, tag=fr.INTENTS)
+            if rec is None:
+                break
+            self.cursor = rec.seqnum
+            intent = fr.decode(rec.data)
+            if type(intent) is fr.Intent and intent.workflow not in self.pending:
+                self.pending[intent.workflow] = now
+                while len(self.pending) > self.limit:
+                    self.pending.popitem(last=False)
+        for workflow, since in list(self.pending.items()):
+            if now - since < self.retry_after:
+                continue
+            if self._drive(fc.read_done(workflow)) is not None:
+                del self.pending[workflow]
+            else:
+                self.queue.push(workflow.encode())
+                self.pending[workflow] = now
+                self.pushed += 1
+
+
+class WorkerPool:
+    """``n`` worker processes (``python -m ziplog.logbook.flow.worker``) on ``functions``
+    (a ``module:attribute`` spec), started again when they die, and a sweeper.
+    ``audit``: the workers keep the database's audit of applied writes."""
+
+    def __init__(self, zk_hosts: str, book: int, functions: str, db_path: str, n: int = 2, *,
+                 queue: str = QUEUE, retry_after: float = RETRY_AFTER_S, key_file: str | None = None,
+                 audit: bool = False, env: dict[str, str] | None = None) -> None:
+        self.args = [sys.executable, "-m", "ziplog.logbook.flow.worker", "--zk", zk_hosts, "--book", str(book),
+                     "--functions", functions, "--db", db_path, "--queue", queue]
+        if key_file:
+            self.args += ["--key-file", key_file]
+        if audit:
+            self.args.append("--audit")
+        self.env = {**os.environ, **(env or {})}
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.restarts = 0
+        self._lb = LogBook(zk_hosts, book, key_file=key_file)
+        self.sweeper = Sweeper(self._lb, queue, retry_after=retry_after)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="flow-pool", daemon=True)
+
+    def start(self) -> "WorkerPool":
+        for i in range(len(self.procs)):
+            self._spawn(i)
+        self._thread.start()
+        return self
+
+    def _spawn(self, i: int) -> None:
+        self.procs[i] = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL)
+
+    def kill(self, i: int) -> int | None:
+        """SIGKILL worker ``i`` (the supervisor starts another); its pid, or None if it
+        was not running."""
+        proc = self.procs[i]
+        if proc is None or proc.poll() is not None:
+            return None
+        proc.send_signal(signal.SIGKILL)
+        return proc.pid
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.05):
+            for i, proc in enumerate(self.procs):
+                if proc is not None and proc.poll() is not None and not self._stop.is_set():
+                    self.restarts += 1
+                    self._spawn(i)
+            try:
+                self.sweeper.sweep()
+            except Exception as exc:  # a sweep that failed is tried at the next round
+                print(f"flow pool: sweep failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            if proc is not None:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self._lb.close()
+
+    def __enter__(self) -> "WorkerPool":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
