@@ -22,6 +22,7 @@ from ziplog.logbook import LogBook
 from ziplog.logbook.core import flow as fc
 from ziplog.logbook.flow import FlowBook, FlowClient, SqliteDatabase, Worker, WorkerPool, run_workflow
 from ziplog.logbook.flow import travel
+from ziplog.protocol.errors import TrimmedError
 
 BOOK = 40
 
@@ -140,8 +141,10 @@ def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(clust
     rng = random.Random(7)
     book = BOOK + 4
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the sweeper collects ended workflows a second after it saw them end, so trims run
+    # all along under the live ones
     pool = WorkerPool(cluster.zk_hosts, book, "tests.flow_functions:functions", db_path, 3, retry_after=1.0,
-                      audit=True, env=env)
+                      collect_after=1.0, audit=True, env=env)
     pool.start()
     try:
         with LogBook(cluster.zk_hosts, book) as lb:
@@ -169,6 +172,17 @@ def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(clust
                 kills += pool.kill(rng.randrange(3)) is not None
             for t in threads:
                 t.join()
+            # every workflow ended: the sweeper collects them all, and a duplicate call of
+            # one collected is refused rather than run again
+            sweeper = pool.sweeper
+            assert sweeper is not None
+            deadline = time.monotonic() + 60
+            while sweeper.trimmed_to <= sweeper.cursor and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sweeper.trimmed_to > sweeper.cursor > 0, (sweeper.trimmed_to, sweeper.cursor)
+            lb.observe(sweeper.lb.position)  # a session that has seen the trim
+            with pytest.raises(TrimmedError):
+                FlowClient(lb).start("open_accounts", None, "open")
         assert kills > 0 and pool.restarts >= kills
         db = SqliteDatabase(db_path)
         try:

@@ -35,6 +35,10 @@ FORMAT = 1
 HEADER = MAGIC + bytes([FORMAT])
 #: the longest workflow id, function name, table, key or lock name
 MAX_NAME = 512
+#: where a flow's locks and its queue of workflow ids live: in the books after the
+#: workflows' own (the collection trims the workflows' book only)
+LOCKS_BOOK_OFFSET = 1
+QUEUE_BOOK_OFFSET = 2
 #: the tag of every intent: the workflows ever called, in call order (the runtime's
 #: sweeper reads them to find a workflow nobody finished)
 INTENTS = "flow:intents"

@@ -28,7 +28,7 @@ from ziplog.logbook.client import LogBook
 from ziplog.logbook.core import flow as fc
 from ziplog.logbook.core.book_ops import BookOp
 from ziplog.logbook.core.flow_lock import LockChain
-from ziplog.logbook.core.flow_records import holder_of
+from ziplog.logbook.core.flow_records import LOCKS_BOOK_OFFSET, holder_of
 from ziplog.logbook.flow.db import Database
 from ziplog.protocol.errors import ZiplogError
 
@@ -54,7 +54,7 @@ class FlowBook:
 
     def __init__(self, lb: LogBook, db: Database, *, locks_book: int | None = None) -> None:
         self.lb = lb
-        self.locks = lb.on_book(lb.book_id + 1 if locks_book is None else locks_book)
+        self.locks = lb.on_book(lb.book_id + LOCKS_BOOK_OFFSET if locks_book is None else locks_book)
         self.db = db
         self.call: Callable[[str, str, bytes], bytes] | None = None
         #: the lock chains replayed so far (each keeps its cursor); a bounded cache

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Iterator
 
 from ziplog.cores.app_session import drive
@@ -37,6 +37,7 @@ from ziplog.logbook.core import flow as fc
 from ziplog.logbook.core import flow_records as fr
 from ziplog.logbook.flow.env import FlowBook, Function, run_workflow
 from ziplog.logbook.queue import BokiQueue
+from ziplog.protocol.errors import TrimmedError
 
 __all__ = ["Functions", "FlowClient", "Worker", "WorkerPool", "QUEUE"]
 
@@ -95,12 +96,34 @@ def _polls(timeout: float | None) -> Iterator[None]:
         pause = min(pause * 2, MAX_POLL_S)
 
 
+class QueueLink:
+    """The queue of workflow ids, in its own book (``lb``'s book + ``QUEUE_BOOK_OFFSET``:
+    the workflows' book is trimmed by the collection, and a queue's replay needs its whole
+    history), its session's position kept level with ``lb``'s."""
+
+    def __init__(self, lb: LogBook, queue: str) -> None:
+        self.lb = lb
+        self.queue = BokiQueue(lb.on_book(lb.book_id + fr.QUEUE_BOOK_OFFSET), queue)
+
+    def push(self, workflow: str) -> None:
+        """Push after everything ``lb`` saw (the intent): a pop of it reads at cuts above."""
+        self.queue.lb.observe(self.lb.position)
+        self.queue.push(workflow.encode())
+        self.lb.observe(self.queue.lb.position)
+
+    def pop(self) -> str | None:
+        self.queue.lb.observe(self.lb.position)
+        data = self.queue.pop()
+        self.lb.observe(self.queue.lb.position)  # the intent is below the push: reads see it
+        return None if data is None else data.decode()
+
+
 class FlowClient:
     """Calls workflows through ``queue`` of ``lb``'s book."""
 
     def __init__(self, lb: LogBook, queue: str = QUEUE, *, retry_after: float = RETRY_AFTER_S) -> None:
         self.lb = lb
-        self.queue = BokiQueue(lb, queue)
+        self.queue = QueueLink(lb, queue)
         self.retry_after = retry_after
 
     def _drive(self, steps: fc.Steps) -> Any:
@@ -108,10 +131,11 @@ class FlowClient:
 
     def start(self, function: str, input: Any = None, workflow: str | None = None) -> str:
         """Call ``function(input)`` as ``workflow`` (a fresh id if None) without waiting;
-        the workflow's id. A call of an id called before is that workflow."""
+        the workflow's id. A call of an id called before is that workflow (TrimmedError if
+        it ended so long ago that its records were collected)."""
         workflow = fr.check_name("workflow id", workflow or uuid.uuid4().hex)
         self._drive(fc.intent(workflow, fr.check_name("function name", function), fc.pack(input)))
-        self.queue.push(workflow.encode())
+        self.queue.push(workflow)
         return workflow
 
     def result(self, workflow: str, timeout: float | None = 60.0) -> Any:
@@ -123,7 +147,7 @@ class FlowClient:
             if done is not None:
                 return fc.unpack_outcome(done)
             if time.monotonic() - pushed >= self.retry_after:
-                self.queue.push(workflow.encode())
+                self.queue.push(workflow)
                 pushed = time.monotonic()
         raise TimeoutError(f"workflow {workflow!r} did not end within {timeout} s")
 
@@ -138,9 +162,10 @@ class Worker:
     def __init__(self, flow: FlowBook, functions: Functions, queue: str = QUEUE) -> None:
         self.flow = flow
         self.functions = functions
-        self.queue = BokiQueue(flow.lb.child(), queue)
+        self.queue = QueueLink(flow.lb, queue)
         flow.call = self._call
         self.ran = 0
+        self.collected = 0
 
     def _call(self, function: str, workflow: str, input: bytes) -> bytes:
         """A nested call: the callee's intent, then its run, here."""
@@ -149,12 +174,15 @@ class Worker:
 
     def run_one(self) -> bool:
         """Pop one workflow id and run it; False if the queue was empty."""
-        self.flow.lb.observe(self.queue.lb.position)
-        data = self.queue.pop()
-        if data is None:
+        workflow = self.queue.pop()
+        if workflow is None:
             return False
-        self.flow.lb.observe(self.queue.lb.position)
-        run_workflow(self.flow, data.decode(), self.functions.get)
+        try:
+            run_workflow(self.flow, workflow, self.functions.get)
+        except TrimmedError:
+            # a duplicate of a workflow that ended and was collected: nothing to run
+            self.collected += 1
+            return True
         self.ran += 1
         return True
 
@@ -166,19 +194,31 @@ class Worker:
 
 
 class Sweeper:
-    """Finds intents with no done record after ``retry_after`` and pushes them again.
-    Keeps the unfinished intents it saw (at most ``limit``: the oldest are forgotten
-    first, and a caller's own retries still cover them)."""
+    """Pushes again the workflows nobody ended, and collects the records of those that
+    ended (``collect_after`` seconds after it saw them end; None: never).
+
+    It reads every intent (tag INTENTS) in seqnum order and keeps those not yet seen
+    ended: ``pending`` (at most ``limit``; past it the oldest is forgotten, and so is the
+    right to trim past it: ``floor``). A workflow's records all lie at or above its
+    intent's seqnum (each was appended after a read of the intent), so a trim point at or
+    below the oldest intent not yet collectable never takes a record a run still needs:
+    the trim point is the lowest of the pending intents, the ended ones kept, the
+    forgotten ``floor``, and the next intent not yet read."""
 
     def __init__(self, lb: LogBook, queue: str = QUEUE, *, retry_after: float = RETRY_AFTER_S,
-                 limit: int = 100_000) -> None:
+                 collect_after: float | None = None, limit: int = 100_000) -> None:
         self.lb = lb
-        self.queue = BokiQueue(lb, queue)
+        self.queue = QueueLink(lb, queue)
         self.retry_after = retry_after
+        self.collect_after = collect_after
         self.limit = limit
         self.cursor = 0
-        #: workflow -> when it was last pushed (or first seen)
-        self.pending: OrderedDict[str, float] = OrderedDict()
+        #: workflow -> (its intent's seqnum, when it was last pushed or first seen)
+        self.pending: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        #: ended workflows whose records are kept still: (intent seqnum, when seen ended)
+        self.ended: deque[tuple[int, float]] = deque()
+        self.floor: int | None = None
+        self.trimmed_to = 0
         self.pushed = 0
 
     def _drive(self, steps: fc.Steps) -> Any:
@@ -186,35 +226,62 @@ class Sweeper:
 
     def sweep(self) -> None:
         now = time.monotonic()
-        while True:
-            rec = self.lb.read_next(self.cursor + 1, tag=fr.INTENTS)
-            if rec is None:
-                break
-            self.cursor = rec.seqnum
-            intent = fr.decode(rec.data)
-            if type(intent) is fr.Intent and intent.workflow not in self.pending:
-                self.pending[intent.workflow] = now
-                while len(self.pending) > self.limit:
-                    self.pending.popitem(last=False)
-        for workflow, since in list(self.pending.items()):
+        self._read_intents(now)
+        for workflow, (seqnum, since) in list(self.pending.items()):
             if now - since < self.retry_after:
                 continue
             if self._drive(fc.read_done(workflow)) is not None:
                 del self.pending[workflow]
+                self.ended.append((seqnum, now))
             else:
-                self.queue.push(workflow.encode())
-                self.pending[workflow] = now
+                self.queue.push(workflow)
+                self.pending[workflow] = (seqnum, now)
                 self.pushed += 1
+        if self.collect_after is not None:
+            self._collect(now)
+
+    def _read_intents(self, now: float) -> None:
+        while True:
+            rec = self.lb.read_next(self.cursor + 1, tag=fr.INTENTS)
+            if rec is None:
+                return
+            self.cursor = rec.seqnum
+            intent = fr.decode(rec.data)
+            if type(intent) is fr.Intent and intent.workflow not in self.pending:
+                self.pending[intent.workflow] = (rec.seqnum, now)
+                while len(self.pending) > self.limit:
+                    _, (forgotten, _) = self.pending.popitem(last=False)
+                    self.floor = forgotten if self.floor is None else min(self.floor, forgotten)
+
+    def trim_point(self, now: float) -> int:
+        """The highest seqnum the workflows' book may be trimmed below now."""
+        assert self.collect_after is not None
+        ended = self.ended
+        while ended and now - ended[0][1] >= self.collect_after:
+            ended.popleft()
+        candidates = [self.cursor + 1, *(seqnum for seqnum, _ in ended), *(s for s, _ in self.pending.values())]
+        if self.floor is not None:
+            candidates.append(self.floor)
+        return min(candidates)
+
+    def _collect(self, now: float) -> None:
+        point = self.trim_point(now)
+        if point > self.trimmed_to:
+            self.lb.trim(point)
+            self.trimmed_to = point
 
 
 class WorkerPool:
     """``n`` worker processes (``python -m ziplog.logbook.flow.worker``) on ``functions``
     (a ``module:attribute`` spec), started again when they die, and a sweeper.
-    ``audit``: the workers keep the database's audit of applied writes."""
+    ``collect_after``: the sweeper trims an ended workflow's records this many seconds
+    after it saw it end (None: never); ``audit``: the workers keep the database's audit
+    of applied writes."""
 
     def __init__(self, zk_hosts: str, book: int, functions: str, db_path: str, n: int = 2, *,
                  queue: str = QUEUE, retry_after: float = RETRY_AFTER_S, key_file: str | None = None,
-                 audit: bool = False, env: dict[str, str] | None = None) -> None:
+                 collect_after: float | None = None, audit: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.args = [sys.executable, "-m", "ziplog.logbook.flow.worker", "--zk", zk_hosts, "--book", str(book),
                      "--functions", functions, "--db", db_path, "--queue", queue]
         if key_file:
@@ -224,8 +291,11 @@ class WorkerPool:
         self.env = {**os.environ, **(env or {})}
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.restarts = 0
-        self._lb = LogBook(zk_hosts, book, key_file=key_file)
-        self.sweeper = Sweeper(self._lb, queue, retry_after=retry_after)
+        # the sweeper's engine is made and used in the supervisor's thread (an engine
+        # serves the thread it was made in)
+        self._make_sweeper = lambda: Sweeper(LogBook(zk_hosts, book, key_file=key_file), queue,
+                                             retry_after=retry_after, collect_after=collect_after)
+        self.sweeper: Sweeper | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name="flow-pool", daemon=True)
 
@@ -248,15 +318,19 @@ class WorkerPool:
         return proc.pid
 
     def _supervise(self) -> None:
-        while not self._stop.wait(0.05):
-            for i, proc in enumerate(self.procs):
-                if proc is not None and proc.poll() is not None and not self._stop.is_set():
-                    self.restarts += 1
-                    self._spawn(i)
-            try:
-                self.sweeper.sweep()
-            except Exception as exc:  # a sweep that failed is tried at the next round
-                print(f"flow pool: sweep failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sweeper = self.sweeper = self._make_sweeper()
+        try:
+            while not self._stop.wait(0.05):
+                for i, proc in enumerate(self.procs):
+                    if proc is not None and proc.poll() is not None and not self._stop.is_set():
+                        self.restarts += 1
+                        self._spawn(i)
+                try:
+                    sweeper.sweep()
+                except Exception as exc:  # a sweep that failed is tried at the next round
+                    print(f"flow pool: sweep failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            sweeper.lb.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -272,7 +346,6 @@ class WorkerPool:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        self._lb.close()
 
     def __enter__(self) -> "WorkerPool":
         return self.start()
