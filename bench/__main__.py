@@ -27,6 +27,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "logdb": ("bench.experiments.logdb", "LogDB transactions and aborts, ziplog vs Scalog-style (Fig. 4.8, 4.9)"),
     "logbook": ("bench.experiments.logbook", "LogBook: appends, reads via the index tier vs read_record, "
                                               "read-after-append, 1 vs 2 index nodes, memory"),
+    "flow": ("bench.experiments.flow", "BokiFlow: write, read, invoke, lock and a workflow vs an unsafe baseline "
+                                        "that logs nothing; time waiting for the log"),
     "curve": ("bench.experiments.curve", "what CURVE costs: one-client latency and one-shard throughput, "
                                           "CURVE vs NULL, paired rounds"),
     "idle": ("bench.experiments.idle", "CPU an idle cluster uses, shipped settings vs the clock-driven ones of before"),

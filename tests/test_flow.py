@@ -23,6 +23,7 @@ from ziplog.logbook.core import flow as fc
 from ziplog.logbook.flow import FlowBook, FlowClient, SqliteDatabase, Worker, WorkerPool, run_workflow
 from ziplog.logbook.flow import travel
 from ziplog.protocol.errors import TrimmedError
+from ziplog.tools import cli
 
 BOOK = 40
 
@@ -95,8 +96,8 @@ def test_a_trip_killed_at_every_operation_and_run_again_books_once(cluster: zipl
             db.close()
 
 
-def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(cluster: ziplog.LocalCluster,
-                                                                          tmp_path: Path) -> None:
+def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(
+        cluster: ziplog.LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db_path = str(tmp_path / "db.sqlite")
     with LogBook(cluster.zk_hosts, BOOK + 2) as lb:
         db = SqliteDatabase(db_path, audit=True)
@@ -132,6 +133,13 @@ def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(cluster
             assert sum(travel.HOTELS.values()) - sum(hotels.values()) == booked == len(workflows)
         finally:
             db.close()
+    # what an operator sees of one of them
+    assert cli.main(["flow", "steps", "dup-0", "--book", str(BOOK + 2), "--zk", cluster.zk_hosts]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "workflow dup-0: book_trip({'prefer': 0})", out
+    assert [line.split("\t")[2] for line in out[1:3]] == ["invoke", "invoke"], out
+    assert out[-1].startswith("returned: {") and "'booked': True" in out[-1], out
+    assert cli.main(["flow", "steps", "never", "--book", str(BOOK + 2), "--zk", cluster.zk_hosts]) == 1
 
 
 def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(cluster: ziplog.LocalCluster,

@@ -200,3 +200,14 @@ def test_two_runs_at_once_have_one_effect_and_one_outcome(seed: int) -> None:
     count, _, taken, committed = fc.unpack_outcome(outcomes[0])
     assert count == 1 and taken and committed
     assert [(t, k) for t, k, _ in db.applied] == [("t", "k"), ("t", "other")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(junk=st.binary(max_size=64), body=st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
+                                                         | st.binary(max_size=8),
+                                                         lambda c: st.lists(c, max_size=6), max_leaves=12))
+def test_flow_records_decode_totally(junk: bytes, body: Any) -> None:
+    """Any bytes, and any msgpack value behind the header, decode to a record or None."""
+    for data in (junk, fr.HEADER + junk, fr.HEADER + fc.pack(body)):
+        rec = fr.decode(data)
+        assert rec is None or type(rec) in (fr.Intent, fr.Step, fr.Done, fr.LockOp)

@@ -62,3 +62,16 @@ async def drive_async(steps: Generator[Any, Any, Any], perform: Callable[[Any], 
         except StopIteration as stop:
             return stop.value
         value = await perform(op)
+
+
+def relay(steps: Generator[Any, Any, Any], wrap: Callable[[Any], Any]) -> Generator[Any, Any, Any]:
+    """Run ``steps`` inside another session's steps (``yield from relay(...)``), each of
+    their operations yielded as ``wrap(op)`` (an app that sends some of its operations
+    elsewhere, as BokiFlow sends a lock's to the locks' book)."""
+    value: Any = None
+    while True:
+        try:
+            op = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value = yield wrap(op)

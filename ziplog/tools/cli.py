@@ -633,6 +633,21 @@ def cmd_book_read(args: argparse.Namespace) -> int:
         return _print_record(lb.check_tail(tag))
 
 
+def cmd_flow_steps(args: argparse.Namespace) -> int:
+    from ziplog.logbook.flow.env import describe, iter_steps
+    with _book(args) as lb:
+        intent, outcome = describe(lb, args.workflow)
+        if intent is None:
+            print(f"no workflow {args.workflow!r} in book {args.book}", file=sys.stderr)
+            return 1
+        _out(f"workflow {args.workflow}: {intent[0]}({intent[1]!r})")
+        for step, seqnum, op, value in iter_steps(lb, args.workflow):
+            _out(f"{step}\t{seqnum}\t{op}\t{value!r}")
+        _out("running (no outcome yet)" if outcome is None else
+             f"{'returned' if outcome[0] else 'failed'}: {outcome[1]!r}")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------------------
 def _app_action(subs: Any, name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
     """An action of an app's command (``logdb``, ``book``): ZooKeeper hosts and a timeout."""
@@ -832,6 +847,13 @@ def _add_app_commands(sub: Any) -> None:
         br.add_argument("--tag", default=None, metavar="TAG")
     bt = book_cmd("tail", "print the book's last record with --tag TAG (default: any)", cmd_book_read)
     bt.add_argument("--tag", default=None, metavar="TAG")
+
+    flsub = _command_group(sub, "flow", "BokiFlow's workflows in a book: what they recorded",
+                           "Show BokiFlow workflows (their intent, steps and outcome).")
+    fs = _app_action(flsub, "steps", "print WORKFLOW's call, its recorded steps (step, seqnum, operation, "
+                     "outcome) and its outcome", cmd_flow_steps)
+    fs.add_argument("workflow", metavar="WORKFLOW")
+    fs.add_argument("--book", type=int, required=True, help="the workflows' book")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from typing import Any, Generator
 
 import msgpack
 
+from ziplog.cores.app_session import relay
 from ziplog.logbook.core import flow_records as fr
 from ziplog.logbook.core.book_ops import Append, BookOp, ReadNext
 from ziplog.logbook.core.flow_lock import LockChain
@@ -227,13 +228,7 @@ def unlock(workflow: str, step: int, chain: LockChain, holder: str) -> Steps:
 
 def _on_locks(steps: Steps) -> Steps:
     """Run a lock chain's steps on the locks' book."""
-    value: Any = None
-    while True:
-        try:
-            op = steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value = yield OnLocks(op)
+    return (yield from relay(steps, OnLocks))
 
 
 # -- transactions ----------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """A workflow's environment: BokiFlow's operations (:mod:`ziplog.logbook.core.flow`)
 performed on a LogBook and a database.
 
-    def transfer(env: Env, args: dict) -> bool:
+    def reserve(env: Env, req: dict) -> bool:
         with env.transaction() as t:
-            a, b = t.read("accounts", args["from"]), t.read("accounts", args["to"])
-            if a < args["amount"]:
+            rooms = t.read("hotels", req["hotel"], 0)
+            if rooms == 0:
                 return False
-            t.write("accounts", args["from"], a - args["amount"])
-            t.write("accounts", args["to"], b + args["amount"])
+            t.write("hotels", req["hotel"], rooms - 1)
+            t.write("bookings", req["trip"], req["hotel"])
         return t.committed
 
 A function is deterministic given what its environment returns: anything else it
@@ -256,10 +256,26 @@ def _is_infrastructure(exc: Exception) -> bool:
     return isinstance(exc, (ZiplogError, sqlite3.OperationalError, OSError, AssertionError))
 
 
-def iter_steps(flow: FlowBook, workflow: str, limit: int = 10_000) -> Iterator[tuple[int, int, Any]]:
-    """The workflow's recorded steps so far: (step, seqnum, outcome), in step order."""
+def iter_steps(lb: LogBook, workflow: str, limit: int = 10_000) -> Iterator[tuple[int, int, str, Any]]:
+    """The workflow's recorded steps so far, read through ``lb`` (its book):
+    (step, seqnum, operation, outcome), in step order."""
+    def perform(op: Any) -> Any:
+        return book_io.perform(lb, op)
+
     for step in range(1, limit + 1):
-        found = flow.drive(fc.first_step(workflow, step, None))
+        found = drive(fc.first_step(workflow, step, None), perform)
         if found is None:
             return
-        yield step, found[0], fc.unpack(found[1].value)
+        yield step, found[0], found[1].op, fc.unpack(found[1].value)
+
+
+def describe(lb: LogBook, workflow: str) -> tuple[Any, Any]:
+    """The workflow's intent ``(function, input)`` (None: never called) and its outcome
+    (``(ok, value)``; None while it has none)."""
+    def perform(op: Any) -> Any:
+        return book_io.perform(lb, op)
+
+    intent = drive(fc.read_intent(workflow), perform)
+    done = drive(fc.read_done(workflow), perform)
+    return (None if intent is None else (intent[1].function, fc.unpack(intent[1].input)),
+            None if done is None else tuple(fc.unpack(done)))
