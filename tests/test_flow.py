@@ -1,6 +1,7 @@
 """BokiFlow on a real cluster (ziplog/logbook/flow): a workflow killed at every one of its
 operations and run again, two runs of one workflow at once, and worker processes
-SIGKILLed under a bank of transfers and a counter behind a lock. Each database write
+SIGKILLed under a bank of transfers and a counter behind a lock, while a log replica,
+the membership service's leader and the failure handler's are killed too. Each database write
 happens once (the database's audit counts applied writes), every caller gets the first
 run's return value, the bank's total is kept and the counter misses no increment."""
 
@@ -175,9 +176,33 @@ def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(clust
             for t in threads:
                 t.start()
             kills = 0
-            while any(t.is_alive() for t in threads) and kills < 4:
-                time.sleep(0.4)
+
+            def kill_worker() -> None:
+                nonlocal kills
                 kills += pool.kill(rng.randrange(3)) is not None
+
+            # the workers die, and so do a log replica, the membership service's leader and
+            # the failure handler's (each started again)
+            replica_down = [False]
+
+            def kill_replica() -> None:
+                cluster.kill_replica(0, 1)
+                replica_down[0] = True
+
+            def restart_replica() -> None:
+                cluster.restart_replica(0, 1)
+                replica_down[0] = False
+
+            faults = [kill_worker, kill_replica, kill_worker, cluster.kill_mms_leader, kill_worker,
+                      cluster.kill_fh_leader, restart_replica, kill_worker]
+            try:
+                while faults and any(t.is_alive() for t in threads):
+                    time.sleep(0.4)
+                    faults.pop(0)()
+            finally:
+                if replica_down[0]:
+                    cluster.restart_replica(0, 1)
+            assert not faults, "the workload ended before every fault was drawn"
             for t in threads:
                 t.join()
             # every workflow ended: the sweeper collects them all, and a duplicate call of
