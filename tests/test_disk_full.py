@@ -1,6 +1,6 @@
 """A full disk is a state, not a crash, against real processes: both replicas of shard 0
-keep their segment files on one small tmpfs each (they write the same bytes, so they fill
-together: the common case). Inserts fill it; the client gets DiskFullError when pinned
+keep their segment files on one small tmpfs each (they write nearly the same bytes, so
+they fill together, or within a few KiB of each other). Inserts fill it; the client gets DiskFullError when pinned
 to the shard and moves to the other shard when it may; no replica crashes or restarts;
 every acknowledged record is delivered once to two subscribers; a trim gives space back
 and the shard takes inserts again by itself, also when every record sits in the one open
@@ -89,7 +89,10 @@ def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cl
         if cluster.one_segment:  # type: ignore[attr-defined]
             assert all(len(list(d.glob("seg-*.log"))) == 1 for d in cluster.small_dirs)  # type: ignore[attr-defined]
         states = _disk_states(pinned, 0)
-        assert all(s != "ok" and "ENOSPC" in s for s in states), states  # both full: the common case
+        # the replica that refused is full; the other usually is too, but may still have a
+        # few KiB (their files are not byte for byte the same: a backup also writes its
+        # guesses), and no other disk error may show
+        assert any("ENOSPC" in s for s in states) and all(s == "ok" or "ENOSPC" in s for s in states), states
         # -- the shard serves what it holds; writers that may choose go elsewhere ---------------
         some = sorted(acked)[len(acked) // 2]
         assert pinned.read_record(some) == acked[some]

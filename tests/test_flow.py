@@ -159,9 +159,9 @@ def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(clust
         with LogBook(cluster.zk_hosts, book) as lb:
             FlowClient(lb, retry_after=1.0).call("open_accounts", None, "open")
             transfers: list[tuple[str, dict[str, Any]]] = [(f"tx-{i}", {"from": rng.choice(bank.ACCOUNTS), "to": rng.choice(bank.ACCOUNTS),
-                                      "amount": rng.randint(1, 40)}) for i in range(24)]
+                                      "amount": rng.randint(1, 40)}) for i in range(16)]
             transfers = [(wf, r) for wf, r in transfers if r["from"] != r["to"]]
-            counts = [(f"count-{i}", None) for i in range(12)]
+            counts = [(f"count-{i}", None) for i in range(8)]
             calls = [("transfer", wf, r) for wf, r in transfers] + [("count_under_lock", wf, r) for wf, r in counts]
             rng.shuffle(calls)
             answers: dict[str, Any] = {}

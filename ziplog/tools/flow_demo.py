@@ -31,7 +31,7 @@ def check(name: str, ok: bool, detail: str, failures: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.flow_demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trips", type=int, default=40, help="trips to book (more than there are rooms: some fail)")
+    ap.add_argument("--trips", type=int, default=32, help="trips to book (more than there are rooms: some fail)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--kills", type=int, default=4, help="workers SIGKILLed during the run")
