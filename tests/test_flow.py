@@ -100,7 +100,7 @@ def test_a_trip_killed_at_every_operation_and_run_again_books_once(cluster: zipl
 def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(
         cluster: ziplog.LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db_path = str(tmp_path / "db.sqlite")
-    with LogBook(cluster.zk_hosts, BOOK + 2) as lb:
+    with LogBook(cluster.zk_hosts, BOOK + 10) as lb:
         db = SqliteDatabase(db_path, audit=True)
         try:
             _setup(lb, db, "setup-dup")
@@ -111,7 +111,7 @@ def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(
             answers: dict[str, list[Any]] = {wf: [] for wf in workflows}
 
             def run() -> None:
-                with LogBook(cluster.zk_hosts, BOOK + 2) as mine:
+                with LogBook(cluster.zk_hosts, BOOK + 10) as mine:
                     own_db = SqliteDatabase(db_path, audit=True)
                     try:
                         flow = FlowBook(mine, own_db)
@@ -135,12 +135,12 @@ def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(
         finally:
             db.close()
     # what an operator sees of one of them
-    assert cli.main(["flow", "steps", "dup-0", "--book", str(BOOK + 2), "--zk", cluster.zk_hosts]) == 0
+    assert cli.main(["flow", "steps", "dup-0", "--book", str(BOOK + 10), "--zk", cluster.zk_hosts]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "workflow dup-0: book_trip({'prefer': 0})", out
     assert [line.split("\t")[2] for line in out[1:3]] == ["invoke", "invoke"], out
     assert out[-1].startswith("returned: {") and "'booked': True" in out[-1], out
-    assert cli.main(["flow", "steps", "never", "--book", str(BOOK + 2), "--zk", cluster.zk_hosts]) == 1
+    assert cli.main(["flow", "steps", "never", "--book", str(BOOK + 10), "--zk", cluster.zk_hosts]) == 1
 
 
 def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(cluster: ziplog.LocalCluster,
@@ -148,95 +148,106 @@ def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(clust
     db_path = str(tmp_path / "bank.sqlite")
     SqliteDatabase(db_path, audit=True).close()
     rng = random.Random(7)
-    book = BOOK + 4
+    book = BOOK + 20
     env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # the sweeper collects ended workflows a second after it saw them end, so trims run
     # all along under the live ones
+    workers_log = tmp_path / "workers.log"
     pool = WorkerPool(cluster.zk_hosts, book, "tests.flow_functions:functions", db_path, 3, retry_after=1.0,
-                      collect_after=1.0, audit=True, env=env)
+                      collect_after=1.0, audit=True, env=env, log=str(workers_log))
     pool.start()
     try:
-        with LogBook(cluster.zk_hosts, book) as lb:
-            FlowClient(lb, retry_after=1.0).call("open_accounts", None, "open")
-            transfers: list[tuple[str, dict[str, Any]]] = [(f"tx-{i}", {"from": rng.choice(bank.ACCOUNTS), "to": rng.choice(bank.ACCOUNTS),
-                                      "amount": rng.randint(1, 40)}) for i in range(16)]
-            transfers = [(wf, r) for wf, r in transfers if r["from"] != r["to"]]
-            counts = [(f"count-{i}", None) for i in range(8)]
-            calls = [("transfer", wf, r) for wf, r in transfers] + [("count_under_lock", wf, r) for wf, r in counts]
-            rng.shuffle(calls)
-            answers: dict[str, Any] = {}
-
-            def client(mine: list[tuple[str, str, Any]]) -> None:
-                with LogBook(cluster.zk_hosts, book) as session:
-                    fcl = FlowClient(session, retry_after=1.0)
-                    for fn, wf, req in mine:
-                        answers[wf] = fcl.call(fn, req, wf, timeout=120)
-
-            threads = [threading.Thread(target=client, args=(calls[i::3],)) for i in range(3)]
-            for t in threads:
-                t.start()
-            kills = 0
-
-            def kill_worker() -> None:
-                nonlocal kills
-                kills += pool.kill(rng.randrange(3)) is not None
-
-            # the workers die, and so do a log replica, the membership service's leader and
-            # the failure handler's (each started again)
-            replica_down = [False]
-
-            def kill_replica() -> None:
-                cluster.kill_replica(0, 1)
-                replica_down[0] = True
-
-            def restart_replica() -> None:
-                cluster.restart_replica(0, 1)
-                replica_down[0] = False
-
-            faults = [kill_worker, kill_replica, kill_worker, cluster.kill_mms_leader, kill_worker,
-                      cluster.kill_fh_leader, restart_replica, kill_worker]
-            try:
-                while faults and any(t.is_alive() for t in threads):
-                    time.sleep(0.4)
-                    faults.pop(0)()
-            finally:
-                if replica_down[0]:
-                    cluster.restart_replica(0, 1)
-            assert not faults, "the workload ended before every fault was drawn"
-            for t in threads:
-                t.join()
-            # every workflow ended: the sweeper collects them all, and a duplicate call of
-            # one collected is refused rather than run again
-            sweeper = pool.sweeper
-            assert sweeper is not None
-            deadline = time.monotonic() + 60
-            while sweeper.trimmed_to <= sweeper.cursor and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert sweeper.trimmed_to > sweeper.cursor > 0, (sweeper.trimmed_to, sweeper.cursor)
-            lb.observe(sweeper.lb.position)  # a session that has seen the trim
-            with pytest.raises(TrimmedError):
-                FlowClient(lb).start("open_accounts", None, "open")
-        assert kills > 0 and pool.restarts >= kills
-        db = SqliteDatabase(db_path)
-        try:
-            accounts = {k: fc.unpack(v) for k, v in db.rows("accounts").items()}
-            assert sum(accounts.values()) == START_TOTAL, accounts  # the bank's total is kept
-            assert fc.unpack(db.rows("counters")["c"]) == len(counts)  # no increment lost or made twice
-            assert sorted(answers[wf] for wf, _ in counts) == list(range(1, len(counts) + 1))
-            applied = Counter((t, k, v) for t, k, v in db.applied())
-            assert all(n == 1 for n in applied.values())
-            # each committed transfer moved its amount once: replaying the answers gives the balances
-            expect = dict.fromkeys(bank.ACCOUNTS, bank.START)
-            assert all(isinstance(answers[wf], bool) for wf, _ in transfers)
-            committed = [r for wf, r in transfers if answers[wf]]
-            for r in committed:
-                expect[r["from"]] -= r["amount"]
-                expect[r["to"]] += r["amount"]
-            assert accounts == expect
-        finally:
-            db.close()
+        _bank_under_faults(cluster, pool, book, db_path, rng)
+    except BaseException:
+        print(f"the workers' exits: {pool.exits}; their output:")
+        print(workers_log.read_text(errors="replace")[-20_000:] if workers_log.exists() else "(none)")
+        raise
     finally:
         pool.close()
+
+
+def _bank_under_faults(cluster: ziplog.LocalCluster, pool: WorkerPool, book: int, db_path: str,
+                       rng: random.Random) -> None:
+    with LogBook(cluster.zk_hosts, book) as lb:
+        FlowClient(lb, retry_after=1.0).call("open_accounts", None, "open")
+        transfers: list[tuple[str, dict[str, Any]]] = [
+            (f"tx-{i}", {"from": rng.choice(bank.ACCOUNTS), "to": rng.choice(bank.ACCOUNTS), "amount": rng.randint(1, 40)})
+            for i in range(16)]
+        transfers = [(wf, r) for wf, r in transfers if r["from"] != r["to"]]
+        counts = [(f"count-{i}", None) for i in range(8)]
+        calls = [("transfer", wf, r) for wf, r in transfers] + [("count_under_lock", wf, r) for wf, r in counts]
+        rng.shuffle(calls)
+        answers: dict[str, Any] = {}
+
+        def client(mine: list[tuple[str, str, Any]]) -> None:
+            with LogBook(cluster.zk_hosts, book) as session:
+                fcl = FlowClient(session, retry_after=1.0)
+                for fn, wf, req in mine:
+                    answers[wf] = fcl.call(fn, req, wf, timeout=120)
+
+        threads = [threading.Thread(target=client, args=(calls[i::3],)) for i in range(3)]
+        for t in threads:
+            t.start()
+        kills = 0
+
+        def kill_worker() -> None:
+            nonlocal kills
+            kills += pool.kill(rng.randrange(3)) is not None
+
+        # the workers die, and so do a log replica, the membership service's leader and
+        # the failure handler's (each started again)
+        replica_down = [False]
+
+        def kill_replica() -> None:
+            cluster.kill_replica(0, 1)
+            replica_down[0] = True
+
+        def restart_replica() -> None:
+            cluster.restart_replica(0, 1)
+            replica_down[0] = False
+
+        faults = [kill_worker, kill_replica, kill_worker, cluster.kill_mms_leader, kill_worker,
+                  cluster.kill_fh_leader, restart_replica, kill_worker]
+        try:
+            while faults and any(t.is_alive() for t in threads):
+                time.sleep(0.4)
+                faults.pop(0)()
+        finally:
+            if replica_down[0]:
+                cluster.restart_replica(0, 1)
+        assert not faults, "the workload ended before every fault was drawn"
+        for t in threads:
+            t.join()
+        # every workflow ended: the sweeper collects them all, and a duplicate call of
+        # one collected is refused rather than run again
+        sweeper = pool.sweeper
+        assert sweeper is not None
+        deadline = time.monotonic() + 60
+        while sweeper.trimmed_to <= sweeper.cursor and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sweeper.trimmed_to > sweeper.cursor > 0, (sweeper.trimmed_to, sweeper.cursor)
+        lb.observe(sweeper.lb.position)  # a session that has seen the trim
+        with pytest.raises(TrimmedError):
+            FlowClient(lb).start("open_accounts", None, "open")
+    assert kills > 0 and pool.restarts >= kills
+    db = SqliteDatabase(db_path)
+    try:
+        accounts = {k: fc.unpack(v) for k, v in db.rows("accounts").items()}
+        assert sum(accounts.values()) == START_TOTAL, accounts  # the bank's total is kept
+        assert fc.unpack(db.rows("counters")["c"]) == len(counts)  # no increment lost or made twice
+        assert sorted(answers[wf] for wf, _ in counts) == list(range(1, len(counts) + 1))
+        applied = Counter((t, k, v) for t, k, v in db.applied())
+        assert all(n == 1 for n in applied.values())
+        # each committed transfer moved its amount once: replaying the answers gives the balances
+        expect = dict.fromkeys(bank.ACCOUNTS, bank.START)
+        assert all(isinstance(answers[wf], bool) for wf, _ in transfers)
+        committed = [r for wf, r in transfers if answers[wf]]
+        for r in committed:
+            expect[r["from"]] -= r["amount"]
+            expect[r["to"]] += r["amount"]
+        assert accounts == expect
+    finally:
+        db.close()
 
 
 START_TOTAL = bank.START * len(bank.ACCOUNTS)

@@ -276,12 +276,13 @@ class WorkerPool:
     (a ``module:attribute`` spec), started again when they die, and a sweeper.
     ``collect_after``: the sweeper trims an ended workflow's records this many seconds
     after it saw it end (None: never); ``audit``: the workers keep the database's audit
-    of applied writes."""
+    of applied writes; ``log``: a file the workers' output is appended to (default: this
+    process's)."""
 
     def __init__(self, zk_hosts: str, book: int, functions: str, db_path: str, n: int = 2, *,
                  queue: str = QUEUE, retry_after: float = RETRY_AFTER_S, key_file: str | None = None,
                  collect_after: float | None = None, audit: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log: str | None = None) -> None:
         self.args = [sys.executable, "-m", "ziplog.logbook.flow.worker", "--zk", zk_hosts, "--book", str(book),
                      "--functions", functions, "--db", db_path, "--queue", queue]
         if key_file:
@@ -291,6 +292,9 @@ class WorkerPool:
         self.env = {**os.environ, **(env or {})}
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.restarts = 0
+        self.log = log
+        #: the exit codes of the workers that died, in order
+        self.exits: list[int] = []
         # the sweeper's engine is made and used in the supervisor's thread (an engine
         # serves the thread it was made in)
         self._make_sweeper = lambda: Sweeper(LogBook(zk_hosts, book, key_file=key_file), queue,
@@ -306,7 +310,12 @@ class WorkerPool:
         return self
 
     def _spawn(self, i: int) -> None:
-        self.procs[i] = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL)
+        if self.log is None:
+            self.procs[i] = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL)
+            return
+        with open(self.log, "ab") as out:
+            self.procs[i] = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT)
 
     def kill(self, i: int) -> int | None:
         """SIGKILL worker ``i`` (the supervisor starts another); its pid, or None if it
@@ -323,6 +332,7 @@ class WorkerPool:
             while not self._stop.wait(0.05):
                 for i, proc in enumerate(self.procs):
                     if proc is not None and proc.poll() is not None and not self._stop.is_set():
+                        self.exits.append(proc.returncode)
                         self.restarts += 1
                         self._spawn(i)
                 try:
