@@ -143,6 +143,24 @@ def test_two_runs_of_one_workflow_at_once_have_one_effect_and_one_answer(
     assert cli.main(["flow", "steps", "never", "--book", str(BOOK + 10), "--zk", cluster.zk_hosts]) == 1
 
 
+def test_an_idle_worker_takes_work_pushed_after_it_found_the_queue_empty(cluster: ziplog.LocalCluster,
+                                                                        tmp_path: Path) -> None:
+    # a worker that only polls appends nothing: its reads must still see later pushes
+    with LogBook(cluster.zk_hosts, BOOK + 30) as wlb, LogBook(cluster.zk_hosts, BOOK + 30) as clb:
+        db = SqliteDatabase(str(tmp_path / "db.sqlite"))
+        try:
+            worker = Worker(FlowBook(wlb, db), travel.functions)
+            assert not worker.run_one()  # a queue with no record at all
+            FlowClient(clb).start("setup", None, "late")
+            deadline = time.monotonic() + 30
+            while not worker.run_one():
+                assert time.monotonic() < deadline, "an idle worker never saw the push"
+                time.sleep(0.01)
+            assert worker.ran == 1
+        finally:
+            db.close()
+
+
 def test_workers_killed_under_transfers_and_a_lock_lose_and_repeat_nothing(cluster: ziplog.LocalCluster,
                                                                             tmp_path: Path) -> None:
     db_path = str(tmp_path / "bank.sqlite")
@@ -210,7 +228,7 @@ def _bank_under_faults(cluster: ziplog.LocalCluster, pool: WorkerPool, book: int
                   cluster.kill_fh_leader, restart_replica, kill_worker]
         try:
             while faults and any(t.is_alive() for t in threads):
-                time.sleep(0.4)
+                time.sleep(0.25)
                 faults.pop(0)()
         finally:
             if replica_down[0]:

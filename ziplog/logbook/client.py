@@ -216,6 +216,14 @@ class Engine(EngineState):
             self.sub.close()
             self.client.close()
 
+    def refresh(self) -> None:
+        """Take in what has arrived: one turn of the client's runtime that does not wait.
+        A lookup is answered at the engine's watermark once it reached the session's
+        position, and turns the runtime only while it has not: a session that only reads
+        (a poller: a worker at an empty queue) would keep reading the snapshot the last
+        turn left it, and never see what others append."""
+        self.client.runtime.run_once(0)
+
     def catch_up(self, position: int) -> None:
         """Feed the index everything delivered so far, and at least up to ``position``
         (Boki's rule: an index behind the reader's position does not answer it)."""
@@ -284,6 +292,12 @@ class LogBook(SessionBase):
     def child(self) -> "LogBook":
         """A session on the same book and engine that starts at this one's position."""
         return LogBook("", self.book_id, **self._child_args())
+
+    def refresh(self) -> None:
+        """Let this session's next reads see what the engine has received since its last
+        call (without it, a read at or above the session's position may be answered from
+        the snapshot the engine already had): for a session that polls without appending."""
+        self._engine.refresh()
 
     def on_book(self, book_id: int) -> "LogBook":
         """A session on book ``book_id`` with this one's engine, starting at this one's

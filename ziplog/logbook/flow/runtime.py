@@ -112,6 +112,7 @@ class QueueLink:
         self.lb.observe(self.queue.lb.position)
 
     def pop(self) -> str | None:
+        self.lb.refresh()  # a worker at an empty queue polls: see the pushes made since
         self.queue.lb.observe(self.lb.position)
         data = self.queue.pop()
         self.lb.observe(self.queue.lb.position)  # the intent is below the push: reads see it
@@ -143,6 +144,7 @@ class FlowClient:
         TimeoutError after ``timeout`` seconds), pushing it again while nobody ends it."""
         pushed = time.monotonic()
         for _ in _polls(timeout):
+            self.lb.refresh()  # polling: see the done records appended since
             done = self._drive(fc.read_done(workflow))
             if done is not None:
                 return fc.unpack_outcome(done)
@@ -226,6 +228,7 @@ class Sweeper:
 
     def sweep(self) -> None:
         now = time.monotonic()
+        self.lb.refresh()  # it only reads, mostly: see the intents and done records since
         self._read_intents(now)
         for workflow, (seqnum, since) in list(self.pending.items()):
             if now - since < self.retry_after:
