@@ -298,8 +298,8 @@ class WorkerPool:
         self.log = log
         #: the exit codes of the workers that died, in order
         self.exits: list[int] = []
-        # the sweeper's engine is made and used in the supervisor's thread (an engine
-        # serves the thread it was made in)
+        # the sweeper's engine is made and used in the supervisor's thread (an engine is
+        # not thread-safe: one thread uses it)
         self._make_sweeper = lambda: Sweeper(LogBook(zk_hosts, book, key_file=key_file), queue,
                                              retry_after=retry_after, collect_after=collect_after)
         self.sweeper: Sweeper | None = None
