@@ -211,3 +211,34 @@ def test_flow_records_decode_totally(junk: bytes, body: Any) -> None:
     for data in (junk, fr.HEADER + junk, fr.HEADER + fc.pack(body)):
         rec = fr.decode(data)
         assert rec is None or type(rec) in (fr.Intent, fr.Step, fr.Done, fr.LockOp)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.tuples(st.sampled_from(["intent", "end", "tick"]), st.integers(0, 5)), max_size=60))
+def test_the_sweep_never_trims_past_a_live_or_kept_workflow(events: list[tuple[str, int]]) -> None:
+    """Intents read in seqnum order, workflows seen ended, time passing: every trim point
+    is at or below each intent not yet seen ended and each ended one kept, and never goes back."""
+    from ziplog.logbook.core.flow_sweep import SweepState
+
+    state = SweepState(retry_after_ns=0, collect_after_ns=10, limit=4)
+    now, seqnum = 0, 0
+    intents: dict[str, int] = {}
+    ended_at: dict[str, int] = {}
+    for kind, n in events:
+        now += 1
+        if kind == "intent":
+            seqnum += 1 + n
+            wf = f"w{seqnum}"
+            state.on_intent(seqnum, fr.encode(fr.Intent(workflow=wf, function="f", input=b"")), now)
+            intents[wf] = seqnum
+        elif kind == "end" and state.pending:
+            wf = list(state.pending)[n % len(state.pending)]
+            state.ended_at(wf, now)
+            ended_at[wf] = now
+        point = state.trim_point(now)
+        if point is not None:
+            forgotten = [s for w, s in intents.items() if w not in state.pending and w not in ended_at]
+            kept = [s for w, s in intents.items()
+                    if w in state.pending or w in forgotten or now - ended_at.get(w, now) < 10]
+            assert all(point <= s for s in kept), (point, kept)
+            state.trimmed(point)

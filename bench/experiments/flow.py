@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ziplog.logbook.core import flow as fc
 from ziplog.tools.stats import summarize
 
 from ..report import Results, progress
@@ -57,11 +58,9 @@ class UnsafeEnv:
         return self._version[0]
 
     def write(self, table: str, key: str, value: Any) -> None:
-        from ziplog.logbook.core import flow as fc
         self.db.write(table, key, fc.pack(value), self._v())
 
     def read(self, table: str, key: str, default: Any = None) -> Any:
-        from ziplog.logbook.core import flow as fc
         data = self.db.read(table, key)
         return default if data is None else fc.unpack(data)
 
@@ -126,7 +125,6 @@ class LogClock:
         self._t = 0
 
     def hook(self, op: Any, phase: str) -> None:
-        from ziplog.logbook.core import flow as fc
         if type(op) in (fc.DbWrite, fc.DbRead, fc.Call):
             return
         if phase == "before":
@@ -136,7 +134,7 @@ class LogClock:
 
 
 @contextlib.contextmanager
-def _setup(p: dict[str, Any]) -> Iterator[tuple[Any, Any, Any, Any]]:
+def _setup(p: dict[str, Any]) -> Iterator[tuple[Any, Any, Any]]:
     import ziplog
     from ziplog.logbook import LogBook
     from ziplog.logbook.flow import FlowBook, SqliteDatabase, Worker
@@ -148,8 +146,8 @@ def _setup(p: dict[str, Any]) -> Iterator[tuple[Any, Any, Any, Any]]:
         lb = LogBook(cluster.zk_hosts, 70)
         try:
             flow = FlowBook(lb, db)
-            worker = Worker(flow, FUNCTIONS)  # runs the flow's invokes
-            yield flow, worker, db, unsafe_db
+            Worker(flow, FUNCTIONS)  # runs the flow's invokes (it sets flow.call)
+            yield flow, db, unsafe_db
         finally:
             lb.close()
             db.close()
@@ -169,7 +167,6 @@ def _primitive(name: str, env: Any, i: int) -> None:
 
 
 def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
-    from ziplog.logbook.core import flow as fc
     from ziplog.logbook.flow import Env, FlowClient, run_workflow
     from ziplog.logbook.flow import travel
 
@@ -177,7 +174,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     res = Results("flow", out, p)
     samples: dict[tuple[str, str], list[int]] = {}
     log_share: list[float] = []
-    with _setup(p) as (flow, worker, db, unsafe_db):
+    with _setup(p) as (flow, db, unsafe_db):
         version = [0]
         client = FlowClient(flow.lb)
         travel_setup = [("hotels", h, 10 ** 9) for h in travel.HOTELS] + [("flights", f, 10 ** 9) for f in travel.FLIGHTS]

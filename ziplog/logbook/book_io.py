@@ -3,8 +3,10 @@ through a LogBook session: BokiQueue's and BokiFlow's steps drive through this."
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Generator, Iterator
 
+from ziplog.cores.app_session import drive
 from ziplog.logbook.client import LogBook
 from ziplog.logbook.core.book_ops import Append, BookOp, ReadNext, ReadTail
 
@@ -19,3 +21,17 @@ def perform(lb: LogBook, op: BookOp) -> Any:
         return None if rec is None else rec.seqnum
     assert type(op) is Append, op
     return lb.append(op.data, tags=[op.tag, *op.also])
+
+
+def drive_on(lb: LogBook, steps: Generator[Any, Any, Any]) -> Any:
+    """Run a library's steps to their end, each operation performed through ``lb``."""
+    return drive(steps, lambda op: perform(lb, op))
+
+
+@contextlib.contextmanager
+def level(session: LogBook, other: LogBook) -> Iterator[LogBook]:
+    """Work on ``session`` (one book) at or above ``other``'s position (another book),
+    and leave ``other`` at or above ``session``'s after: two books, one position."""
+    session.observe(other.position)
+    yield session
+    other.observe(session.position)

@@ -13,6 +13,7 @@ append): a run that comes second, or again, takes the first one's outcome.
   first record, so a repeat applies nothing, and of two writes to a row the later in
   the log wins wherever they land.
 * **read**: the database's value, then its step record; a re-run reads the record.
+* **remember**: a value the run made up, then its step record (the same way).
 * **invoke** ``(function, input)``: a pre-record naming the callee's workflow id, and a
   post-record with its return value, both first-wins; a call whose post-record exists is
   not made again, and the callee is a workflow of its own (exactly once by itself).
@@ -33,7 +34,7 @@ the locks' book inside :class:`OnLocks`, and :class:`DbWrite`, :class:`DbRead` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import msgpack
 
@@ -107,7 +108,7 @@ def unpack_outcome(data: bytes) -> Any:
     return value
 
 
-def first_of(tag: str, matches: Any) -> Steps:
+def first_of(tag: str, matches: Callable[[Any], bool]) -> Steps:
     """The first record of ``tag`` that ``matches`` (its decoded record): ``(seqnum,
     record)`` or None. Records of a colliding tag are skipped."""
     seqnum = 0
@@ -192,6 +193,16 @@ def read(workflow: str, step: int, table: str, key: str) -> Steps:
     value = yield DbRead(fr.check_name("table", table), fr.check_name("key", key))
     _, logged_value = yield from logged(workflow, step, "read", pack(value))
     return unpack(logged_value)
+
+
+def remember(workflow: str, step: int, make: Callable[[], bytes]) -> Steps:
+    """A value a run makes up (a random number, the time): the first run's (``make`` is
+    called only when the step has no record yet)."""
+    found = yield from first_step(workflow, step, "remember")
+    if found is not None:
+        return found[1].value
+    _, value = yield from logged(workflow, step, "remember", make())
+    return value
 
 
 def invoke(workflow: str, step: int, function: str, input: bytes) -> Steps:

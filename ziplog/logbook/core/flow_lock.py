@@ -18,7 +18,7 @@ record joined.
 
 A replay starts from the chain's first record and keeps its state between calls
 (:class:`LockChain`), so each call reads only the records since the last one. The lock's
-records live in a book the workflows' collection never trims (see ``flow_gc``).
+records live in a book the workflows' collection never trims (``flow_sweep``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,19 @@ Function = Callable[["Env", Any], Any]
 LOCK_WAIT_S = 10.0
 
 
+def pauses(timeout: float | None, first: float = 0.001, most: float = 0.02) -> Iterator[None]:
+    """A poller's tries: yields, then sleeps ``first`` seconds, doubling up to ``most``,
+    until ``timeout`` seconds have passed (None: for ever); one try at least."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = first
+    while True:
+        yield None  # one try at least
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, most)
+
+
 class TransactionAborted(Exception):
     """A transaction's lock was held by another (raised inside ``with env.transaction()``
     and swallowed at its end: the transaction is aborted, ``committed`` is False)."""
@@ -85,10 +98,8 @@ class FlowBook:
     def _perform(self, op: Any) -> Any:
         t = type(op)
         if t is fc.OnLocks:
-            self.lb.observe(self.locks.position)  # one position across the two books
-            result = book_io.perform(self.locks, op.op)
-            self.lb.observe(self.locks.position)
-            return result
+            with book_io.level(self.locks, self.lb) as locks:  # one position across the two books
+                return book_io.perform(locks, op.op)
         if t is fc.DbWrite:
             return self.db.write(op.table, op.key, op.value, op.version)
         if t is fc.DbRead:
@@ -98,7 +109,6 @@ class FlowBook:
                 raise RuntimeError("this flow book runs no calls: give it a runtime's functions")
             return self.call(op.function, op.workflow, op.input)
         book_op: BookOp = op
-        self.locks.observe(self.lb.position)
         return book_io.perform(self.lb, book_op)
 
 
@@ -127,11 +137,7 @@ class Env:
 
     def remember(self, make: Callable[[], Any]) -> Any:
         """``make()``'s value in the first run (a random choice, a time, an id)."""
-        found = self.flow.drive(fc.first_step(self.workflow, self._next(), "remember"))
-        if found is not None:
-            return fc.unpack(found[1].value)
-        _, value = self.flow.drive(fc.logged(self.workflow, self.step, "remember", fc.pack(make())))
-        return fc.unpack(value)
+        return fc.unpack(self.flow.drive(fc.remember(self.workflow, self._next(), lambda: fc.pack(make()))))
 
     def invoke(self, function: str, input: Any = None) -> Any:
         """Call ``function(input)`` as a workflow of its own; its return value (its
@@ -150,14 +156,7 @@ class Env:
     def lock(self, name: str, timeout: float = LOCK_WAIT_S) -> bool:
         """Take lock ``name``, trying again while another holds it, for up to ``timeout``
         seconds; False if it could not (each try is a step: a re-run takes the same path)."""
-        deadline = time.monotonic() + timeout
-        pause = 0.002
-        while not self.try_lock(name):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        return True
+        return any(self.try_lock(name) for _ in pauses(timeout, first=0.002, most=0.05))
 
     def unlock(self, name: str) -> None:
         holder = self.held.pop(name, None)
@@ -259,11 +258,8 @@ def _is_infrastructure(exc: Exception) -> bool:
 def iter_steps(lb: LogBook, workflow: str, limit: int = 10_000) -> Iterator[tuple[int, int, str, Any]]:
     """The workflow's recorded steps so far, read through ``lb`` (its book):
     (step, seqnum, operation, outcome), in step order."""
-    def perform(op: Any) -> Any:
-        return book_io.perform(lb, op)
-
     for step in range(1, limit + 1):
-        found = drive(fc.first_step(workflow, step, None), perform)
+        found = book_io.drive_on(lb, fc.first_step(workflow, step, None))
         if found is None:
             return
         yield step, found[0], found[1].op, fc.unpack(found[1].value)
@@ -272,10 +268,7 @@ def iter_steps(lb: LogBook, workflow: str, limit: int = 10_000) -> Iterator[tupl
 def describe(lb: LogBook, workflow: str) -> tuple[Any, Any]:
     """The workflow's intent ``(function, input)`` (None: never called) and its outcome
     (``(ok, value)``; None while it has none)."""
-    def perform(op: Any) -> Any:
-        return book_io.perform(lb, op)
-
-    intent = drive(fc.read_intent(workflow), perform)
-    done = drive(fc.read_done(workflow), perform)
+    intent = book_io.drive_on(lb, fc.read_intent(workflow))
+    done = book_io.drive_on(lb, fc.read_done(workflow))
     return (None if intent is None else (intent[1].function, fc.unpack(intent[1].input)),
             None if done is None else tuple(fc.unpack(done)))

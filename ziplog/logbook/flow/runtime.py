@@ -27,15 +27,14 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from typing import Any, Iterator
+from typing import Any
 
-from ziplog.cores.app_session import drive
 from ziplog.logbook import book_io
 from ziplog.logbook.client import LogBook
 from ziplog.logbook.core import flow as fc
 from ziplog.logbook.core import flow_records as fr
-from ziplog.logbook.flow.env import FlowBook, Function, run_workflow
+from ziplog.logbook.core.flow_sweep import SweepState
+from ziplog.logbook.flow.env import FlowBook, Function, pauses, run_workflow
 from ziplog.logbook.queue import BokiQueue
 from ziplog.protocol.errors import TrimmedError
 
@@ -86,16 +85,6 @@ def load_functions(spec: str) -> Functions:
     return found
 
 
-def _polls(timeout: float | None) -> Iterator[None]:
-    """Pauses growing to MAX_POLL_S, until ``timeout`` (None: for ever)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 0.001
-    while deadline is None or time.monotonic() < deadline:
-        yield None
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_POLL_S)
-
-
 class QueueLink:
     """The queue of workflow ids, in its own book (``lb``'s book + ``QUEUE_BOOK_OFFSET``:
     the workflows' book is trimmed by the collection, and a queue's replay needs its whole
@@ -107,15 +96,14 @@ class QueueLink:
 
     def push(self, workflow: str) -> None:
         """Push after everything ``lb`` saw (the intent): a pop of it reads at cuts above."""
-        self.queue.lb.observe(self.lb.position)
-        self.queue.push(workflow.encode())
-        self.lb.observe(self.queue.lb.position)
+        with book_io.level(self.queue.lb, self.lb):
+            self.queue.push(workflow.encode())
 
     def pop(self) -> str | None:
+        """A workflow id, or None; ``lb`` then reads at cuts above its push, so above its intent."""
         self.lb.refresh()  # a worker at an empty queue polls: see the pushes made since
-        self.queue.lb.observe(self.lb.position)
-        data = self.queue.pop()
-        self.lb.observe(self.queue.lb.position)  # the intent is below the push: reads see it
+        with book_io.level(self.queue.lb, self.lb):
+            data = self.queue.pop()
         return None if data is None else data.decode()
 
 
@@ -128,7 +116,7 @@ class FlowClient:
         self.retry_after = retry_after
 
     def _drive(self, steps: fc.Steps) -> Any:
-        return drive(steps, lambda op: book_io.perform(self.lb, op))
+        return book_io.drive_on(self.lb, steps)
 
     def start(self, function: str, input: Any = None, workflow: str | None = None) -> str:
         """Call ``function(input)`` as ``workflow`` (a fresh id if None) without waiting;
@@ -143,7 +131,7 @@ class FlowClient:
         """Wait for ``workflow``'s return value (``WorkflowFailed`` if it raised;
         TimeoutError after ``timeout`` seconds), pushing it again while nobody ends it."""
         pushed = time.monotonic()
-        for _ in _polls(timeout):
+        for _ in pauses(timeout, most=MAX_POLL_S):
             self.lb.refresh()  # polling: see the done records appended since
             done = self._drive(fc.read_done(workflow))
             if done is not None:
@@ -190,88 +178,52 @@ class Worker:
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            for _ in _polls(None):
+            for _ in pauses(None, most=MAX_POLL_S):
                 if stop.is_set() or self.run_one():
                     break
 
 
 class Sweeper:
     """Pushes again the workflows nobody ended, and collects the records of those that
-    ended (``collect_after`` seconds after it saw them end; None: never).
-
-    It reads every intent (tag INTENTS) in seqnum order and keeps those not yet seen
-    ended: ``pending`` (at most ``limit``; past it the oldest is forgotten, and so is the
-    right to trim past it: ``floor``). A workflow's records all lie at or above its
-    intent's seqnum (each was appended after a read of the intent), so a trim point at or
-    below the oldest intent not yet collectable never takes a record a run still needs:
-    the trim point is the lowest of the pending intents, the ended ones kept, the
-    forgotten ``floor``, and the next intent not yet read."""
+    ended (``collect_after`` seconds after it saw them end; None: never): the decisions
+    are :class:`~ziplog.logbook.core.flow_sweep.SweepState`'s (where the trim point's
+    argument is), this reads the log and acts on them."""
 
     def __init__(self, lb: LogBook, queue: str = QUEUE, *, retry_after: float = RETRY_AFTER_S,
                  collect_after: float | None = None, limit: int = 100_000) -> None:
         self.lb = lb
         self.queue = QueueLink(lb, queue)
-        self.retry_after = retry_after
-        self.collect_after = collect_after
-        self.limit = limit
-        self.cursor = 0
-        #: workflow -> (its intent's seqnum, when it was last pushed or first seen)
-        self.pending: OrderedDict[str, tuple[int, float]] = OrderedDict()
-        #: ended workflows whose records are kept still: (intent seqnum, when seen ended)
-        self.ended: deque[tuple[int, float]] = deque()
-        self.floor: int | None = None
-        self.trimmed_to = 0
+        self.state = SweepState(int(retry_after * 1e9), None if collect_after is None else int(collect_after * 1e9),
+                                limit)
         self.pushed = 0
 
-    def _drive(self, steps: fc.Steps) -> Any:
-        return drive(steps, lambda op: book_io.perform(self.lb, op))
+    @property
+    def cursor(self) -> int:
+        """The seqnum of the last intent read."""
+        return self.state.cursor
+
+    @property
+    def trimmed_to(self) -> int:
+        """The workflows' book is trimmed below this."""
+        return self.state.trimmed_to
 
     def sweep(self) -> None:
-        now = time.monotonic()
+        state = self.state
+        now = time.monotonic_ns()
         self.lb.refresh()  # it only reads, mostly: see the intents and done records since
-        self._read_intents(now)
-        for workflow, (seqnum, since) in list(self.pending.items()):
-            if now - since < self.retry_after:
-                continue
-            if self._drive(fc.read_done(workflow)) is not None:
-                del self.pending[workflow]
-                self.ended.append((seqnum, now))
+        while (rec := self.lb.read_next(state.cursor + 1, tag=fr.INTENTS)) is not None:
+            state.on_intent(rec.seqnum, rec.data, now)
+        for workflow in state.due(now):
+            if book_io.drive_on(self.lb, fc.read_done(workflow)) is not None:
+                state.ended_at(workflow, now)
             else:
                 self.queue.push(workflow)
-                self.pending[workflow] = (seqnum, now)
+                state.pushed(workflow, now)
                 self.pushed += 1
-        if self.collect_after is not None:
-            self._collect(now)
-
-    def _read_intents(self, now: float) -> None:
-        while True:
-            rec = self.lb.read_next(self.cursor + 1, tag=fr.INTENTS)
-            if rec is None:
-                return
-            self.cursor = rec.seqnum
-            intent = fr.decode(rec.data)
-            if type(intent) is fr.Intent and intent.workflow not in self.pending:
-                self.pending[intent.workflow] = (rec.seqnum, now)
-                while len(self.pending) > self.limit:
-                    _, (forgotten, _) = self.pending.popitem(last=False)
-                    self.floor = forgotten if self.floor is None else min(self.floor, forgotten)
-
-    def trim_point(self, now: float) -> int:
-        """The highest seqnum the workflows' book may be trimmed below now."""
-        assert self.collect_after is not None
-        ended = self.ended
-        while ended and now - ended[0][1] >= self.collect_after:
-            ended.popleft()
-        candidates = [self.cursor + 1, *(seqnum for seqnum, _ in ended), *(s for s, _ in self.pending.values())]
-        if self.floor is not None:
-            candidates.append(self.floor)
-        return min(candidates)
-
-    def _collect(self, now: float) -> None:
-        point = self.trim_point(now)
-        if point > self.trimmed_to:
+        point = state.trim_point(now)
+        if point is not None:
             self.lb.trim(point)
-            self.trimmed_to = point
+            state.trimmed(point)
 
 
 class WorkerPool:
