@@ -18,25 +18,33 @@ setup: $(STAMP)
 # System packages from Debian (ZooKeeper and a JRE for it; nats-server and
 # redis-server, the benchmark's real rivals; nftables, for the partition tests' firewall
 # rules; iproute2, for the network namespaces of the multi-host tests and
-# `ziplog cluster up --netns`), then a venv with the package and its extras: first what the
-# native build reads (the package, dev, fast), then the bench and spark extras while the
-# native library builds (they only add packages the build never imports, and none the first
-# step installed: 20 s saved on a fresh machine). Re-runs only when pyproject.toml or this file changes.
+# `ziplog cluster up --netns`; prometheus and its promtool, which check the monitoring
+# files against a live cluster; systemd-analyze, which checks the units), installed in the
+# background while a venv gets the package and its extras: first what the native build
+# reads (the package, dev, fast), then the bench and spark extras while the native
+# library builds (they only add packages the build never imports, and none the first
+# step installed: 20 s saved on a fresh machine). Nothing pip or the build does needs a
+# Debian package. Re-runs only when pyproject.toml or this file changes.
 $(STAMP): pyproject.toml Makefile
 	@if [ ! -f /usr/share/java/zookeeper.jar ] || ! command -v java >/dev/null \
 	    || ! command -v nats-server >/dev/null || ! command -v redis-server >/dev/null \
-	    || ! command -v nft >/dev/null || ! command -v ip >/dev/null || ! command -v tcpdump >/dev/null; then \
-		echo "installing ZooKeeper, nats-server, redis-server, nftables, iproute2, tcpdump (Debian packages)"; \
-		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
-			zookeeper default-jre-headless nats-server redis-server nftables iproute2 tcpdump >/dev/null; \
-	fi
-	@test -d $(VENV) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast]'
-	@$(PY) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
-	    print(*extras['bench'], *extras['spark'], sep='\n')" > $(VENV)/extras.txt
-	@$(PY) -m pip install -q --disable-pip-version-check -r $(VENV)/extras.txt & extras=$$!; \
-	    $(PY) -m ziplog.tools.build_native; built=$$?; \
-	    wait $$extras && exit $$built
+	    || ! command -v nft >/dev/null || ! command -v ip >/dev/null || ! command -v tcpdump >/dev/null \
+	    || ! command -v promtool >/dev/null || ! command -v systemd-analyze >/dev/null; then \
+		echo "installing ZooKeeper, nats-server, redis-server, nftables, iproute2, tcpdump, prometheus (Debian packages)"; \
+		( $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+			zookeeper default-jre-headless nats-server redis-server nftables iproute2 tcpdump systemd >/dev/null \
+		  && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+		) & apt=$$!; \
+	else apt=; fi; \
+	test -d $(VENV) || python3 -m venv $(VENV); \
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,fast]' || exit 1; \
+	$(PY) -c "import tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
+	    print(*extras['bench'], *extras['spark'], sep='\n')" > $(VENV)/extras.txt; \
+	$(PY) -m pip install -q --disable-pip-version-check -r $(VENV)/extras.txt & extras=$$!; \
+	$(PY) -m ziplog.tools.build_native; built=$$?; \
+	wait $$extras || exit 1; \
+	if [ -n "$$apt" ]; then wait $$apt || { echo "installing the Debian packages failed"; exit 1; }; fi; \
+	exit $$built
 	@touch $(STAMP)
 
 run: setup

@@ -196,16 +196,25 @@ def _bank_under_faults(cluster: ziplog.LocalCluster, pool: WorkerPool, book: int
         calls = [("transfer", wf, r) for wf, r in transfers] + [("count_under_lock", wf, r) for wf, r in counts]
         rng.shuffle(calls)
         answers: dict[str, Any] = {}
+        # the faults and the calls pace each other, so every fault lands mid-run on any
+        # machine: a client's k-th call waits for the (k+1)-th fault, the i-th fault for
+        # the i-th answer
+        progress = threading.Condition()
+        drawn = [0]
 
         def client(mine: list[tuple[str, str, Any]]) -> None:
             with LogBook(cluster.zk_hosts, book) as session:
                 fcl = FlowClient(session, retry_after=1.0)
-                for fn, wf, req in mine:
-                    answers[wf] = fcl.call(fn, req, wf, timeout=120)
+                for k, (fn, wf, req) in enumerate(mine):
+                    with progress:
+                        # a client's last call waits for them all, so none ends before
+                        need = len(faults) if k == len(mine) - 1 else min(k + 1, len(faults))
+                        assert progress.wait_for(lambda: drawn[0] >= need, timeout=120)
+                    answer = fcl.call(fn, req, wf, timeout=120)
+                    with progress:
+                        answers[wf] = answer
+                        progress.notify_all()
 
-        threads = [threading.Thread(target=client, args=(calls[i::3],)) for i in range(3)]
-        for t in threads:
-            t.start()
         kills = 0
 
         def kill_worker() -> None:
@@ -226,14 +235,21 @@ def _bank_under_faults(cluster: ziplog.LocalCluster, pool: WorkerPool, book: int
 
         faults = [kill_worker, kill_replica, kill_worker, cluster.kill_mms_leader, kill_worker,
                   cluster.kill_fh_leader, restart_replica, kill_worker]
+        threads = [threading.Thread(target=client, args=(calls[i::3],)) for i in range(3)]
+        for t in threads:
+            t.start()
         try:
-            while faults and any(t.is_alive() for t in threads):
-                time.sleep(0.25)
-                faults.pop(0)()
+            for i, fault in enumerate(faults):
+                with progress:
+                    assert progress.wait_for(lambda: len(answers) >= i, timeout=120), "no answer came"
+                fault()
+                with progress:
+                    drawn[0] += 1
+                    progress.notify_all()
         finally:
             if replica_down[0]:
                 cluster.restart_replica(0, 1)
-        assert not faults, "the workload ended before every fault was drawn"
+        assert all(t.is_alive() for t in threads), "a client ended before every fault was drawn"
         for t in threads:
             t.join()
         # every workflow ended: the sweeper collects them all, and a duplicate call of

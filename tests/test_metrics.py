@@ -9,20 +9,29 @@ an abort."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import socket
+import subprocess
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
+import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 import ziplog
 from ziplog import RecordId
-from ziplog.protocol.errors import ZiplogError
+from ziplog.protocol.errors import NotFoundError, ZiplogError
 from ziplog.protocol.gsna import EPOCH_BITS
 from ziplog.logdb import LogDB, TransactionAborted
-from ziplog.tools.logdb_local import local_logdb
+from ziplog.tools import procs
+from ziplog.tools.logdb_local import LocalLogDB, local_logdb
 
 ARGS = ["--metrics-port", "auto"]
 #: how long any awaited change may take on a busy machine
@@ -208,34 +217,176 @@ def test_cluster_processes_serve_metrics() -> None:
         assert value(r, "ziplog_replica_recovery_phase", phase="normal") == 1
 
 
-def test_logdb_processes_count_commits() -> None:
-    with ziplog.local_cluster(shards=1, replicas=2) as cluster, \
+@pytest.fixture(scope="module")
+def logdb_stack() -> Iterator[tuple[ziplog.LocalCluster, LocalLogDB]]:
+    """A cluster and a LogDB on it, every process serving metrics (shared by the LogDB
+    test and the Prometheus test)."""
+    with ziplog.local_cluster(shards=1, replicas=2, server_args=ARGS, mms_args=ARGS, fh_args=ARGS) as cluster, \
             local_logdb(cluster, coordinators=1, kv_shards=1, coordinator_args=ARGS, kv_args=ARGS) as ldb:
-        coordinator = metrics_url(cluster.logs / "logdb-coordinator0.log", ldb.coordinators[0].pid)
-        kv = metrics_url(cluster.logs / "logdb-kv0.log", ldb.kv[0].pid)
-        commits = 5
-        with LogDB(ldb.zk_hosts) as db:
-            for i in range(commits):
-                db.run(lambda t, i=i: t.put(b"k%d" % i, b"v"))  # type: ignore[misc]
-            # Two transactions read the same key and write it: the second to commit aborts.
-            t1, t2 = db.transaction(), db.transaction()
-            t1.get(b"k0")
-            t2.get(b"k0")
-            t1.put(b"k0", b"one")
-            t2.put(b"k0", b"two")
-            t1.commit()
-            last = t1.commit_rid
-            assert last is not None
-            try:
-                t2.commit()
-                raise AssertionError("a transaction whose read was overwritten committed")
-            except TransactionAborted:
-                pass
-        for url in (coordinator, kv):
-            s = scrape_until("every decision counted", url,
-                             lambda s: value(s, "ziplog_logdb_commits_total") == commits + 1
-                             and value(s, "ziplog_logdb_aborts_total") == 1)
-            assert value(s, "ziplog_logdb_position_gsn") > 0
-        assert value(scrape(coordinator), "ziplog_logdb_coordinator_leader") == 1
-        wait_for("the KV shard to apply every commit",
-                 lambda: value(scrape(kv), "ziplog_logdb_applied_gsn") >= last.gsn or None)
+        yield cluster, ldb
+
+
+def test_logdb_processes_count_commits(logdb_stack: tuple[ziplog.LocalCluster, LocalLogDB]) -> None:
+    cluster, ldb = logdb_stack
+    coordinator = metrics_url(cluster.logs / "logdb-coordinator0.log", ldb.coordinators[0].pid)
+    kv = metrics_url(cluster.logs / "logdb-kv0.log", ldb.kv[0].pid)
+    commits = 5
+    with LogDB(ldb.zk_hosts) as db:
+        for i in range(commits):
+            db.run(lambda t, i=i: t.put(b"k%d" % i, b"v"))  # type: ignore[misc]
+        # Two transactions read the same key and write it: the second to commit aborts.
+        t1, t2 = db.transaction(), db.transaction()
+        t1.get(b"k0")
+        t2.get(b"k0")
+        t1.put(b"k0", b"one")
+        t2.put(b"k0", b"two")
+        t1.commit()
+        last = t1.commit_rid
+        assert last is not None
+        try:
+            t2.commit()
+            raise AssertionError("a transaction whose read was overwritten committed")
+        except TransactionAborted:
+            pass
+    for url in (coordinator, kv):
+        s = scrape_until("every decision counted", url,
+                         lambda s: value(s, "ziplog_logdb_commits_total") == commits + 1
+                         and value(s, "ziplog_logdb_aborts_total") == 1)
+        assert value(s, "ziplog_logdb_position_gsn") > 0
+    assert value(scrape(coordinator), "ziplog_logdb_coordinator_leader") == 1
+    wait_for("the KV shard to apply every commit",
+             lambda: value(scrape(kv), "ziplog_logdb_applied_gsn") >= last.gsn or None)
+
+
+# -- the real tools: Prometheus scrapes every process, evaluates the alert rules ---------------
+DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
+RULES = DEPLOY / "prometheus" / "ziplog-alerts.yml"
+DASHBOARD = DEPLOY / "grafana" / "ziplog.json"
+README = Path(__file__).resolve().parent.parent / "README.md"
+#: Grafana's variables, as a query would run them
+GRAFANA_VARIABLES = {"$shard": ".*", "$__rate_interval": "1m", "$__range": "1h"}
+NAME = re.compile(r"\b(ziplog_[a-z0-9_]+)")
+NO_PROMETHEUS = "Debian's prometheus package is not installed (make setup installs it)"
+
+
+def readme_metric_names() -> set[str]:
+    """The names README's Metrics section lists: whole ``ziplog_...`` names, and the
+    storage replica's ``_...`` suffixes (each begins ``ziplog_replica``)."""
+    text = README.read_text().split("### Metrics", 1)[1].split("\n#", 1)[0]
+    out = set()
+    for token in re.findall(r"`([^`]+)`", text):
+        name = token.split("{")[0]
+        if re.fullmatch(r"ziplog_[a-z0-9_]+", name) and name != "ziplog_replica":  # "each name begins ..."
+            out.add(name)
+        elif re.fullmatch(r"_[a-z0-9_]+", name) and name != "_total":
+            out.add("ziplog_replica" + name)
+    assert len(out) > 40, out  # the section was found and read
+    return out
+
+
+def served(name: str, names: set[str]) -> bool:
+    """``name`` is served as itself, or as a histogram's series."""
+    return name in names or name + "_bucket" in names
+
+
+def test_alert_rules_and_the_example_config_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip(NO_PROMETHEUS)
+    for what, path in (("rules", RULES), ("config", RULES.parent / "prometheus.yml")):
+        done = subprocess.run([promtool, "check", what, str(path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+def _api(base: str, path: str, **params: str) -> Any:
+    url = f"{base}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+    except urllib.error.HTTPError as e:
+        if e.code not in (400, 422):  # 503 while it starts: wait_for tries again (an OSError)
+            raise
+        body = json.load(e)  # a refused query: its reason
+    assert body["status"] == "success", (url, body)
+    return body["data"]
+
+
+def test_a_real_prometheus_scrapes_every_process_and_evaluates_every_alert(
+        logdb_stack: tuple[ziplog.LocalCluster, LocalLogDB], tmp_path: Path) -> None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip(NO_PROMETHEUS)
+    cluster, ldb = logdb_stack
+    logs = cluster.logs
+    jobs = {
+        "ziplog-storage": [metrics_url(logs / f"shard0-replica{r}.log", cluster.servers[(0, r)].pid) for r in (0, 1)],
+        "ziplog-mms": [metrics_url(logs / f"mms{i}.log", p.pid) for i, p in sorted(cluster.mms.items())],
+        "ziplog-fh": [metrics_url(logs / f"fh{i}.log", p.pid) for i, p in sorted(cluster.fh.items())],
+        "ziplog-logdb": [metrics_url(logs / "logdb-coordinator0.log", ldb.coordinators[0].pid),
+                         metrics_url(logs / "logdb-kv0.log", ldb.kv[0].pid)],
+    }
+    with cluster.client() as c:
+        rid = c.insert_after(b"scraped")
+        # an error answered (counted by code) and a frame refused before the core (by code):
+        # their labelled counters have no series until one happens
+        with pytest.raises(NotFoundError):
+            c.read_record(RecordId(1, rid.shard))  # epoch 0 has no member: no record
+        addrs = c.topology.replica_addrs(0)
+        assert addrs is not None
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as junk:
+            junk.setsockopt(zmq.LINGER, 1000)
+            junk.connect(addrs[0])
+            junk.send(b"not a frame")
+            assert junk.poll(30_000), "no ERROR came for a malformed frame"
+    with LogDB(ldb.zk_hosts) as db:
+        db.run(lambda t: t.put(b"scraped", b"v"))
+    # the example config's jobs and rules, with these targets and a one-second pace
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
+              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [u.split("/")[2] for u in urls]}]}
+                                 for job, urls in jobs.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = procs.spawn([binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                        f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], tmp_path / "prometheus.log")
+    try:
+        def every_target_up() -> list[dict[str, Any]] | None:
+            targets = _api(base, "targets")["activeTargets"]
+            up = [t for t in targets if t["health"] == "up"]
+            return targets if len(targets) == sum(map(len, jobs.values())) == len(up) else None
+        targets = wait_for("Prometheus to scrape every process", every_target_up)
+        assert {t["labels"]["job"] for t in targets} == set(jobs)
+
+        def every_rule_evaluated() -> list[dict[str, Any]] | None:
+            rules = [r for g in _api(base, "rules")["groups"] for r in g["rules"]]
+            return rules if rules and all(r["lastEvaluation"] > "2000" for r in rules) else None
+        rules = wait_for("Prometheus to evaluate every rule", every_rule_evaluated)
+        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+        # a healthy cluster raises no alert but the slow path's, which is not in effect yet
+        firing = [r["name"] for r in rules if r["state"] == "firing"]
+        assert not firing, firing
+
+        def names_now() -> set[str] | None:
+            got = set(_api(base, "label/__name__/values"))
+            return got if "ziplog_logdb_applied_gsn" in got and "ziplog_fh_leader" in got else None
+        names = wait_for("the series of every kind of process", names_now)
+        missing = sorted(n for n in readme_metric_names() if not served(n, names))
+        assert not missing, f"README names metrics no process serves: {missing}"
+        for r in rules:
+            absent = [n for n in NAME.findall(r["query"]) if not served(n, names)]
+            assert not absent, (r["name"], absent)
+        # each dashboard query runs (as Grafana would send it) and names served metrics only
+        panels = json.loads(DASHBOARD.read_text())["panels"]
+        queries = [t["expr"] for p in panels for t in p.get("targets", []) if t.get("expr")]
+        assert len(queries) > 20
+        for q in queries:
+            absent = [n for n in NAME.findall(q) if not served(n.removesuffix("_bucket"), names)]
+            assert not absent, (q, absent)
+            for var, val in GRAFANA_VARIABLES.items():
+                q = q.replace(var, val)
+            assert "$" not in q, q
+            _api(base, "query", query=q)
+    finally:
+        procs.stop_many([proc])

@@ -1,11 +1,13 @@
 """A streaming query stopped in the middle of a batch ends without a stack trace: a
 foreachBatch function cut short by ``query.stop()`` (through
-:func:`ziplog.spark.foreach_batch`), and the Spark demo of ``make run``. Each runs in a
+:func:`ziplog.spark.foreach_batch`), and the Spark demo of ``make run`` (no ERROR line
+either). Each runs in a
 process of its own, whose whole output (the JVM's included) is checked."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -69,9 +71,13 @@ def test_a_query_stopped_in_the_middle_of_foreach_batch_ends_quietly(tmp_path: P
     _no_trace(out)
 
 
-def test_the_spark_demo_passes_and_prints_no_stack_trace(shared_zookeeper: str) -> None:
+def test_the_spark_demo_passes_and_prints_no_stack_trace_and_no_error(shared_zookeeper: str) -> None:
     # its local cluster under a root of this worker's ensemble rather than three JVMs more
     env = {**os.environ, "ZIPLOG_LOCAL_ZOOKEEPER": shared_zookeeper}
     out = _run([sys.executable, "-m", "ziplog.tools.spark_demo", "--seconds", "3"], env)
     assert "Spark demo: all checks passed" in out, out
     _no_trace(out)
+    # nor an ERROR line of Spark's (log4j's "yy/MM/dd HH:mm:ss ERROR Logger: ..."): its
+    # queries are stopped between batches, so no stop interrupts a shuffle or a broadcast
+    errors = [line for line in out.splitlines() if re.search(r"\bERROR\b", line)]
+    assert not errors, "\n".join(errors[:20])

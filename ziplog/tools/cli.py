@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ziplog.protocol.errors import ZiplogError
+from ziplog.tools import conformance
 from ziplog.tools.cli_clients import add_client_key_commands
 from ziplog.shell.config import ROLES as CONFIG_ROLES
 from ziplog.protocol.types import RID_GENESIS, RID_RECENT, Policy, RecordId
@@ -693,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_commands(sub)
     _add_app_commands(sub)
     add_client_key_commands(sub, ENV_ZK, cmd_client_keys)
+    conformance.add_commands(sub)
     return p
 
 

@@ -7,6 +7,12 @@ thread inserts sentences; a streaming query counts the words per trigger
 the query is stopped and started again on the same checkpoint; at the end the counts
 must equal the words written (nothing lost, nothing counted twice). Exits non-zero if
 they do not.
+
+The query is stopped between batches: the writer pauses, the query takes what is there
+(``processAllAvailable``), then ``stop()``. ``stop()`` interrupts the stream's thread and
+cancels its jobs, and a batch cut short that way makes Spark log ERROR lines for what
+the interruption broke (a shuffle fetch, a broadcast being stored) although nothing
+failed; a query with no batch running has nothing to break.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
     written: Counter[str] = Counter()
     stop = threading.Event()
+    writing = threading.Event()  # cleared while a query is being stopped
+    writing.set()
+    pen = threading.Lock()  # held by the writer through each insert
+    last_gsn = [0]  # the writer's last record
     print("starting a local cluster and a local Spark...", flush=True)
     with ziplog.local_cluster(shards=2, replicas=2) as cluster, tempfile.TemporaryDirectory() as tmp:
         spark = local_session("ziplog-demo", **SHORT_LIVED)
@@ -46,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
                 rng = random.Random(1)
                 with cluster.client() as w:
                     while not stop.is_set():
-                        sentence = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
-                        w.insert_after(" ".join(sentence).encode())
-                        written.update(sentence)
+                        if not writing.wait(0.05):
+                            continue
+                        with pen:
+                            if not writing.is_set():
+                                continue
+                            sentence = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+                            last_gsn[0] = w.insert_after(" ".join(sentence).encode()).gsn
+                            written.update(sentence)
                         time.sleep(0.002)
 
             counts: dict[str, int] = {}
@@ -74,12 +89,21 @@ def main(argv: list[str] | None = None) -> int:
                             raise RuntimeError("the query processed nothing in two minutes")
                         q.awaitTermination(0.2)  # type: ignore[arg-type]  # seconds; a float works
                     q.awaitTermination(args.seconds)  # type: ignore[arg-type]
+                    # stop between batches (the module's documentation): the writer
+                    # pauses, the query catches up and starts no batch after that
+                    writing.clear()
+                    with pen:  # no insert in flight
+                        pass
+                    with cluster.client() as c:  # the source sees every record written
+                        while c.watermark() < last_gsn[0]:
+                            time.sleep(0.01)
                     if label == "second run":
                         stop.set()
                         th.join()
-                        q.processAllAvailable()
+                    q.processAllAvailable()
                 finally:
                     q.stop()
+                    writing.set()
 
             th = threading.Thread(target=writer)
             th.start()
