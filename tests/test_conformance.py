@@ -7,6 +7,9 @@ ziplog), written from docs/CLIENT.md."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,3 +90,35 @@ def test_an_insert_the_subscription_skipped_is_caught() -> None:
 def test_a_malformed_history_is_refused_with_its_line(line: str) -> None:
     with pytest.raises(cf.HistoryError, match="line 1|must be|'data'"):
         cf.parse([line])
+
+
+PORT = Path(__file__).resolve().parent / "port_client.py"
+
+
+def test_the_port_written_from_client_md_passes_the_command(shared_zookeeper: str, tmp_path: Path) -> None:
+    # its cluster under a root of this worker's ensemble rather than three JVMs more
+    env = {**os.environ, "ZIPLOG_LOCAL_ZOOKEEPER": shared_zookeeper}
+    done = subprocess.run([sys.executable, "-m", "ziplog", "conformance", "run", "--", sys.executable, str(PORT)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout
+    assert "conformance: the history agrees with the cluster" in done.stdout, done.stdout
+    assert "inserts: " in done.stdout and "deliveries: " in done.stdout
+
+
+def test_the_port_imports_nothing_of_ziplog() -> None:
+    source = PORT.read_text()
+    assert not re.search(r"^\s*(from|import)\s+ziplog", source, re.M)
+    assert "docs/CLIENT.md" in source
+
+
+def test_a_failing_port_fails_the_command(shared_zookeeper: str, tmp_path: Path) -> None:
+    # a port that records a record the cluster does not hold at that place
+    liar = tmp_path / "liar.py"
+    liar.write_text("import json, os\n"
+                    "open(os.environ['ZIPLOG_HISTORY'], 'w').write(json.dumps("
+                    "{'op': 'read', 'gsn': 5, 'shard': 0, 'data': '00'}) + '\\n')\n")
+    env = {**os.environ, "ZIPLOG_LOCAL_ZOOKEEPER": shared_zookeeper}
+    done = subprocess.run([sys.executable, "-m", "ziplog", "conformance", "run", "--shards", "1", "--", sys.executable,
+                           str(liar)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
+    assert done.returncode == 1, done.stdout
+    assert "FAILED line 1: the cluster holds None at 5:0" in done.stdout, done.stdout

@@ -35,8 +35,13 @@ def test_a_vector_decodes_to_its_fields_and_encodes_to_its_bytes(item: dict) -> 
     decode = fr.decode_request if item["direction"] == "request" else fr.decode_reply
     msg = decode(raw)
     assert type(msg) is (fr.REQUESTS if item["direction"] == "request" else fr.REPLIES)[item["op"]]
-    assert [f["name"] for f in item["fields"]] == list(msg.__struct_fields__)
+    names = [f["name"] for f in item["fields"]]
+    assert names == list(msg.__struct_fields__)[:len(names)]
     assert msgspec.to_builtins(msg) == msgspec.to_builtins(msgspec.convert(values, type(msg)))
+    if item.get("decode_only"):  # what the codecs write instead holds every field
+        assert len(names) < len(msg.__struct_fields__)
+        assert msgpack.packb(values, use_bin_type=True) == raw
+        return
     assert fr.encode(msg) == raw
     # a generic msgpack writer (bin for bytes, the smallest integer form) makes the same bytes
     assert msgpack.packb(values, use_bin_type=True) == raw
@@ -44,7 +49,8 @@ def test_a_vector_decodes_to_its_fields_and_encodes_to_its_bytes(item: dict) -> 
 
 
 def test_the_typed_values_round_trip() -> None:
-    sample = [None, True, 0, (1 << 64) - 1, b"\x00\xff", "é", [1, [b""]], {"k": [2]}]
+    sample = [None, True, 0, -1, (1 << 64) - 1, b"\x00\xff", "é", [1, [b""]], {"k": [2]}]
     assert vec.untyped(vec.typed(sample)) == sample
     with pytest.raises(TypeError):
         vec.typed(1.5)
+    assert vec.typed(-1) == {"int": "-1"} and vec.typed(5) == {"uint": "5"}

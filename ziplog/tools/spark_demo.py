@@ -25,8 +25,49 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 WORDS = ["log", "shard", "epoch", "replica", "gsn", "spark", "stream", "order"]
+
+
+class Writer:
+    """Inserts sentences until stopped; :meth:`pause` returns once no insert is in
+    flight and the log's watermark is past the last record, so a query that then
+    catches up sees every record written."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.written: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self.writing = threading.Event()  # cleared while paused
+        self.writing.set()
+        self.pen = threading.Lock()  # held through each insert
+        self.last_gsn = 0
+
+    def run(self) -> None:
+        rng = random.Random(1)
+        with self.cluster.client() as w:
+            while not self.stop.is_set():
+                if not self.writing.wait(0.05):
+                    continue
+                with self.pen:
+                    if not self.writing.is_set():
+                        continue
+                    sentence = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+                    self.last_gsn = w.insert_after(" ".join(sentence).encode()).gsn
+                    self.written.update(sentence)
+                time.sleep(0.002)
+
+    def pause(self) -> None:
+        self.writing.clear()
+        with self.pen:  # no insert in flight
+            pass
+        with self.cluster.client() as c:
+            while c.watermark() < self.last_gsn:
+                time.sleep(0.01)
+
+    def resume(self) -> None:
+        self.writing.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,32 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     import ziplog
     from ziplog.spark import SHORT_LIVED, foreach_batch, local_session
 
-    written: Counter[str] = Counter()
-    stop = threading.Event()
-    writing = threading.Event()  # cleared while a query is being stopped
-    writing.set()
-    pen = threading.Lock()  # held by the writer through each insert
-    last_gsn = [0]  # the writer's last record
     print("starting a local cluster and a local Spark...", flush=True)
     with ziplog.local_cluster(shards=2, replicas=2) as cluster, tempfile.TemporaryDirectory() as tmp:
         spark = local_session("ziplog-demo", **SHORT_LIVED)
         try:
             with cluster.client() as c:
                 start = c.watermark()
-
-            def writer() -> None:
-                rng = random.Random(1)
-                with cluster.client() as w:
-                    while not stop.is_set():
-                        if not writing.wait(0.05):
-                            continue
-                        with pen:
-                            if not writing.is_set():
-                                continue
-                            sentence = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
-                            last_gsn[0] = w.insert_after(" ".join(sentence).encode()).gsn
-                            written.update(sentence)
-                        time.sleep(0.002)
+            writer = Writer(cluster)
 
             counts: dict[str, int] = {}
 
@@ -91,29 +113,25 @@ def main(argv: list[str] | None = None) -> int:
                     q.awaitTermination(args.seconds)  # type: ignore[arg-type]
                     # stop between batches (the module's documentation): the writer
                     # pauses, the query catches up and starts no batch after that
-                    writing.clear()
-                    with pen:  # no insert in flight
-                        pass
-                    with cluster.client() as c:  # the source sees every record written
-                        while c.watermark() < last_gsn[0]:
-                            time.sleep(0.01)
+                    writer.pause()
                     if label == "second run":
-                        stop.set()
+                        writer.stop.set()
                         th.join()
                     q.processAllAvailable()
                 finally:
                     q.stop()
-                    writing.set()
+                    writer.resume()
 
-            th = threading.Thread(target=writer)
+            th = threading.Thread(target=writer.run)
             th.start()
             try:
                 run("first run")
                 print("query stopped; starting it again from its checkpoint", flush=True)
                 run("second run")
             finally:
-                stop.set()
+                writer.stop.set()
                 th.join()
+            written = writer.written
             ok = counts == dict(written)
             print(f"words written {sum(written.values())}, counted {sum(counts.values())}: "
                   f"{'exact' if ok else 'DIFFERENT'}")

@@ -10,7 +10,9 @@ A value in the file is typed, so that no language's JSON reader has to guess: ``
 "4294967301"}`` (a decimal string: JSON numbers lose integers above 2^53 in many
 readers), ``{"bin": "68656c6c6f"}`` (hex), ``{"str": ...}``, ``{"bool": ...}``,
 ``{"nil": null}``, ``{"array": [value, ...]}``, ``{"map": [[key, value], ...]}`` (in
-the order the bytes hold them).
+the order the bytes hold them), and ``{"int": "-1"}`` for a negative integer (STATUS_OK's
+``epoch`` before any). A vector marked ``"decode_only": true`` holds bytes the codecs
+do not write but every server takes (INSERT without its optional stamp).
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ def typed(value: Any) -> dict[str, Any]:
     if type(value) is bool:
         return {"bool": value}
     if type(value) is int:
-        assert value >= 0, "the client protocol has no negative integer"
-        return {"uint": str(value)}
+        return {"uint": str(value)} if value >= 0 else {"int": str(value)}
     if type(value) is bytes:
         return {"bin": value.hex()}
     if type(value) is str:
@@ -55,7 +56,7 @@ def typed(value: Any) -> dict[str, Any]:
 def untyped(value: dict[str, Any]) -> Any:
     """The inverse of :func:`typed`."""
     ((kind, v),) = value.items()
-    if kind == "uint":
+    if kind in ("uint", "int"):
         return int(v)
     if kind == "bin":
         return bytes.fromhex(v)
@@ -72,6 +73,7 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
     ack = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=0, stable=GSN - 1, decided=True, final=False)
     guess = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=1, stable=GSN - 1, decided=False, final=False)
     status = {"shard": 0, "replica": 0, "primary": True, "epoch": 1, "stable": GSN, "blocked": None}
+    starting = {"shard": 1, "replica": 1, "primary": False, "epoch": -1, "stable": 0, "link": "down"}
     out: list[tuple[str, str, str, fr.Frame]] = [
         ("INSERT", "request", "insert b'hello' after gsn 0, with a send stamp",
          fr.Insert(req_id=REQUEST_ID, client_id=3, seq=1, after=0, data=b"hello", stamp=1_764_000_000_000_000_000)),
@@ -79,8 +81,10 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
          fr.Insert(req_id=8, client_id=3, seq=2, after=GSN, data=b"")),
         ("READ", "request", "read the record at a gsn above 2^32 (uint 64)", fr.Read(req_id=REQUEST_ID, gsn=GSN)),
         ("TRIM", "request", "trim every record below gsn 100", fr.Trim(req_id=REQUEST_ID, gsn=100)),
-        ("SUBSCRIBE", "request", "from gsn 0 with a credit of 1,000 records", fr.Subscribe(sub_id=2, from_gsn=0, credit=1000)),
-        ("CREDIT", "request", "add 500 records to subscription 2's credit", fr.Credit(sub_id=2, credit=500)),
+        ("SUBSCRIBE", "request", "from gsn 0 (the oldest record kept) with a credit of 8 MiB (bytes)",
+         fr.Subscribe(sub_id=2, from_gsn=0, credit=8 << 20)),
+        ("CREDIT", "request", "add 2 MiB (bytes) to subscription 2's credit", fr.Credit(sub_id=2, credit=2 << 20)),
+        ("CREDIT", "request", "credit 0: renews the lease only", fr.Credit(sub_id=2, credit=0)),
         ("UNSUBSCRIBE", "request", "end subscription 2", fr.Unsubscribe(sub_id=2)),
         ("STATUS", "request", "ask a replica's status", fr.Status(req_id=REQUEST_ID)),
         ("RANGE", "request", "stable records from gsn 1 to 2^32 + 5, about 64 KiB at most",
@@ -89,6 +93,8 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
          fr.Count(req_id=REQUEST_ID, lo=(1 << 63) - 1, hi=(1 << 63) - 1, nth=0)),
         ("ACK", "reply", "the primary's decision", ack),
         ("ACK", "reply", "a backup's guess (decided false)", guess),
+        ("ACK", "reply", "final: failure recovery keeps the record at this gsn",
+         fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=1, stable=GSN, decided=True, final=True)),
         ("ACKS", "reply", "two ACKs of one turn in one frame",
          fr.Acks(acks=[ack, fr.Ack(req_id=8, gsn=GSN + 1, replica=0, stable=GSN - 1, decided=True, final=False)])),
         ("READ_OK", "reply", "the record and the replica's stable watermark",
@@ -96,17 +102,29 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
         ("TRIM_OK", "reply", "the shard's trim point after the trim", fr.TrimOk(req_id=REQUEST_ID, trim_point=100)),
         ("SUB_BATCH", "reply", "two records, the membership of epochs 0 to 1 (shards 0 and 1), and progress",
          fr.SubBatch(sub_id=2, records=[(3, b"a"), (GSN, b"bc")], epochs=[(0, 1, (0, 1))], progress=GSN + 1)),
-        ("SUB_BATCH", "reply", "a keepalive: no record, progress only", fr.SubBatch(sub_id=2, records=[], epochs=[], progress=GSN + 9)),
+        ("SUB_BATCH", "reply", "the first batch of a subscription from gsn 0: epoch 0 had no member",
+         fr.SubBatch(sub_id=2, records=[], epochs=[(0, 0, ()), (1, 1, (0,))], progress=GSN)),
+        ("SUB_BATCH", "reply", "progress only: no record, no new epoch range", fr.SubBatch(sub_id=2, records=[], epochs=[], progress=GSN + 9)),
         ("STATUS_OK", "reply", "a status map (a few of its keys)", fr.StatusOk(req_id=REQUEST_ID, status=status)),
+        ("STATUS_OK", "reply", "a backup that has seen no epoch yet: epoch -1 (a negative fixint)",
+         fr.StatusOk(req_id=REQUEST_ID, status=starting)),
         ("RANGE_OK", "reply", "records up to upto; ask again from upto + 1",
          fr.RangeOk(req_id=REQUEST_ID, records=[(3, b"a"), (GSN, b"bc")], upto=GSN, stable=GSN + 3)),
         ("COUNT_OK", "reply", "nothing asked but the watermark",
          fr.CountOk(req_id=REQUEST_ID, count=0, nth_gsn=0, upto=GSN + 3)),
         ("ERROR", "reply", "an answer to request 7", fr.Error(req_id=REQUEST_ID, code=fr.E_NOT_FOUND, message="no record at gsn 4294967301")),
+        ("ERROR", "reply", "an answer to subscription 2: its sub_id in the req_id place",
+         fr.Error(req_id=2, code=fr.E_TRIMMED, message="gsn 3 is below the trim point 100")),
         ("ERROR", "reply", "an answer to a frame whose request id could not be read",
          fr.Error(req_id=None, code=fr.E_MALFORMED, message="frame must be a msgpack array [version, op, ...]")),
     ]
     return out
+
+
+#: bytes a server takes that the codecs never write: (name, what it shows, the fields)
+DECODE_ONLY: list[tuple[str, str, list[Any]]] = [
+    ("INSERT", "without the optional stamp: seven elements, read as stamp 0", [1, fr.INSERT, 9, 3, 3, 0, b"x"]),
+]
 
 
 def vectors() -> dict[str, Any]:
@@ -121,11 +139,22 @@ def vectors() -> dict[str, Any]:
             "name": name, "op": values[1], "direction": direction, "note": note, "hex": raw.hex(),
             "fields": [{"name": f, "value": typed(v)} for f, v in zip(fields, values)],
         })
+    for name, note, values in DECODE_ONLY:
+        raw = msgpack.packb(values, use_bin_type=True)
+        op = values[1]
+        assert type(op) is int
+        cls = fr.REQUESTS[op]
+        fields = list(cls.__struct_fields__)[:len(values)]
+        items.append({"name": name, "op": values[1], "direction": "request", "note": note, "decode_only": True,
+                      "hex": raw.hex(), "fields": [{"name": f, "value": typed(v)} for f, v in zip(fields, values)]})
     return {
         "protocol_version": fr.PROTOCOL_VERSION,
         "about": "Every client frame and answer as the bytes ziplog's codecs make (hex), beside its fields in order "
-                 "(the first two are the version and the op). Values are typed: uint as a decimal string, bin as hex. "
-                 "A port should decode each hex to these fields and encode these fields to this hex. "
+                 "(the first two are the version and the op). Values are typed, so no JSON reader has to guess: "
+                 "uint and int as decimal strings (JSON numbers lose integers above 2^53), bin as hex, "
+                 "str, bool, nil as themselves, array as a list of values, map as a list of [key, value]. "
+                 "A port should decode each hex to these fields and encode these fields to this hex "
+                 "(decode_only: bytes a server takes that ziplog never writes; decode them only). "
                  "Generated by python -m ziplog.tools.vectors; see docs/CLIENT.md.",
         "vectors": items,
     }
