@@ -79,3 +79,28 @@ def test_nothing_moves_while_the_reader_holds_the_records_back() -> None:
                                    progress=2 * n + 2), topo)
     effects, now = _look_for(core, topo, now, 3 * SUB_SILENCE_NS)
     assert _opens(effects) == {}
+
+
+def test_a_silent_replica_that_is_its_shards_only_one_is_subscribed_again_on_a_new_connection() -> None:
+    """One replica per shard, restarted on a fixed port: its address does not change, so
+    nothing in ZooKeeper says the subscription moved, and the new process knows nothing
+    of it. Silence is what tells: a new connection to the same address subscribes again
+    from just past what the shard sent."""
+    topo = TopologyView()
+    topo.replicas = {0: {0: "tcp://only"}}
+    topo.replica_counts = {0: 1}
+    topo.changed()
+    core = SubscriptionCore(1, 1, explicit=False)
+    now = 10**12
+    assert _opens(core.start(now, topo)) == {0: "tcp://only"}
+    core.on_frame(0, wire.SubBatch(sub_id=1, records=[(1, b"x")], epochs=[(0, 0, (0,))], progress=2), topo)
+    assert core.pop()[0] is not None
+    effects, now = _look_for(core, topo, now, 2 * SUB_SILENCE_NS)
+    assert _opens(effects) == {0: "tcp://only"}
+    assert [type(item) for _, item in effects if type(item) in (Close, Open, wire.Subscribe)][:3] == [
+        Close, Open, wire.Subscribe]
+    resub = [item for _, item in effects if type(item) is wire.Subscribe]
+    assert resub and resub[0].from_gsn == 3
+    # and it stays subscribed there: a batch from the new connection is taken
+    core.on_frame(0, wire.SubBatch(sub_id=1, records=[(3, b"y")], epochs=[], progress=4), topo)
+    assert core.pop()[0] == (3, 0, b"y")

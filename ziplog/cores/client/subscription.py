@@ -224,11 +224,15 @@ class SubscriptionCore:
                 continue
             self._quiet[shard] = (n, now)
             order = [a for _, a in sorted(topo.replicas.get(shard, {}).items())]
-            if not order or order == [addr]:
-                continue  # nowhere else to go
+            if not order:
+                continue  # no replica registered: nowhere to go yet
+            # The next replica; a shard of one replica is subscribed again on a new
+            # connection to the same address: a replica restarted on a fixed port keeps
+            # its address, and knows nothing of the subscription the old connection
+            # held (the old one ends with its lease; the resume point repeats nothing).
             nxt = order[(order.index(addr) + 1) % len(order)] if addr in order else order[0]
             preferred = topo.replicas.get(shard, {}).get(self.pick(shard, len(order)))
-            if preferred == addr:
+            if preferred == addr and nxt != addr:
                 self.left[shard] = addr
             self.addrs[shard] = nxt
             self.consumed[shard] = 0
