@@ -6,6 +6,7 @@ every element popped exactly once, each producer's elements in its push order.""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -458,3 +459,18 @@ def test_producers_and_consumers_pop_every_element_once_fifo_per_producer(cluste
     empty = sum(t.element is None for t in takes)
     print(f"{len(everything)} elements through {len(takes)} pop records ({empty} found the queue empty); "
           f"per consumer {[len(got) for got in popped]}")
+
+
+def test_a_consumer_that_only_polls_an_empty_queue_sees_a_later_push(cluster: ziplog.LocalCluster) -> None:
+    """A consumer whose pops find the queue empty appends nothing, so its session's
+    position never moves: its engine must still take in what arrives, or it would read
+    the snapshot of its first pop for good and never see another engine's push."""
+    with LogBook(cluster.zk_hosts, 302) as consumer_lb, LogBook(cluster.zk_hosts, 302) as producer_lb:
+        consumer = BokiQueue(consumer_lb, NAME)
+        assert consumer.pop() is None
+        pushed = BokiQueue(producer_lb, NAME).push(b"later")
+        deadline = time.monotonic() + WAIT
+        while (got := consumer.pop()) is None:
+            assert time.monotonic() < deadline, f"the push at {pushed} was never seen by a polling consumer"
+            time.sleep(0.005)
+        assert got == b"later"

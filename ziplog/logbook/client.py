@@ -18,6 +18,7 @@ engine's index reached the session's position.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -40,6 +41,12 @@ LogRecord = s.LogRecord
 
 #: aux data entries an engine keeps (least recently used dropped first)
 AUX_ENTRIES = 100_000
+#: A lookup takes in what arrived (one runtime turn that does not wait) when the last
+#: such turn is older than this: a session that only reads never moves its position, so
+#: nothing else would turn the runtime, and a poller (a consumer at an empty queue) would
+#: read its first snapshot for good. At most one poll a millisecond, so a tight loop of
+#: reads pays nearly nothing; ``refresh()`` takes in everything at once.
+LOOKUP_FRESH_NS = 1_000_000
 
 
 #: how an engine finds its answers (see :class:`EngineState`)
@@ -207,6 +214,7 @@ class Engine(EngineState):
             self.client.close()
             raise
         self.closed = False
+        self._fresh_at = 0  # monotonic ns of the last turn a lookup made
 
     def close(self) -> None:
         if not self.closed:
@@ -219,9 +227,10 @@ class Engine(EngineState):
     def refresh(self) -> None:
         """Take in what has arrived: one turn of the client's runtime that does not wait.
         A lookup is answered at the engine's watermark once it reached the session's
-        position, and turns the runtime only while it has not: a session that only reads
-        (a poller: a worker at an empty queue) would keep reading the snapshot the last
-        turn left it, and never see what others append."""
+        position; it turns the runtime itself only while the engine is below that
+        position, or when its last turn is older than LOOKUP_FRESH_NS (a session that only
+        reads, a poller at an empty queue, would otherwise read one snapshot for good).
+        This turn takes in everything now."""
         self.client.runtime.run_once(0)
 
     def catch_up(self, position: int) -> None:
@@ -238,6 +247,10 @@ class Engine(EngineState):
         if type(op) is s.ReadRecord:
             return self.client.read_record(RecordId(*op.rid))
         assert type(op) is s.Lookup
+        now = time.monotonic_ns()
+        if now - self._fresh_at >= LOOKUP_FRESH_NS:
+            self._fresh_at = now
+            self.client.runtime.run_once(0)
         self.catch_up(max(op.min_cut, self.floor))
         got = self.answer(op)
         if got is not None:
@@ -294,9 +307,8 @@ class LogBook(SessionBase):
         return LogBook("", self.book_id, **self._child_args())
 
     def refresh(self) -> None:
-        """Let this session's next reads see what the engine has received since its last
-        call (without it, a read at or above the session's position may be answered from
-        the snapshot the engine already had): for a session that polls without appending."""
+        """Let this session's next reads see everything the engine has received (a read
+        alone takes in what arrived at most once a millisecond: LOOKUP_FRESH_NS)."""
         self._engine.refresh()
 
     def on_book(self, book_id: int) -> "LogBook":
