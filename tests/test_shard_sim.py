@@ -71,31 +71,34 @@ def test_joining_shard_waits_for_its_first_epoch() -> None:
 
 
 def test_refusal_memories_stay_bounded_with_an_insert_always_in_flight() -> None:
-    """A backup with an insert in flight at every moment for 300 simulated seconds: its
+    """A backup with an insert in flight at every moment for 100 simulated seconds: its
     memory of records it will never guess, and the primary's of records it refused, keep
-    only the last ``refusal_memory_ns`` (20 s) of entries. (Both memories once shared one
-    prune timestamp with the backup's pending routes, which an insert always in flight
-    kept from ever pruning them.)"""
-    sim = ShardSim(11, clients=1, inserts=10, epoch_ms=50, rates=(200,))
+    only the last ``refusal_memory_ns`` of entries (5 s here, 20 s by default: twenty
+    memory spans in the run). (Both memories once shared one prune timestamp with the
+    backup's pending routes, which an insert always in flight kept from ever pruning them.)"""
+    memory_s, run_s = 5, 100
+    sim = ShardSim(11, clients=1, inserts=10, epoch_ms=50, rates=(200,),
+                   overrides={"refusal_memory_ns": memory_s * 1000 * MS})
     stuck = StuckWriter(sim, period_ns=100 * MS)
     sizes: list[tuple[int, int, int]] = []
 
     def sample() -> None:
         P, B = sim.P, sim.B
         sizes.append((len(B.role.no_guess), len(P.role.refused), len(B.role.pending_routes)))  # type: ignore[union-attr]
-        if sim.world.now < 300_000 * MS:
+        if sim.world.now < run_s * 1000 * MS:
             sim.mms.call_at(sim.world.now + 1000 * MS, sample)
 
     sim.mms.call_at(1000 * MS, sample)
     sim.mms.call_at(100 * MS, stuck.next)
-    sim.run(limit_ms=400_000, until_ms=300_500)
+    sim.run(limit_ms=(run_s + 100) * 1000, until_ms=run_s * 1000 + 500)
     settings = sim.P.s
+    assert settings.refusal_memory_ns == memory_s * 1000 * MS
     # what one memory span (plus one prune interval) of refusals holds, with room to spare;
     # without pruning they would hold every refusal of the run
-    rate = stuck.refused / 300
+    rate = stuck.refused / run_s
     per_memory = int(rate * (settings.refusal_memory_ns + settings.prune_interval_ns) / 1e9 * 1.5) + 10
-    late = sizes[60:]  # after the first memory span
-    assert len(sizes) >= 290 and stuck.refused >= 600 and per_memory < stuck.refused / 4, (len(sizes), stuck.refused)
+    late = sizes[3 * memory_s:]  # after the first memory spans
+    assert len(sizes) >= run_s - 10 and per_memory < stuck.refused / 4, (len(sizes), stuck.refused, per_memory)
     assert all(pending > 0 for _, _, pending in late), "an insert must be in flight all along"
     assert max(ng for ng, _, _ in late) <= per_memory, (max(ng for ng, _, _ in late), per_memory)
     assert max(rf for _, rf, _ in late) <= per_memory, (max(rf for _, rf, _ in late), per_memory)

@@ -144,7 +144,7 @@ class ShardReader:
 class ShardSim:
     def __init__(self, seed: int, clients: int = 3, inserts: int = 30, net: NetParams | None = None,
                  epoch_ms: int = 5, rates: tuple[int, ...] = (200, 1000, 5000, 20000),
-                 noop_timeout_ns: int | None = None) -> None:
+                 noop_timeout_ns: int | None = None, overrides: dict[str, Any] | None = None) -> None:
         self.seed = seed
         self.rng = r = random.Random(seed)
         if net is None:
@@ -163,6 +163,7 @@ class ShardSim:
                              park_timeout_ns=200 * MS, stable_push_ns=1 * MS, lag_probe_ns=5 * MS, suspect_timeout_ns=0,
                              # a third of the seeds forward in parts of a few records
                              forward_batch_bytes=random.Random(seed * 7919 + 1).choice([4 << 20, 4 << 20, 200]))
+        self.settings.update(overrides or {})  # a test's own replica settings
         self.drivers: dict[int, StorageDriver] = {}
         self.procs: dict[int, SimProcess] = {}
         for i in range(2):

@@ -245,7 +245,8 @@ class ClientDriver:
     # -- subscriptions ----------------------------------------------------------------------------
     def subscribe(self, start: RecordId, pick: Callable[[int, int], int] | None = None) -> "SubscriptionDriver":
         """A subscription from ``start``; ``pick(shard, replicas)`` chooses the replica it
-        reads a shard from (default: replica 0)."""
+        reads a shard from (default: the one that learns stability first, replica 1 of a
+        two-replica shard, else replica 0: ``first_to_know``)."""
         sub_id = self.client.next_req()
         if start == RID_RECENT:
             core = SubscriptionCore(sub_id, None, explicit=False, pick=pick)

@@ -65,7 +65,7 @@ def _role_and_requests(driver: StorageDriver, lb: dict[str, str]) -> list[Metric
                  "DISK_FULL, TRIMMED, ...)", "code", dict(core.errors_by_code), lb),
         counter("ziplog_replica_inbound_failures", "inbound messages whose handling failed (contained; see the "
                 "log)", core.driver_stats.get("inbound_failures", 0), lb),
-        counter("ziplog_replica_passed_on_notice", "primary: slots passed as no-ops on a NOTICE",
+        counter("ziplog_replica_passed_on_notice", "primary: times it passed its unused slots as no-ops on a NOTICE",
                 stats.get("passed_on_notice", 0), lb),
     ]
 
