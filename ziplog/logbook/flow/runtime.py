@@ -101,7 +101,6 @@ class QueueLink:
 
     def pop(self) -> str | None:
         """A workflow id, or None; ``lb`` then reads at cuts above its push, so above its intent."""
-        self.lb.refresh()  # a worker at an empty queue polls: see the pushes made since
         with book_io.level(self.queue.lb, self.lb):
             data = self.queue.pop()
         return None if data is None else data.decode()
@@ -132,7 +131,6 @@ class FlowClient:
         TimeoutError after ``timeout`` seconds), pushing it again while nobody ends it."""
         pushed = time.monotonic()
         for _ in pauses(timeout, most=MAX_POLL_S):
-            self.lb.refresh()  # polling: see the done records appended since
             done = self._drive(fc.read_done(workflow))
             if done is not None:
                 return fc.unpack_outcome(done)
@@ -210,7 +208,6 @@ class Sweeper:
     def sweep(self) -> None:
         state = self.state
         now = time.monotonic_ns()
-        self.lb.refresh()  # it only reads, mostly: see the intents and done records since
         while (rec := self.lb.read_next(state.cursor + 1, tag=fr.INTENTS)) is not None:
             state.on_intent(rec.seqnum, rec.data, now)
         for workflow in state.due(now):
