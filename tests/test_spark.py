@@ -5,7 +5,7 @@ restart of the same checkpoint; an idle log that plans no batch; failOnDataLoss 
 ways, for a batch start and for a checkpoint trimmed past; the sink writing each row
 once when a write runs again, and when a streaming sink fails at commit and restarts;
 key-routed rows; a task whose planned replica is gone; processingTime under a live
-writer with a replica SIGKILLed."""
+writer with a replica SIGKILLed; workers that import the installed pyspark."""
 
 from __future__ import annotations
 
@@ -205,6 +205,27 @@ def test_an_ordered_sink_keeps_a_partitions_order(cluster: ziplog.LocalCluster, 
     with cluster.client() as c:
         got = _sink_records(c, before, b"in-order-", len(rows))
     assert got == [r[0] for r in rows], "the partition's rows in their order, by gsn"
+
+
+def test_workers_import_the_installed_pyspark_not_the_zip_spark_puts_first(spark: SparkSession) -> None:
+    import pyspark
+    installed = str(Path(pyspark.__file__).resolve().parent)
+    where: str = spark.sparkContext.parallelize([0], 1).map(lambda _: str(__import__("pyspark").__file__)).collect()[0]
+    assert ".zip" not in where and str(Path(where).resolve().parent) == installed, where
+
+
+def test_a_set_spark_home_stands_and_the_made_one_has_what_a_jvm_needs(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    from ziplog.spark.home import PARTS, spark_home
+    monkeypatch.setenv("SPARK_HOME", "/somewhere/else")
+    assert spark_home() is None
+    monkeypatch.delenv("SPARK_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    home = spark_home()
+    assert home is not None and home == spark_home()  # made once
+    assert sorted(p.name for p in Path(home).iterdir()) == sorted(PARTS)
+    assert (Path(home) / "bin" / "spark-submit").exists() and not (Path(home) / "python").exists()
+    assert [p.name for p in (tmp_path / "ziplog").iterdir()] == [Path(home).name]  # no staging left
 
 
 def test_a_page_becomes_an_arrow_batch_of_the_rows_schema() -> None:

@@ -99,13 +99,19 @@ def guard_py4j_connections_across_forks() -> None:
 
 def local_session(app_name: str = "ziplog", **conf: str) -> Any:
     """A local Spark session (``local[2]``, bound to 127.0.0.1, no UI) whose Python
-    workers run this interpreter (they import ziplog), with ``ziplog`` registered. Stop
+    workers run this interpreter (they import ziplog, and pyspark from its installation:
+    :mod:`ziplog.spark.home`), with ``ziplog`` registered. Stop
     it when done (``session.stop()``, in a ``finally``)."""
     import os
     import sys
 
     from pyspark.sql import SparkSession
+
+    from ziplog.spark.home import spark_home
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    home = spark_home()  # its workers import the installed pyspark, with its bytecode
+    if home is not None:
+        os.environ["SPARK_HOME"] = home
     os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     builder = (SparkSession.builder.master("local[2]").appName(app_name)
                .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
