@@ -15,9 +15,14 @@ sockets, so that is all this process reproduces, for every shard in
 * **the primary's side of the epoch protocol**: one SUB connected to every MMS replica's
   PUB, and one PUSH per MMS replica's PULL (a PUSH connected to several PULLs would
   round-robin). When EPOCH ``e+1`` arrives, every owned shard that was a member of ``e``
-  closes it and reports RATE ``[v, RATE, shard, e, count, duration_ns]`` to every MMS
-  replica, as a primary does when it closes an epoch. A full PUSH queue drops the frame, as
-  a storage server's does (the followers do not read theirs, so theirs fill up).
+  closes it and reports its rate when a primary's rule says so
+  (``ziplog.cores.replica.rate_report``): every shard here takes the same load, so one
+  reporter's smoothed rate stands for all of them and decides when a change is reported
+  (by every member), while the heartbeats and the reports owed to a new leader follow
+  each shard's own phase (``heartbeat_due``, ``owed_due``), as real primaries' do. The
+  epoch's reports leave in RATE frames of up to ``MAX_RATE_REPORTS`` to the leader the
+  broadcast names (to every replica while none is named), as a storage process batches a
+  turn's. A full PUSH queue drops the frame, as a storage server's does.
 
 What it does not reproduce: one TCP connection per storage replica. Here one SUB and
 one PUSH per MMS replica carry every shard's traffic, so the PUB's fan-out to N x (f+1)
@@ -43,8 +48,10 @@ from typing import Any
 import zmq
 from kazoo.client import KazooClient
 
+from ziplog.cores.replica.rate_report import HEARTBEAT_EPOCHS, RateReporter, heartbeat_due, owed_due
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
+from ziplog.protocol.frames import MAX_RATE_REPORTS
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
 from ziplog.shell.process import add_cluster_key_argument, load_cluster_key
@@ -81,22 +88,30 @@ class SwarmCounters:
     #: RATE frames queued / dropped on a full PUSH queue, over every MMS replica
     rate_sent: int = 0
     rate_dropped: int = 0
+    #: rate reports (one shard's each) in the frames queued
+    reports_sent: int = 0
     #: RATE frames queued per MMS replica's PULL address: only the leader reads its
     #: PULL, so the followers' queues fill up and their counts stop growing
     sent_per_mms: dict[str, int] = field(default_factory=dict)
     t: float = 0.0
 
 
-def rate_frame_head(shard: int) -> bytes:
-    """The bytes of a RATE frame before its ``epoch`` field: a 6-element msgpack array
-    header, the version, the op and the shard id. Head + ``rate_frame_tail`` is exactly
-    ``wire.encode(wire.Rate(shard=..., epoch=..., count=..., duration_ns=...))`` (checked
-    at start-up); building it by concatenation keeps thousands of frames per epoch cheap."""
-    return b"\x96" + wire.encode(wire.PROTOCOL_VERSION) + wire.encode(wire.RATE) + wire.encode(shard)
+def rate_entry_head(shard: int) -> bytes:
+    """The bytes of one report (a RateEntry) before its ``epoch`` field."""
+    return b"\x94" + wire.encode(shard)
 
 
-def rate_frame_tail(epoch: int, count: int, duration_ns: int) -> bytes:
-    return wire.encode(epoch) + wire.encode(count) + wire.encode(duration_ns)
+def rate_entry_tail(epoch: int, rate: int, busy: bool) -> bytes:
+    return wire.encode(epoch) + wire.encode(rate) + wire.encode(busy)
+
+
+def rate_frame(entries: list[bytes]) -> bytes:
+    """A RATE frame of encoded reports: exactly ``wire.encode(wire.Rate(reports=...))``
+    (checked at start-up); building it by concatenation keeps thousands of reports per
+    epoch cheap."""
+    n = len(entries)
+    header = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return b"\x93" + wire.encode(wire.PROTOCOL_VERSION) + wire.encode(wire.RATE) + header + b"".join(entries)
 
 
 def register_shards(zk: KazooClient, shards: range, replicas: int, addr: str) -> None:
@@ -144,10 +159,20 @@ class ShardSwarm:
         self.pushes: dict[str, zmq.Socket] = {}
         self.pubs: set[str] = set()
         self._mms_lock = threading.Lock()
-        self._mms_seen: list[dict[str, str]] = []
-        self.heads = [rate_frame_head(s) for s in shards]
-        probe = self.heads[0] + rate_frame_tail(7, 20, 10_000_000)
-        assert probe == wire.encode(wire.Rate(shard=shards.start, epoch=7, count=20, duration_ns=10_000_000))
+        #: MMS replica id -> its registration
+        self._mms_seen: dict[int, dict[str, str]] = {}
+        self.pull_of: dict[int, str] = {}
+        self.heads = [rate_entry_head(s) for s in shards]
+        for n in (1, 20, MAX_RATE_REPORTS):
+            probe = rate_frame([self.heads[0] + rate_entry_tail(7, 2000, True)] * n)
+            assert probe == wire.encode(wire.Rate(reports=[wire.RateEntry(shard=shards.start, epoch=7, rate=2000,
+                                                                          busy=True)] * n))
+        #: one reporter stands for every shard (all take the same load): its smoothed
+        #: rate and its change test; each shard's phase decides its heartbeats
+        self.reporter = RateReporter(shards.start)
+        #: shards owed a report by a new leader (they send it at their phase)
+        self.owed: set[int] = set()
+        self.leader = -1
         self.zk = discovery.connect(zk_hosts, key=key)
         # the epoch being served: (epoch, when it arrived, indexes into heads of the
         # owned shards that are members)
@@ -156,6 +181,8 @@ class ShardSwarm:
         self.cur_members: list[int] = []
         self._last_shard_list: list[int] | None = None
         self._cached_members: list[int] = []
+        #: the member indexes by heartbeat phase (shard id mod HEARTBEAT_EPOCHS)
+        self._by_phase: dict[int, list[int]] = {}
 
     # -- ZooKeeper ------------------------------------------------------------------------------
     def register(self) -> None:
@@ -169,21 +196,23 @@ class ShardSwarm:
 
     def _on_mms(self, children: list[str]) -> None:
         """kazoo thread: note the MMS replicas' addresses; sockets stay on the main thread."""
-        found = []
+        found = {}
         for c in children:
             try:
                 data, _ = self.zk.get(f"{layout.MMS_REPLICAS}/{c}")
             except Exception:
                 continue
-            found.append(layout.dec(data) or {})
+            found[int(c)] = layout.dec(data) or {}
         with self._mms_lock:
             self._mms_seen = found
 
     def _connect_mms(self) -> None:
         with self._mms_lock:
-            seen = list(self._mms_seen)
-        for info in seen:
+            seen = dict(self._mms_seen)
+        for rid, info in seen.items():
             pub, pull = info.get("pub"), info.get("pull")
+            if pull:
+                self.pull_of[rid] = pull
             if pub and pub not in self.pubs:
                 self.sub.connect(pub)
                 self.pubs.add(pub)
@@ -204,6 +233,9 @@ class ShardSwarm:
             lo, hi = self.shards.start, self.shards.stop
             self._cached_members = [s - lo for s in shard_list if lo <= s < hi]
             self._last_shard_list = shard_list
+            self._by_phase = {}
+            for i in self._cached_members:
+                self._by_phase.setdefault((lo + i) % HEARTBEAT_EPOCHS, []).append(i)
         return self._cached_members
 
     def _take_epochs(self, now_ns: int) -> None:
@@ -230,35 +262,58 @@ class ShardSwarm:
             return
         if self.cur_epoch >= 0 and self.send_rates and self.cur_members:
             self._send_rates(self.cur_epoch, now_ns - self.cur_start_ns)
+        if latest.leader is not None and latest.leader != self.leader:
+            self.leader = latest.leader  # a new leader is owed every shard's report
+            self.owed = set(range(len(self.shards)))
         members = self._owned_members(list(latest.shards))
         if len(members) != len(self.shards):
             c.epochs_missing_shards += 1
         self.cur_epoch, self.cur_start_ns, self.cur_members = latest.epoch, now_ns, members
         c.last_epoch = self.cur_epoch
 
-    def _send_rates(self, epoch: int, duration_ns: int) -> None:
-        duration_ns = max(duration_ns, 1)
-        count = self.records_per_s * duration_ns // 1_000_000_000
-        tail = rate_frame_tail(epoch, count, duration_ns)
-        heads = self.heads
+    def _reporting(self, epoch: int) -> list[int]:
+        """Indexes (into ``heads``) of the member shards that report as ``epoch`` closes:
+        all when the load changed what was reported, else those whose heartbeat or owed
+        report falls on this epoch (shard ids spread both over the epochs)."""
         members = self.cur_members
-        c = self.counters
-        # Start at a different shard each epoch, so that when a queue is full the
-        # reports dropped are not always the same shards'.
-        k = epoch % len(members)
-        order = members[k:] + members[:k]
+        first = self.shards.start
+        if self.reporter.observe(self.records_per_s * 10 // 1000, 10_000_000):  # 10 ms of the load
+            self.reporter.report(epoch)
+            self.owed.clear()
+            return members
+        due = self._by_phase.get((epoch - first) % HEARTBEAT_EPOCHS, [])
+        assert all(heartbeat_due(first + i, epoch) for i in due[:1])
+        if self.owed:
+            owed = [i for i in self.owed if owed_due(first + i, epoch)]
+            self.owed.difference_update(owed)
+            due = sorted(set(due) | set(owed))
+        return due
+
+    def _send_rates(self, epoch: int, duration_ns: int) -> None:
+        reporting = self._reporting(epoch)
+        if not reporting:
+            return
+        rep = self.reporter.reported
+        assert rep is not None
+        tail = rate_entry_tail(epoch, rep.rate, rep.busy)
+        heads = self.heads
         seal, key = wire.seal, self.key
-        frames = [seal(key, heads[i] + tail) for i in order]
-        for addr, sock in self.pushes.items():
+        frames = [seal(key, rate_frame([heads[i] + tail for i in reporting[k:k + MAX_RATE_REPORTS]]))
+                  for k in range(0, len(reporting), MAX_RATE_REPORTS)]
+        leader = self.pull_of.get(self.leader)
+        targets = [(leader, self.pushes[leader])] if leader in self.pushes else list(self.pushes.items())
+        c = self.counters
+        for addr, sock in targets:
             sent = 0
             for frame in frames:
                 try:
                     sock.send(frame, zmq.NOBLOCK)
                 except zmq.Again:
-                    break  # queue full (a follower does not read): the rest would drop too
+                    break  # queue full: the rest would drop too
                 sent += 1
             c.rate_sent += sent
-            c.rate_dropped += len(members) - sent
+            c.rate_dropped += len(frames) - sent
+            c.reports_sent += sum(min(MAX_RATE_REPORTS, len(reporting) - k * MAX_RATE_REPORTS) for k in range(sent))
             c.sent_per_mms[addr] += sent
 
     # -- loop ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ziplog.protocol.gsna import MAX_RATE, NS_PER_S, EpochConfig
+from ziplog.protocol.gsna import MAX_RATE, EpochConfig
 
 
 @dataclass
@@ -18,9 +18,6 @@ class PlannerSettings:
     #: Floor: an idle shard still gets a few slots per epoch so its gsns stay spread.
     min_rate: int = 200
     max_rate: int = 1_000_000
-    #: Weight of the newest observation, as a fraction num/den (exact integers).
-    smoothing_num: int = 1
-    smoothing_den: int = 2
     #: A removed shard stays a member this many epochs at the lowest rate, so that
     #: inserts already on their way complete (clients stop choosing it at once).
     drain_epochs: int = 3
@@ -43,15 +40,11 @@ class EpochPlanner:
             for s, r in zip(self.last.shards, self.last.rates):
                 self.rates.setdefault(s, r)
 
-    def on_rate(self, shard: int, epoch: int, count: int, duration_ns: int) -> None:
-        """A shard's report of how many records it took in an epoch it served."""
-        if duration_ns <= 0 or count < 0:
-            return
-        observed = (count * NS_PER_S) // duration_ns
-        old = self.rates.get(shard, self.settings.default_rate)
-        st = self.settings
-        new = (old * (st.smoothing_den - st.smoothing_num) + observed * st.smoothing_num) // st.smoothing_den
-        self.rates[shard] = new
+    def on_rate(self, shard: int, rate: int) -> None:
+        """A shard's report of its smoothed rate (records/s): its primary smooths what it
+        observes and reports when the figure moved (``ziplog.cores.replica.rate_report``),
+        so the last report is the rate."""
+        self.rates[shard] = rate
 
     def remove(self, shard: int) -> None:
         """Remove ``shard`` for good (it stays readable): it drains for a few epochs at

@@ -44,8 +44,10 @@ from ziplog.protocol.membership import EpochState
 from ziplog.protocol.topology import TopologyView
 
 
-#: epochs with no records reported before an idle cluster's epochs start to lengthen
-IDLE_EPOCHS = 3
+#: epochs a new leader counts every shard busy: each primary reports to a leader it has
+#: not reported to at its next epoch close, so by then every live shard has said
+#: whether it is busy (a lost report is made good by the primary's heartbeat)
+LEADER_GRACE_EPOCHS = 10
 
 
 class Block(NamedTuple):
@@ -77,9 +79,13 @@ class EpochSequencer:
         self._ready: list[int] = []
         #: the block whose commit was handed out and not yet answered
         self._committing: tuple[Block, list[list[Any]] | None] | None = None
-        #: the latest epoch a primary reported records in (-1: none yet), and the
-        #: topology generation the last interval was chosen under
-        self.busy_epoch = -1
+        #: shards whose last report says busy (records lately), each a registered shard
+        self.busy: set[int] = set()
+        #: the first epoch of the current quiet spell: no shard busy since (None: busy)
+        self.quiet_from: int | None = None
+        #: until this epoch every shard counts as busy (see LEADER_GRACE_EPOCHS)
+        self.grace_until = 0
+        #: the topology generation the last interval was chosen under
         self._interval_generation: int | None = None
         cur = state.block
         if cur:
@@ -88,6 +94,7 @@ class EpochSequencer:
             self.planner.committed(inherited, None)
             self.next_epoch = last
             self.block = Block(last, last, inherited)
+        self.grace_until = self.next_epoch + LEADER_GRACE_EPOCHS
 
     # -- what to do -----------------------------------------------------------------------
     @property
@@ -104,28 +111,37 @@ class EpochSequencer:
         return (self.block_due() or self.topology_moved() or self.change_pending
                 or self.planner.drain_ends_at(self.next_epoch))
 
-    def on_rate(self, shard: int, epoch: int, count: int, duration_ns: int) -> bool:
-        """A primary's rate report; False (and ignored) for a shard not registered: the
-        planner keeps a rate per shard, so only real shards may add one."""
+    def on_rate(self, shard: int, rate: int, busy: bool) -> bool:
+        """A primary's rate report (its smoothed rate, and whether it took records
+        lately); False (and ignored) for a shard not registered: the planner keeps a rate
+        per shard and the busy set a shard each, so only real shards may add one."""
         if shard not in self.topology.replica_counts:
             return False
-        self.planner.on_rate(shard, epoch, count, duration_ns)
-        if count > 0 and epoch > self.busy_epoch:
-            self.busy_epoch = epoch
+        self.planner.on_rate(shard, rate)
+        if busy:
+            self.busy.add(shard)
+        else:
+            self.busy.discard(shard)
         return True
 
     def interval_ns(self, base_ns: int, idle_max_ns: int) -> int:
-        """How long the epoch just broadcast lasts: ``base_ns`` while records come (or
-        the topology moves), and, once every shard reported none for IDLE_EPOCHS epochs,
+        """How long the epoch just broadcast lasts: ``base_ns`` while a shard is busy (or
+        the topology moves, or a new leader's grace lasts), and, once every shard reported
+        itself idle (its primary took no record for ``rate_report.IDLE_EPOCHS`` epochs),
         twice as long each epoch up to ``idle_max_ns``: an idle cluster passes time
-        rarely (slots on demand make records independent of the epoch's length). The
-        reports of an epoch arrive as the next one starts, so the first records bring
-        the base interval back one or two epochs later."""
+        rarely (slots on demand make records independent of the epoch's length). A
+        primary reports busy when it closes the first epoch with records, so the base
+        interval is back one or two epochs later."""
         generation = self.topology.generation
         moved, self._interval_generation = generation != self._interval_generation, generation
-        idle = (self.next_epoch - 1) - self.busy_epoch - IDLE_EPOCHS
-        if moved or idle <= 0 or idle_max_ns <= base_ns:
+        if moved:
+            self.busy &= self.topology.replica_counts.keys()  # a shard gone reports no more
+        if moved or self.busy or self.next_epoch < self.grace_until or idle_max_ns <= base_ns:
+            self.quiet_from = None
             return base_ns
+        if self.quiet_from is None:
+            self.quiet_from = self.next_epoch - 1
+        idle = self.next_epoch - self.quiet_from
         return min(base_ns << min(idle, 20), idle_max_ns)
 
     # -- the steps of an epoch ------------------------------------------------------------

@@ -94,7 +94,7 @@ class MembershipDriver(ElectedDriver):
                                max_bytes=wire.CONTROL_FRAME_LIMIT)
         #: what this replica registers for primaries to dial
         self.addrs = {"pub": advertised(self.pub.addr, advertise), "pull": advertised(self.pull.addr, advertise)}
-        self.encoder = wire.EpochEncoder()
+        self.encoder = wire.EpochEncoder(replica_id)  # each EPOCH names its leader
         self.key = key
         self.bad_input = ThrottledLog(log, rt)
         self.seq: EpochSequencer | None = None
@@ -138,17 +138,19 @@ class MembershipDriver(ElectedDriver):
 
     # -- input ------------------------------------------------------------------------------------
     def on_rate_frame(self, frame: bytes) -> None:
-        """A primary's rate report (followers drop them: stale once they lead)."""
+        """A storage process's rate reports (followers drop them: a primary reports again
+        to each new leader the broadcasts name)."""
         seq = self.seq
         if seq is None:
             return
         msg = open_member_report(self.key, frame, wire.decode_rate, self.bad_input, "rate report")
         if msg is None:
             return
-        if not seq.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns):
-            self.bad_input("rate report of an unknown shard dropped", msg.shard)
-            return
-        self.rate_reports += 1
+        for r in msg.reports:
+            if seq.on_rate(r.shard, r.rate, r.busy):
+                self.rate_reports += 1
+            else:
+                self.bad_input("rate report of an unknown shard dropped", r.shard)
 
     # -- the epoch cycle --------------------------------------------------------------------------
     def _prepare(self) -> None:

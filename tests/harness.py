@@ -44,7 +44,7 @@ class ShardHarness:
         self.disk: dict[int, list[DiskEvent]] = {i: [] for i in range(replicas)}
         self.client: list[tuple[int, wire.Reply]] = []
         self.suspects: list[wire.Suspect] = []
-        self.rates: list[wire.Rate] = []
+        self.rates: list[wire.RateEntry] = []
         self.notices: list[tuple[int, wire.Frame]] = []
         self.history: list[list[Any]] = history if history is not None else [[0, [0]]]
         self.handler = RecoveryCore()
@@ -152,7 +152,7 @@ class ShardHarness:
                 elif dest is Peer.HANDLER:
                     self.suspects.append(wire.decode_suspect(frame))
                 elif dest is Peer.MMS:
-                    self.rates.append(wire.decode_rate(frame))
+                    self.rates.extend(wire.decode_rate(frame).reports)
                 elif isinstance(dest, ShardReplicas):  # another shard's replicas: only recorded here
                     self.notices.append((dest.shard, wire.decode_member_request(frame)))
                 elif isinstance(dest, bytes) and dest.startswith(b"backup"):

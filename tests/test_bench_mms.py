@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from bench.experiments import mms as experiment
-from bench.shard_swarm import rate_frame_head, rate_frame_tail
+from bench.shard_swarm import rate_entry_head, rate_entry_tail, rate_frame
 from tests.zookeeper import require_zookeeper, running_ensemble
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
@@ -36,9 +36,12 @@ def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnse
 
 
 def test_rate_frame_is_the_wire_frame() -> None:
-    for shard, epoch, count, dur in [(0, 0, 0, 1), (127, 128, 20, 10_000_000), (70_000, 2**40, 2**20, 2**33)]:
-        frame = rate_frame_head(shard) + rate_frame_tail(epoch, count, dur)
-        assert frame == wire.encode(wire.Rate(shard=shard, epoch=epoch, count=count, duration_ns=dur))
+    cases = [(0, 0, 0, False), (127, 128, 20, True), (70_000, 2**40, 2**20, True)]
+    for n in (1, 15, 16, wire.MAX_RATE_REPORTS):
+        entries = [cases[i % 3] for i in range(n)]
+        frame = rate_frame([rate_entry_head(s) + rate_entry_tail(e, r, b) for s, e, r, b in entries])
+        want = wire.Rate(reports=[wire.RateEntry(shard=s, epoch=e, rate=r, busy=b) for s, e, r, b in entries])
+        assert frame == wire.encode(want)
 
 
 def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: ZooKeeperEnsemble,

@@ -171,7 +171,8 @@ def test_junk_on_every_control_plane_edge_changes_nothing(cluster: ziplog.LocalC
                 for s, r in ((10**9, 0), (0, 7))]
     pull_junk = _junk_frames(rng, [wire.SUSPECT, wire.RATE, wire.SIGNED], nfields)
     bare_suspects = [wire.encode(wire.Suspect(shard=s, replica=1, reason="forged")) for s in cluster.shard_ids]
-    bare_rates = [wire.encode(wire.Rate(shard=s, epoch=0, count=2**40, duration_ns=1)) for s in cluster.shard_ids]
+    bare_rates = [wire.encode(wire.Rate(reports=[wire.RateEntry(shard=s, epoch=0, rate=2**40, busy=True)]))
+                  for s in cluster.shard_ids]
 
     answered = 0
     for shard in cluster.shard_ids:

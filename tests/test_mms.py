@@ -103,12 +103,56 @@ def test_new_leader_continues_without_contradiction(cluster: ziplog.LocalCluster
         lis.close()
 
 
+def test_rates_go_to_the_leader_the_broadcasts_name_and_to_the_next_one(cluster: ziplog.LocalCluster) -> None:
+    """Primaries report per change to the leader EPOCH names: the broadcast rates leave
+    the planner's default (no report: 2000/s) for what the shards report, and after the
+    leader is killed, load reaches the new leader's plan through reports sent to it."""
+    settings = PlannerSettings()
+    lis = Listener(cluster)
+    leaders: list[int | None] = []
+    rates: list[tuple[int, ...]] = []
+
+    def pump(done: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"leaders {leaders[-3:]}, rates {rates[-3:]}"
+            if lis.sub.poll(50):
+                msg = wire.decode_epoch(lis.sub.recv())
+                leaders.append(msg.leader)
+                rates.append(tuple(msg.rates))
+
+    try:
+        old = leader_id(cluster)
+        pump(lambda: len(rates) > 0 and leaders[-1] == old and all(r != settings.default_rate for r in rates[-1]))
+        procs.kill(cluster.mms[old])
+        with cluster.client() as c:
+            rid = c.insert_after(b"load")
+            pump(lambda: bool(leaders) and leaders[-1] not in (None, old))
+            new = leaders[-1]
+            assert new == leader_id(cluster)
+            quiet = rates[-1]
+            # load: the shards' reports (busy, a rate above the idle one) reach the
+            # new leader, whose next block plans with them
+            deadline = time.monotonic() + 60
+            while not (leaders[-1] == new and max(rates[-1]) > max(quiet)):
+                assert time.monotonic() < deadline, f"no reported load in the plan: {rates[-3:]}, idle {quiet}"
+                for _ in range(50):
+                    rid = c.insert_after(b"load", rid)
+                while lis.sub.poll(0):
+                    msg = wire.decode_epoch(lis.sub.recv())
+                    leaders.append(msg.leader)
+                    rates.append(tuple(msg.rates))
+    finally:
+        lis.close()
+        cluster._spawn_mms(old)
+
+
 def test_planner_uses_reported_rates() -> None:
-    p = EpochPlanner(PlannerSettings(default_rate=1000, min_rate=10, smoothing_num=1, smoothing_den=1))
+    p = EpochPlanner(PlannerSettings(default_rate=1000, min_rate=10))
     cfg, hist = p.plan([0, 1])
     assert cfg.epoch == 0 and cfg.shards == (0, 1) and cfg.rates == (1000, 1000) and hist == [[0, [0, 1]]]
     p.committed(cfg, hist)
-    p.on_rate(0, 0, 50, 10_000_000)  # 50 records in 10 ms: 5000/s
+    p.on_rate(0, 5000)  # the primary's smoothed rate: the planner takes it as it is
     cfg, hist = p.plan([0, 1])
     assert cfg.epoch == 1 and cfg.rates == (5000, 1000) and hist is None
     p.committed(cfg, hist)
@@ -159,19 +203,19 @@ def test_a_backlog_of_reports_is_read_a_bounded_batch_per_turn() -> None:
 
     rt = ZmqRuntime()
     try:
-        planner = EpochPlanner(PlannerSettings(smoothing_num=1, smoothing_den=1))
+        planner = EpochPlanner(PlannerSettings())
         turns: list[int] = []
 
         def on_rate(frame: bytes) -> None:
-            msg = wire.decode_rate(frame)
-            planner.on_rate(msg.shard, msg.epoch, msg.count, msg.duration_ns)
+            for r in wire.decode_rate(frame).reports:
+                planner.on_rate(r.shard, r.rate)
 
         pull = rt.puller(on_rate)
         push = rt.pusher(pull.addr)
         rt.at_turn_end(lambda: turns.append(len(planner.rates)))
         n = 2 * DRAIN_LIMIT + 100
         for s in range(n):
-            assert push.send(wire.encode(wire.Rate(shard=s, epoch=0, count=50, duration_ns=10_000_000)))
+            assert push.send(wire.encode(wire.Rate(reports=[wire.RateEntry(shard=s, epoch=0, rate=5000, busy=True)])))
         assert rt.run_until(lambda: len(planner.rates) == n, 10_000_000_000)
         steps = [b - a for a, b in zip([0] + turns, turns)]
         assert max(steps) <= DRAIN_LIMIT and len([x for x in steps if x]) >= 3, steps
@@ -408,27 +452,35 @@ def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> N
 
 
 def test_an_idle_cluster_s_epochs_lengthen_and_the_first_records_shorten_them() -> None:
-    from mms.sequencer import IDLE_EPOCHS, EpochSequencer
+    from mms.sequencer import LEADER_GRACE_EPOCHS, EpochSequencer
     from ziplog.protocol.membership import EpochState
     from ziplog.protocol.topology import TopologyView
     topo = TopologyView()
-    topo.replica_counts = {0: 2}
+    topo.replica_counts = {0: 2, 1: 2}
     seq = EpochSequencer(EpochState(None, 0, [], 0), topo, PlannerSettings(), 10)
     base, cap = 10_000_000, 200_000_000
     assert seq.interval_ns(base, cap) == base  # the first look: the topology is news
-    seq.next_epoch = IDLE_EPOCHS  # epochs 0..IDLE_EPOCHS-1 broadcast, no records reported
+    seq.next_epoch = LEADER_GRACE_EPOCHS - 1  # a new leader counts every shard busy a while
     assert seq.interval_ns(base, cap) == base
     seq.next_epoch += 1
-    assert seq.interval_ns(base, cap) == 2 * base  # idle: doubling...
+    assert seq.interval_ns(base, cap) == 2 * base  # no shard said it is busy: doubling...
     seq.next_epoch += 1
     assert seq.interval_ns(base, cap) == 4 * base
     seq.next_epoch += 10
     assert seq.interval_ns(base, cap) == cap  # ... up to the cap
-    assert seq.on_rate(0, seq.next_epoch - 1, 3, base)  # records in the last epoch
+    assert seq.on_rate(0, 300, True)  # shard 0 took records
     assert seq.interval_ns(base, cap) == base
-    assert not seq.on_rate(7, seq.next_epoch - 1, 3, base)  # an unknown shard changes nothing
-    seq.next_epoch += 20
-    assert seq.interval_ns(base, cap) == cap
-    topo.changed()  # a shard joins, a replica goes: back to the base at once
+    assert seq.on_rate(1, 900, True) and seq.on_rate(0, 200, False)
+    assert seq.interval_ns(base, cap) == base  # shard 1 is still busy
+    assert not seq.on_rate(7, 100, True)  # an unknown shard changes nothing
+    assert seq.on_rate(1, 450, False)
+    seq.next_epoch += 1
+    assert seq.interval_ns(base, cap) == 2 * base  # every shard idle: the quiet starts anew
+    assert seq.on_rate(1, 450, True)
+    del topo.replica_counts[1]
+    topo.changed()  # a shard goes, busy: back to the base at once...
     assert seq.interval_ns(base, cap) == base
+    seq.next_epoch += 1
+    assert seq.interval_ns(base, cap) == 2 * base  # ... and the gone shard counts busy no more
+    assert seq.busy == set()
     assert seq.interval_ns(base, base) == base  # lengthening off

@@ -212,7 +212,7 @@ def test_a_sealed_frame_altered_in_flight_is_refused() -> None:
 
 def test_suspicions_and_rates_are_accepted_only_sealed() -> None:
     suspect = wire.encode(wire.Suspect(shard=0, replica=1, reason="silent"))
-    rate = wire.encode(wire.Rate(shard=0, epoch=1, count=2, duration_ns=3))
+    rate = wire.encode(wire.Rate(reports=[wire.RateEntry(shard=0, epoch=1, rate=2, busy=True)]))
     for frame, inner in ((suspect, wire.decode_suspect), (rate, wire.decode_rate)):
         with pytest.raises(wire.ProtocolError) as bare:
             wire.open_signed(KEY, frame, inner)

@@ -7,8 +7,10 @@ simulated shards:
 * a real 3-node ZooKeeper ensemble (``ZooKeeperEnsemble``) and the real MMS replicas
   (``python -m mms.server``, 3 replicas, ``--interval-ms 10``);
 * no storage servers: ``bench.shard_swarm`` registers N shards in ZooKeeper exactly as
-  storage servers do, subscribes to every MMS PUB and sends every member shard's RATE at
-  the end of each epoch, like N primaries;
+  storage servers do, subscribes to every MMS PUB and reports each member shard's rate
+  when a primary's rule says so (``ziplog.cores.replica.rate_report``: per change, and a
+  heartbeat per shard every hundred epochs), batched, to the leader the broadcasts name,
+  like N primaries;
 * a probe SUB in this process (an idle subscriber, so its clock is not disturbed by the
   swarm's work) times every EPOCH broadcast.
 
@@ -24,7 +26,8 @@ from the rest. A failing N during which other work took a quarter of a core is
 measured again once (full run): the machine may be shared.
 
 ``model_*`` columns replay the leader's per-epoch steps in this process with the real
-planner and ``MembershipDriver.on_rate_frame``: the CPU one epoch needs.
+planner and ``MembershipDriver.on_rate_frame`` (a steady epoch's reports: the
+heartbeats that fall on it): the CPU one epoch needs.
 
     python -m bench mms [--quick] [--out DIR]
 """
@@ -52,6 +55,7 @@ from kazoo.client import KazooClient
 from mms.planner import EpochPlanner, PlannerSettings
 from ziplog.protocol.membership import EpochState
 from mms.server import MembershipDriver
+from ziplog.cores.replica.rate_report import HEARTBEAT_EPOCHS, heartbeat_due
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
@@ -359,9 +363,10 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
         # everything else the machine ran meanwhile: other people's work disturbs the timing
         "other_cpu_pct": round(max(0.0, cpu["machine"] - cpu["mms"] - cpu["followers"] - cpu["zk"] - cpu["swarm"]
                                    - cpu["harness"]), 1),
-        # RATE frames/s the leader's PULL accepted, against one per shard per epoch
+        # RATE frames/s the leader's PULL accepted, and the reports/s steady shards send
+        # (their heartbeats: each shard one per HEARTBEAT_EPOCHS epochs)
         "rate_in_per_s": leader_in if send_rates else 0,
-        "rate_nominal_per_s": round(n * epochs_per_s) if send_rates else 0,
+        "rate_nominal_per_s": round(n * epochs_per_s / HEARTBEAT_EPOCHS) if send_rates else 0,
         "swarm_epochs_skipped": skipped,
         # bytes/s the PUB would send with one subscriber per storage replica, as deployed
         "fanout_MB_s": round(frame * NOMINAL_EPOCHS_PER_S * n * params["replicas_per_shard"] / 1e6) if frame else None,
@@ -389,8 +394,13 @@ def per_epoch_cost(n: int, replicas: int, repeat: int = 5) -> dict[str, float]:
     cfg, history = planner.plan(range(n))
     planner.committed(cfg, history)
     key = ClusterKey(b"the in-process model's secret")
-    frames = [wire.seal(key, wire.encode(wire.Rate(shard=s, epoch=cfg.epoch, count=20, duration_ns=10_000_000)))
-              for s in range(n)]
+    # steady shards report only their heartbeats, spread by shard id: n / HEARTBEAT_EPOCHS
+    # an epoch, in frames of up to MAX_RATE_REPORTS as a storage process batches them
+    due = [s for s in range(n) if heartbeat_due(s, cfg.epoch)]
+    frames = [wire.seal(key, wire.encode(wire.Rate(reports=[wire.RateEntry(shard=s, epoch=cfg.epoch, rate=2000,
+                                                                           busy=True)
+                                                            for s in due[i:i + wire.MAX_RATE_REPORTS]])))
+              for i in range(0, len(due), wire.MAX_RATE_REPORTS)]
     rt = ZmqRuntime()
     try:
         coord = _ModelCoordination(topo, history or [])
@@ -600,7 +610,8 @@ def _intro(params: dict[str, Any]) -> str:
         "Real ZooKeeper (3 nodes) and real MMS replicas (`python -m mms.server`, 3 replicas, `--interval-ms "
         f"{params['interval_ms']:g}`); `bench.shard_swarm` registers N shards ({params['replicas_per_shard']} "
         "replicas each) in ZooKeeper as storage servers do and plays their primaries: it subscribes to every "
-        "MMS PUB and sends each member shard's RATE to every MMS PULL at the end of each epoch. A probe SUB in "
+        "MMS PUB and reports each member shard's rate as a primary does (per change, and a heartbeat per shard "
+        "every 100 epochs spread by shard id), batched, to the leader's PULL. A probe SUB in "
         f"the harness times each EPOCH broadcast over {params['window_s']:g} s after {params['warmup_s']:g} s "
         f"of warm-up. {KEEPS_UP_RULE}. CPU columns are % of one core over the window: `mms_cpu_pct` the "
         "leader alone, `zk_cpu_pct` the 3 JVMs, `other_cpu_pct` everything else the machine ran (work that is "
@@ -608,7 +619,7 @@ def _intro(params: dict[str, Any]) -> str:
         "`block_start_p50_ms`: the intervals that end at an epoch starting a "
         f"block of {params['epochs_per_commit']} (broadcast only after its ZooKeeper commit); `other_p99_ms`: the "
         "other intervals. `rate_in_per_s`: RATE frames/s the leader's PULL accepted. `model_epoch_ms`: "
-        "the leader's per-epoch CPU (ready list + plan, EPOCH encoding, one RATE per shard through "
+        "the leader's per-epoch CPU (ready list + plan, EPOCH encoding, a steady epoch's reports through "
         "`on_rate_frame`) replayed in-process; above 10 ms one core cannot hold the interval. `rates=False`: "
         "the swarm sends no RATE.")
 
@@ -633,7 +644,8 @@ def _notes(res: Results, rows: list[dict[str, Any]], limit: Point | None, rates_
         parts = [f"At {r['shards']} shards the leader ran {r['epochs_per_s']} epochs/s (p99 interval "
                  f"{r['interval_p99_ms']} ms) at {r['mms_cpu_pct']}% CPU of one core, ZooKeeper at "
                  f"{r['zk_cpu_pct']}%, the swarm at {r['swarm_cpu_pct']}%; the leader's PULL took "
-                 f"{r['rate_in_per_s']} RATE/s of the {r['rate_nominal_per_s']} sent at that epoch rate. Its "
+                 f"{r['rate_in_per_s']} RATE frames/s (steady shards send {r['rate_nominal_per_s']} reports/s at "
+                 "that epoch rate). Its "
                  f"per-epoch work replayed in-process takes {r['model_epoch_ms']} ms (planning "
                  f"{r['model_plan_ms']}, encoding {r['model_encode_ms']}, RATE ingestion {r['model_rates_ms']}) "
                  f"against a {INTERVAL_MS:g} ms interval."]

@@ -131,6 +131,9 @@ FRAME_HEADROOM = 1 << 20
 CONTROL_FRAME_LIMIT = 64 << 10
 #: EPOCH broadcasts (a few bytes per member shard).
 EPOCH_FRAME_LIMIT = 16 << 20
+#: the most reports one RATE frame carries (each at most 30 bytes: well within a
+#: control frame)
+MAX_RATE_REPORTS = 1000
 #: What a client takes from a storage server (READ_OK, SUB_BATCH, RANGE_OK carry up to
 #: about 1 MiB, or one record): servers must not take records near it.
 CLIENT_REPLY_LIMIT = 64 << 20
@@ -439,19 +442,29 @@ class RecoveryOk(Frame, kw_only=True):
 
 # -- membership service ------------------------------------------------------------------
 class EpochStart(Frame, kw_only=True):
-    """EPOCH: the configuration of ``epoch`` (members sorted, one rate each)."""
+    """EPOCH: the configuration of ``epoch`` (members sorted, one rate each), and the id
+    of the membership service replica that leads (primaries send their rate reports to
+    it alone; None: not said, send to every replica)."""
     op: int = EPOCH
     epoch: U64
     shards: Members
     rates: tuple[U64, ...]
+    leader: U64 | None = None
+
+
+class RateEntry(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """One primary's report: its smoothed rate (records/s) as of ``epoch``, and whether
+    it took records lately (``ziplog.cores.replica.rate_report``)."""
+    shard: U64
+    epoch: U64
+    rate: U64
+    busy: bool
 
 
 class Rate(Frame, kw_only=True):
+    """RATE: the reports of one storage process's turn (one or more of its primaries)."""
     op: int = RATE
-    shard: U64
-    epoch: U64
-    count: U64
-    duration_ns: U64
+    reports: list[RateEntry]
 
 
 ClientRequest = Union[Insert, Read, Trim, Subscribe, Credit, Unsubscribe, Status, Range, Count]
@@ -699,17 +712,19 @@ class EpochEncoder:
     epoch number differs, so the rest is encoded once per configuration (a membership
     of thousands of shards costs more to encode than an epoch lasts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, leader: int | None = None) -> None:
+        #: the broadcasting replica's id, named in every frame (None: not named)
+        self.leader = leader
         self._key: tuple[Members, tuple[int, ...]] | None = None
         self._tail = b""
-        self._head = b"\x95" + encode(PROTOCOL_VERSION) + encode(EPOCH)
+        self._head = b"\x96" + encode(PROTOCOL_VERSION) + encode(EPOCH)
 
     def encode(self, epoch: int, shards: Members, rates: tuple[int, ...]) -> bytes:
         key = (shards, rates)
         if self._key is None or self._key[0] is not shards or self._key[1] is not rates:
-            self._tail = encode(shards) + encode(rates)
+            self._tail = encode(shards) + encode(rates) + encode(self.leader)
             self._key = key
             frame = self._head + encode(epoch) + self._tail
-            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates))
+            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader))
             return frame
         return self._head + encode(epoch) + self._tail

@@ -102,5 +102,9 @@ class TopologyView:
     def mms_pulls(self) -> list[str]:
         return [a for info in self.mms.values() if (a := info.get("pull"))]
 
+    def mms_pull_of(self, replica_id: int) -> str | None:
+        """The PULL address membership service replica ``replica_id`` registered."""
+        return self.mms.get(str(replica_id), {}).get("pull")
+
     def fh_pulls(self) -> list[str]:
         return [a for info in self.fh.values() if (a := info.get("pull"))]

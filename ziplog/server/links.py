@@ -15,6 +15,7 @@ from typing import Callable
 from ziplog.cores.replica import ReplicaSettings
 from ziplog.io.ports import Endpoint, Network, StorageCoordination
 from ziplog.protocol import frames as f
+from ziplog.protocol.auth import ClusterKey
 from ziplog.shell.inbound import InboundGuard
 from ziplog.shell.throttled_log import ThrottledLog
 
@@ -49,6 +50,19 @@ class ReplicaLinks:
         #: a primary's connections to the other shards' replicas (its NOTICEs): (shard,
         #: replica) -> (address, endpoint); made on the first notice to the shard
         self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
+
+    def report_rates(self, reports: list[f.RateEntry], leader: int, key: ClusterKey) -> None:
+        """A turn's rate reports in one RATE frame (or more, past MAX_RATE_REPORTS), sealed,
+        to membership service replica ``leader``, as the last epoch broadcast named it; to
+        every replica while none is named or its PULL is unknown (a follower drops them
+        at no cost)."""
+        pull = self.coord.topology.mms_pull_of(leader) if leader >= 0 else None
+        push = None if pull is None else self.mms_pushes.get(pull)
+        pushes = [push] if push is not None else list(self.mms_pushes.values())
+        for i in range(0, len(reports), f.MAX_RATE_REPORTS):
+            frame = f.seal(key, f.encode(f.Rate(reports=reports[i:i + f.MAX_RATE_REPORTS])))
+            for ep in pushes:
+                ep.send(frame)
 
     def follow_topology(self) -> str:
         """Connect to new control-plane replicas, and (a backup) to the primary's new

@@ -18,6 +18,7 @@ from ziplog.cores.effects import Messages, Peer, ReadHistory, Ready, ShardReplic
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.cores.replica.core import Ordered
 from ziplog.cores.replica.parking import Parked
+from ziplog.cores.replica.primary import PrimarySequencer
 from ziplog.shell.inbound import InboundGuard
 from ziplog.server.client_rights import ClientRights
 from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
@@ -109,6 +110,10 @@ class StorageDriver:
         self._disk_buf: list[DiskEvent] = []
         #: messages that leave once everything persisted before them is written
         self._durable: Messages = []
+        #: this turn's rate reports (one RATE frame at the turn's end), and the membership
+        #: service's leader as the last epoch broadcast named it (-1: none yet)
+        self._rate_reports: list[f.RateEntry] = []
+        self.mms_leader = -1
         self._last_disk_ns = rt.now()
         #: why the last write failed (None: writing works); the batch stays buffered
         self.disk_fault: str | None = None
@@ -246,6 +251,12 @@ class StorageDriver:
             self.trouble_log("bad epoch broadcast dropped", exc)
             return
         self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
+        leader = msg.leader
+        if leader is not None and leader != self.mms_leader:
+            self.mms_leader = leader  # rate reports go to it alone (see _report_rates)
+            role = self.core.role
+            if type(role) is PrimarySequencer:
+                role.rates.on_leader(leader)  # a new leader is owed this shard's rate
 
     def answer_turn(self) -> bool:
         """After every turn, before any driver's :meth:`end_turn` (a process may serve
@@ -278,6 +289,9 @@ class StorageDriver:
             self._next_tick = now + MIN_TICK_NS
         core.flush(now)
         self._perform(core.ready())
+        if self._rate_reports:
+            reports, self._rate_reports = self._rate_reports, []
+            self.links.report_rates(reports, self.mms_leader, self.key)
         disk = self.disk
         if disk is not None:
             # An answer waiting for the disk does not wait for the batch interval too.
@@ -361,9 +375,12 @@ class StorageDriver:
                 frame = f.seal(self.key, encode(msg))
                 for ep in self.links.replicas_of(dest.shard):
                     ep.send(frame)
+            elif dest is Peer.MMS:
+                assert type(msg) is f.Rate
+                self._rate_reports.extend(msg.reports)
             else:
                 frame = f.seal(self.key, encode(msg))
-                for ep in (self.links.mms_pushes if dest is Peer.MMS else self.links.fh_pushes).values():
+                for ep in self.links.fh_pushes.values():
                     ep.send(frame)
 
     def _perform(self, ready: Ready) -> None:

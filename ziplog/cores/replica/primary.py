@@ -29,6 +29,7 @@ from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.parking import Parked, Parking
 from ziplog.cores.replica.progress import Progress
+from ziplog.cores.replica.rate_report import RateReporter
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
 from ziplog.protocol.events import EpochEvent, FrontierEvent, Members, RecordEvent, record_size
@@ -80,6 +81,8 @@ class PrimarySequencer:
         self.next_slot = 0
         self.epoch_start_ns = 0
         self.epoch_count = 0  # records assigned in the current epoch (rate report)
+        #: when to tell the membership service this shard's rate
+        self.rates = RateReporter(settings.shard)
         #: the latest broadcast, kept while this primary may not decide
         self.stashed: EpochConfig | None = None
         #: a broadcast waiting for the members of the epochs missed before it
@@ -242,8 +245,8 @@ class PrimarySequencer:
         if cfg is None:
             return
         if self.cursor is not None:
-            self.out.send(Peer.MMS, f.Rate(shard=self.shard, epoch=cfg.epoch, count=self.epoch_count,
-                                           duration_ns=max(now - self.epoch_start_ns, 1)))
+            if (report := self.rates.on_epoch_closed(cfg.epoch, self.epoch_count, now - self.epoch_start_ns)):
+                self.out.send(Peer.MMS, report.frame(self.shard))  # the driver sends a turn's in one frame
         self.log.advance_frontier(cfg.end)
         self.cur_config = None
         self.cursor = None
