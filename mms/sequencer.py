@@ -212,7 +212,9 @@ class EpochSequencer:
             # change since the last plan reuses it (it is the costlier half of a plan).
             self._ready = [s for s in topo.replica_counts if s not in removed and topo.shard_complete(s)]
         self.planned_generation = generation
-        return self.planner.plan(self._ready, recovering)  # the planner leaves recovering shards out
+        # the planner leaves recovering shards out, and at an unchanged generation keeps
+        # the last plan's members (patching only the rates that changed)
+        return self.planner.plan(self._ready, recovering, generation)
 
     def _commit(self, planned: EpochConfig, changed: bool) -> CommitBlock:
         """The commit of the block that starts at ``next_epoch``, the first epoch nobody

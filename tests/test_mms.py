@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kazoo.client import KazooClient
 
 import ziplog
@@ -107,7 +109,7 @@ def test_rates_go_to_the_leader_the_broadcasts_name_and_to_the_next_one(cluster:
     """Primaries report per change to the leader EPOCH names: the broadcast rates leave
     the planner's default (no report: 2000/s) for what the shards report, and after the
     leader is killed, load reaches the new leader's plan through reports sent to it."""
-    settings = PlannerSettings()
+    default_rate = PlannerSettings().default_rate
     lis = Listener(cluster)
     leaders: list[int | None] = []
     rates: list[tuple[int, ...]] = []
@@ -123,7 +125,7 @@ def test_rates_go_to_the_leader_the_broadcasts_name_and_to_the_next_one(cluster:
 
     try:
         old = leader_id(cluster)
-        pump(lambda: len(rates) > 0 and leaders[-1] == old and all(r != settings.default_rate for r in rates[-1]))
+        pump(lambda: len(rates) > 0 and leaders[-1] == old and all(r != default_rate for r in rates[-1]))
         procs.kill(cluster.mms[old])
         with cluster.client() as c:
             rid = c.insert_after(b"load")
@@ -166,6 +168,38 @@ def test_planner_uses_reported_rates() -> None:
     e = 2 + p.settings.drain_epochs
     assert cfg.shards == (0,) and hist == [[0, [0, 1]], [e, [0]]]
     assert isinstance(cfg, EpochConfig)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["rate", "join", "recover", "heal", "remove", "plan"]),
+                          st.integers(0, 11), st.integers(0, 5000)), max_size=60))
+def test_a_plan_at_an_unchanged_generation_is_the_full_plan(steps: list[tuple[str, int, int]]) -> None:
+    """The planner's cheap path (the last members, changed rates patched in) plans what
+    a full plan of the same inputs plans, epoch after epoch."""
+    settings_ = PlannerSettings(default_rate=1000, min_rate=10, drain_epochs=2)
+    fast, full = EpochPlanner(settings_), EpochPlanner(settings_)
+    ready, recovering, generation = {0, 1, 2}, set(), 0
+    for kind, shard, value in steps + [("plan", 0, 0)]:
+        if kind == "rate":
+            fast.on_rate(shard, value)
+            full.on_rate(shard, value)
+        elif kind in ("join", "recover", "heal", "remove"):
+            generation += 1  # every topology change moves the generation
+            if kind == "join":
+                ready.add(shard)
+            elif kind == "recover":
+                recovering.add(shard)
+            elif kind == "heal":
+                recovering.discard(shard)
+            else:
+                fast.remove(shard)
+                full.remove(shard)
+        else:
+            a, ha = fast.plan(sorted(ready), sorted(recovering), generation)
+            b, hb = full.plan(sorted(ready), sorted(recovering))
+            assert (a, ha) == (b, hb)
+            fast.committed(a, ha)
+            full.committed(b, hb)
 
 
 def test_drain_ends_at_marks_the_epoch_a_removed_shard_leaves() -> None:

@@ -338,7 +338,7 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
         sent1 = s1.get("sent_per_mms", {}).get(leader_pull, 0)
         leader_in = round((sent1 - sent0) / dt)
     skipped = int(s1.get("epochs_skipped", 0)) - int(s0.get("epochs_skipped", 0))
-    model = per_epoch_cost(n, params["replicas_per_shard"])
+    model = per_epoch_cost(n, params["replicas_per_shard"], epochs_per_commit=params["epochs_per_commit"])
     keeps_up = (epochs_per_s >= MIN_RATE_FRACTION * NOMINAL_EPOCHS_PER_S
                 and bool(p99 < MAX_P99_INTERVALS * INTERVAL_MS) and all_shards)
     frame = int(statistics.median(b.size for b in seen)) if seen else None
@@ -379,12 +379,15 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
 
 # -- the leader's per-epoch work, replayed in-process ----------------------------------------------
 
-def per_epoch_cost(n: int, replicas: int, repeat: int = 5) -> dict[str, float]:
+def per_epoch_cost(n: int, replicas: int, repeat: int = 5, epochs_per_commit: int = 10) -> dict[str, float]:
     """Milliseconds of the leader's steps for one epoch with ``n`` member shards (best
-    of ``repeat``): the ready list and ``EpochPlanner.plan`` (as ``EpochSequencer``
-    plans), encoding the EPOCH frame, and ingesting one RATE per shard through the real
-    ``MembershipDriver.on_rate_frame``. Not included: the ZooKeeper commit (one per 10
-    epochs) and the kazoo and libzmq threads."""
+    of ``repeat``): a block's plan at an unchanged topology (``EpochPlanner.plan`` as
+    ``EpochSequencer`` plans at a block commit, the rates that changed patched in: here
+    a steady epoch's reports), shared by the block's ``epochs_per_commit`` epochs;
+    encoding the EPOCH frame; a steady epoch's rate reports (the heartbeats that fall on
+    it) through the real ``MembershipDriver.on_rate_frame``. Apart: ``model_full_plan_ms``,
+    the ready list and a full plan, which a topology change costs once. Not included:
+    the ZooKeeper commit (one per block) and the kazoo and libzmq threads."""
     from ziplog.io.zmq_runtime import ZmqRuntime
 
     topo = TopologyView()
@@ -406,26 +409,84 @@ def per_epoch_cost(n: int, replicas: int, repeat: int = 5) -> dict[str, float]:
         coord = _ModelCoordination(topo, history or [])
         driver = MembershipDriver(rt, rt, coord, coord, 0, key)
         driver.lead_begin()  # leads, as far as rate reports go
-        best = {"plan": math.inf, "encode": math.inf, "rates": math.inf}
-        for _ in range(repeat):
+        best = {"full_plan": math.inf, "plan": math.inf, "encode": math.inf, "rates": math.inf}
+        generation = 0
+        for i in range(repeat):
+            generation += 1  # a topology change: the ready list and a full plan
             t0 = time.perf_counter()
             ready = [s for s in topo.replica_counts if topo.shard_complete(s) and s not in topo.removed]
-            cfg2, _ = planner.plan(ready, topo.recovering)
+            cfg2, hist2 = planner.plan(ready, topo.recovering, generation)
             t1 = time.perf_counter()
-            wire.EpochEncoder().encode(cfg2.epoch, cfg.shards, cfg.rates)
+            planner.committed(cfg2, hist2)
+            for s in due:  # the reports of a steady epoch move these shards' rates
+                planner.on_rate(s, 2000 + i + 1)
             t2 = time.perf_counter()
+            cfg3, hist3 = planner.plan(ready, topo.recovering, generation)  # the next block's
+            t3 = time.perf_counter()
+            planner.committed(cfg3, hist3)
+            wire.EpochEncoder(0).encode(cfg3.epoch, cfg3.shards, cfg3.rates)
+            t4 = time.perf_counter()
             for f in frames:
                 driver.on_rate_frame(f)
-            t3 = time.perf_counter()
-            best["plan"] = min(best["plan"], t1 - t0)
-            best["encode"] = min(best["encode"], t2 - t1)
-            best["rates"] = min(best["rates"], t3 - t2)
+            t5 = time.perf_counter()
+            for k, dt in (("full_plan", t1 - t0), ("plan", t3 - t2), ("encode", t4 - t3), ("rates", t5 - t4)):
+                best[k] = min(best[k], dt)
         driver.close()
     finally:
         rt.close()
-    ms = {k: round(v * 1000, 2) for k, v in best.items()}
-    return {"model_plan_ms": ms["plan"], "model_encode_ms": ms["encode"], "model_rates_ms": ms["rates"],
-            "model_epoch_ms": round(ms["plan"] + ms["encode"] + ms["rates"], 2)}
+    ms = {k: v * 1000 for k, v in best.items()}
+    # a block's plan and its frame's encoding (EpochEncoder restates the frame for the
+    # other epochs of the block by its epoch number alone) are shared by its epochs
+    epoch_ms = (ms["plan"] + ms["encode"]) / epochs_per_commit + ms["rates"]
+    return {"model_full_plan_ms": round(ms["full_plan"], 2), "model_plan_ms": round(ms["plan"], 3),
+            "model_encode_ms": round(ms["encode"], 3), "model_rates_ms": round(ms["rates"], 3),
+            "model_epoch_ms": round(epoch_ms, 3)}
+
+
+#: the cluster sizes the plan past this machine is modelled at
+MODEL_SIZES = (16_000, 32_000, 64_000)
+
+
+def scale_model(params: dict[str, Any], sizes: tuple[int, ...] = MODEL_SIZES) -> list[dict[str, Any]]:
+    """What N shards cost the membership service, from its own code run in-process (no
+    swarm and no sockets: what two cores cannot host as processes): the leader's CPU per
+    epoch (:func:`per_epoch_cost`), the EPOCH frame and the bytes per second each
+    subscriber receives, and ZooKeeper's write load (one block commit per
+    ``epochs_per_commit`` epochs, its node holding every member and rate)."""
+    per_block = params["epochs_per_commit"]
+    epochs_per_s = NOMINAL_EPOCHS_PER_S
+    out = []
+    for n in sizes:
+        cost = per_epoch_cost(n, params["replicas_per_shard"], repeat=3, epochs_per_commit=per_block)
+        shards, rates = tuple(range(n)), tuple([params["records_per_s"]] * n)
+        frame = len(wire.EpochEncoder(0).encode(10**6, shards, rates))
+        block = len(layout.enc({"epoch": 10**6, "last": 10**6 + per_block - 1, "shards": list(shards),
+                                "rates": list(rates)}))
+        out.append({
+            "shards": n, **cost,
+            "leader_cpu_pct": round(100 * cost["model_epoch_ms"] * epochs_per_s / 1000, 1),
+            "epoch_frame_bytes": frame,
+            "per_subscriber_MB_s": round(frame * epochs_per_s / 1e6, 2),
+            "subscribers": n * params["replicas_per_shard"],
+            "zk_commits_per_s": epochs_per_s / per_block,
+            "zk_block_bytes": block,
+            "zk_MB_s": round(block * epochs_per_s / per_block / 1e6, 2),
+            "rate_reports_per_s": round(n * epochs_per_s / HEARTBEAT_EPOCHS),
+        })
+    return out
+
+
+def _model_note(res: Results, model: list[dict[str, Any]]) -> None:
+    lines = ["The plan past this machine (the leader's own code in-process, steady shards; `scale_model`):", "",
+             "| shards | leader CPU per epoch | leader CPU | full plan (topology change) | EPOCH frame | per "
+             "subscriber | subscribers | ZooKeeper | rate reports |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in model:
+        lines.append(f"| {m['shards']:,} | {m['model_epoch_ms']} ms | {m['leader_cpu_pct']} % | "
+                     f"{m['model_full_plan_ms']} ms | {m['epoch_frame_bytes'] / 1000:.0f} KB | "
+                     f"{m['per_subscriber_MB_s']} MB/s | {m['subscribers']:,} | {m['zk_commits_per_s']:g} commits/s "
+                     f"of {m['zk_block_bytes'] / 1000:.0f} KB ({m['zk_MB_s']} MB/s) | {m['rate_reports_per_s']:,}/s |")
+    res.note("\n".join(lines))
 
 
 class _ModelCoordination:
@@ -600,6 +661,10 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             ens.stop()
     rows = sorted((p.row for p in points), key=lambda r: (r["shards"], not r["rates"]))
     _notes(res, rows, limit_point(points), rates_off)
+    res.log("modelling the leader at " + ", ".join(f"{n:,}" for n in MODEL_SIZES) + " shards")
+    model = scale_model(params)
+    (res.dir / "mms_model.json").write_text(json.dumps(model, indent=1))
+    _model_note(res, model)
     _plot(res, rows)
     res.write(rows, COLUMNS, "Membership service: shards served at a 10 ms epoch interval", _intro(params))
     return rows
@@ -619,8 +684,9 @@ def _intro(params: dict[str, Any]) -> str:
         "`block_start_p50_ms`: the intervals that end at an epoch starting a "
         f"block of {params['epochs_per_commit']} (broadcast only after its ZooKeeper commit); `other_p99_ms`: the "
         "other intervals. `rate_in_per_s`: RATE frames/s the leader's PULL accepted. `model_epoch_ms`: "
-        "the leader's per-epoch CPU (ready list + plan, EPOCH encoding, a steady epoch's reports through "
-        "`on_rate_frame`) replayed in-process; above 10 ms one core cannot hold the interval. `rates=False`: "
+        "the leader's per-epoch CPU (a block's plan at an unchanged topology and its EPOCH encoding, shared by "
+        "the block's epochs; a steady epoch's reports through `on_rate_frame`) replayed in-process; above 10 ms "
+        "one core cannot hold the interval. `rates=False`: "
         "the swarm sends no RATE.")
 
 
@@ -646,8 +712,9 @@ def _notes(res: Results, rows: list[dict[str, Any]], limit: Point | None, rates_
                  f"{r['zk_cpu_pct']}%, the swarm at {r['swarm_cpu_pct']}%; the leader's PULL took "
                  f"{r['rate_in_per_s']} RATE frames/s (steady shards send {r['rate_nominal_per_s']} reports/s at "
                  "that epoch rate). Its "
-                 f"per-epoch work replayed in-process takes {r['model_epoch_ms']} ms (planning "
-                 f"{r['model_plan_ms']}, encoding {r['model_encode_ms']}, RATE ingestion {r['model_rates_ms']}) "
+                 f"per-epoch work replayed in-process takes {r['model_epoch_ms']} ms (a block's plan "
+                 f"{r['model_plan_ms']} and encoding {r['model_encode_ms']}, shared by its epochs; RATE "
+                 f"ingestion {r['model_rates_ms']}; a full plan after a topology change {r['model_full_plan_ms']}) "
                  f"against a {INTERVAL_MS:g} ms interval."]
         if rates_off is not None:
             o = rates_off.row

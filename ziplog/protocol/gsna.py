@@ -86,6 +86,17 @@ class EpochConfig:
         object.__setattr__(cfg, "rates", self.rates)
         return cfg
 
+    def with_rates(self, rates: tuple[int, ...]) -> EpochConfig:
+        """The same epoch and shards at ``rates``, checked only for their count: the
+        membership planner patches a few rates of a config that passed every check,
+        each clamped into [1, MAX_RATE] (O(shards) checks per block otherwise)."""
+        assert len(rates) == len(self.shards), (len(rates), len(self.shards))
+        cfg = EpochConfig.__new__(EpochConfig)  # as at() makes one
+        object.__setattr__(cfg, "epoch", self.epoch)
+        object.__setattr__(cfg, "shards", self.shards)
+        object.__setattr__(cfg, "rates", rates)
+        return cfg
+
     @property
     def base(self) -> int:
         return epoch_base(self.epoch)
