@@ -88,7 +88,9 @@ def test_every_fault_kind_was_exercised() -> None:
                  # back frozen for a recovery that had not resumed them
                  "replicas3", "control3", "fsync_never", "fsync_interval", "fsync_always", "power_losses",
                  "power_lost_bytes", "stop_power_losses", "double_crashes", "same_address_restarts", "requeued",
-                 "probes_held", "frozen_restarts"):
+                 "probes_held", "frozen_restarts",
+                 # rate reports, per change, to the leader the broadcasts name (its changes drawn above)
+                 "rate_reports"):
         assert total.get(what, 0) > 0, (what, total)
     # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
     assert total["recoveries"] >= total["crashes_primary"] // 2, total

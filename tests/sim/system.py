@@ -118,6 +118,7 @@ class Outcome:
     recoveries: int = 0  # recovery records that reached DONE in ZooKeeper
     acquired: int = 0  # ... that reached ACQUIRED
     suspicions: int = 0  # SUSPECT frames a handler leader took
+    rate_reports: int = 0  # rate reports MMS leaders took (per change, to the leader EPOCH names)
     blocked: int = 0  # restarted primaries that found a backup ahead of them
     shards_added: int = 0
     shards_removed: int = 0
@@ -165,7 +166,7 @@ class Outcome:
               "killed_after_notice", "stops", "clean_restarts", "replicas3", "control3", "fsync_never",
               "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
               "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
-              "installed_power_losses", "frozen_restarts", "cuts")
+              "installed_power_losses", "frozen_restarts", "cuts", "rate_reports")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -479,6 +480,7 @@ class SystemSim:
         self.mms = [Control("mms", i) for i in range(self.control_replicas)]
         self.fh = [Control("fh", i) for i in range(self.control_replicas)]
         self.fh_drivers: list[FailureHandlerDriver] = []
+        self.mms_drivers: list[MembershipDriver] = []
         self.configs: dict[int, EpochConfig] = {}
         # -- what the checker and the known-bug classifier watch --------------------------------
         self.acked_gsns: list[int] = []
@@ -658,6 +660,7 @@ class SystemSim:
             mcoord = SimMembershipCoordination(self.zk, proc, c.session)
             c.driver = MembershipDriver(proc, proc, mcoord, election, c.rid, CLUSTER_KEY, self.epoch_ns, self.planner_settings,
                                         self.epochs_per_commit)
+            self.mms_drivers.append(c.driver)
         else:
             hcoord = SimHandlerCoordination(self.zk, proc, c.session)
             c.driver = FailureHandlerDriver(proc, proc, hcoord, election, c.rid, CLUSTER_KEY, self.handler_settings)
@@ -1122,6 +1125,7 @@ class SystemSim:
         out.retries = sum(c.state.stats["retries"] for c in self.clients)
         out.resubscribes = sum(rd.sub.core.resubscribes for rd in self.readers if rd.sub is not None)
         out.suspicions = sum(d.suspicions for d in self.fh_drivers)
+        out.rate_reports = sum(d.rate_reports for d in self.mms_drivers)
         out.trace = self.world.trace
 
 
