@@ -18,6 +18,14 @@ bank clients on top, with their own kills; serializability and exactly-once chec
     python -m tests.sim --logdb --seeds 2000 [--jobs J]
     python -m tests.sim --logdb --seed S --trace
 
+BokiFlow on the whole system (``tests/sim/flow_system.py``: workers running bank
+transactions, trips and lock holders on LogBook sessions, with workers killed mid-workflow
+and duplicate runs; exactly-once writes, one outcome per workflow and one lock holder
+checked)::
+
+    python -m tests.sim --flow --seeds 1000 [--jobs J]
+    python -m tests.sim --flow --seed S --trace
+
 The LogBook index tier (``tests/sim/logbook.py``: feeder, index nodes, aggregator on a
 scripted log, with kills and a node added; every answer checked against a replay)::
 
@@ -60,8 +68,8 @@ def _shard_main(args: argparse.Namespace) -> int:
     return 0
 
 
-#: the simulation ``--system`` runs: ``system``, or ``logdb_system`` with ``--logdb`` (set
-#: before the workers fork)
+#: the simulation ``--system`` runs: ``system``, ``logdb_system`` with ``--logdb`` or
+#: ``flow_system`` with ``--flow`` (set before the workers fork)
 _SIM = "system"
 
 
@@ -157,7 +165,7 @@ def _system_main(args: argparse.Namespace) -> int:
         print("totals: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     if failed:
         print("failed seeds: " + " ".join(str(s) for s, _ in sorted(failed)))
-        flag = "--logdb" if _SIM == "logdb_system" else "--system"
+        flag = {"logdb_system": "--logdb", "flow_system": "--flow"}.get(_SIM, "--system")
         print(f"replay one: python -m tests.sim {flag} --seed {min(s for s, _ in failed)} --trace")
         return 1
     return 0
@@ -181,6 +189,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.sim")
     ap.add_argument("--system", action="store_true", help="simulate the whole system (default: one shard)")
     ap.add_argument("--logdb", action="store_true", help="simulate LogDB on the whole system")
+    ap.add_argument("--flow", action="store_true", help="simulate BokiFlow on the whole system")
     ap.add_argument("--logbook", action="store_true", help="simulate the LogBook index tier")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--first", type=int, default=0, help="first seed")
@@ -196,9 +205,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.logbook:
         return _logbook_main(args)
-    if args.logdb:
+    if args.logdb or args.flow:
         global _SIM
-        _SIM = "logdb_system"
+        _SIM = "logdb_system" if args.logdb else "flow_system"
         return _system_main(args)
     return _system_main(args) if args.system else _shard_main(args)
 

@@ -222,7 +222,18 @@ def lock(workflow: str, step: int, chain: LockChain) -> Steps:
     if found is not None:
         return bool(unpack(found[1].value))
     holder = fr.holder_of(workflow, step)
-    taken = yield from _on_locks(chain.try_acquire(holder))
+    # The chain, then the step's record again at a cut at or above the chain's, then the
+    # acquire from that chain. A run that read the step at a cut below its record (a
+    # duplicate, a run again on an engine behind) may find the chain at a later cut
+    # where an earlier run of this step took the lock and gave it back: an acquire then
+    # would join, and hold the lock for good for a holder whose unlock is recorded. A
+    # holder gives the lock back only after its step's record, so a step with no record
+    # at or above the chain's cut has not given it back there.
+    yield from _on_locks(chain.replay())
+    found = yield from first_step(workflow, step, "lock")
+    if found is not None:
+        return bool(unpack(found[1].value))
+    taken = yield from _on_locks(chain.acquire(holder))
     _, outcome = yield from logged(workflow, step, "lock", pack(taken))
     if taken and not unpack(outcome):
         yield from _on_locks(chain.release(holder))  # an earlier run of this step failed first

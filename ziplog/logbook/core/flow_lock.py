@@ -77,6 +77,14 @@ class LockChain:
         """Take the lock for ``holder`` if nobody holds it; True if ``holder`` holds it
         afterwards (also when it held it already: a re-run of the step that took it)."""
         yield from self.replay()
+        return (yield from self.acquire(holder))
+
+    def acquire(self, holder: str) -> Steps:
+        """:meth:`try_acquire` from the state the last replay left, reading nothing
+        before the append (a caller that must look elsewhere at a cut at or above the
+        replay's before it appends: BokiFlow's lock step). As safe from an older state:
+        the acquire names the tail that state saw, so it joins only if nothing joined
+        since."""
         if self.holder is not None:
             return self.holder == holder
         seqnum = yield Append(fr.encode(fr.LockOp(lock=self.lock, prev=self.tail, holder=holder, acquire=True)),

@@ -155,8 +155,18 @@ class Env:
 
     def lock(self, name: str, timeout: float = LOCK_WAIT_S) -> bool:
         """Take lock ``name``, trying again while another holds it, for up to ``timeout``
-        seconds; False if it could not (each try is a step: a re-run takes the same path)."""
-        return any(self.try_lock(name) for _ in pauses(timeout, first=0.002, most=0.05))
+        seconds; False if it could not. Each try is a step, and so is each decision to try
+        again (remembered): a re-run takes the first run's path whatever its own clock
+        says (one on an engine behind may run out of time sooner, where the first run's
+        next try took the lock that no later step would give back then)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.002
+        while not self.try_lock(name):
+            if not self.remember(lambda: time.monotonic() < deadline):
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return True
 
     def unlock(self, name: str) -> None:
         holder = self.held.pop(name, None)
