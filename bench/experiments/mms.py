@@ -273,7 +273,7 @@ def measure(ens: ZooKeeperEnsemble, root_zk: KazooClient, n: int, params: dict[s
         replicas_path = chroot + layout.MMS_REPLICAS
         _wait(lambda: root_zk.exists(replicas_path) is not None
               and len(root_zk.get_children(replicas_path)) == params["mms_replicas"],
-              60, "the MMS replicas to register", children, logs)
+              60 + n * 0.03, "the MMS replicas to register", children, logs)  # each loads the topology first
         pubs = [layout.dec(root_zk.get(f"{replicas_path}/{c}")[0])["pub"] for c in root_zk.get_children(replicas_path)]
         probe = EpochProbe(pubs)
         # Every replica loads the whole topology (a watch and a read per shard and
