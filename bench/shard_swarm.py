@@ -48,7 +48,7 @@ from typing import Any
 import zmq
 from kazoo.client import KazooClient
 
-from ziplog.cores.replica.rate_report import HEARTBEAT_EPOCHS, RateReporter, heartbeat_due, owed_due
+from ziplog.cores.replica.rate_report import HEARTBEAT_EPOCHS, RateReporter, owed_due
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol.frames import MAX_RATE_REPORTS
@@ -234,7 +234,7 @@ class ShardSwarm:
             self._cached_members = [s - lo for s in shard_list if lo <= s < hi]
             self._last_shard_list = shard_list
             self._by_phase = {}
-            for i in self._cached_members:
+            for i in self._cached_members:  # by shard id mod HEARTBEAT_EPOCHS: see heartbeat_due
                 self._by_phase.setdefault((lo + i) % HEARTBEAT_EPOCHS, []).append(i)
         return self._cached_members
 
@@ -271,18 +271,20 @@ class ShardSwarm:
         self.cur_epoch, self.cur_start_ns, self.cur_members = latest.epoch, now_ns, members
         c.last_epoch = self.cur_epoch
 
-    def _reporting(self, epoch: int) -> list[int]:
-        """Indexes (into ``heads``) of the member shards that report as ``epoch`` closes:
-        all when the load changed what was reported, else those whose heartbeat or owed
-        report falls on this epoch (shard ids spread both over the epochs)."""
+    def _reporting(self, epoch: int, duration_ns: int) -> list[int]:
+        """Indexes (into ``heads``) of the member shards that report as ``epoch`` closes
+        after ``duration_ns``: all when the load changed what was reported, else those
+        whose heartbeat or owed report falls on this epoch (shard ids spread both over
+        the epochs)."""
         members = self.cur_members
         first = self.shards.start
-        if self.reporter.observe(self.records_per_s * 10 // 1000, 10_000_000):  # 10 ms of the load
+        duration_ns = max(duration_ns, 1)
+        if self.reporter.observe(self.records_per_s * duration_ns // 1_000_000_000, duration_ns):
             self.reporter.report(epoch)
             self.owed.clear()
             return members
-        due = self._by_phase.get((epoch - first) % HEARTBEAT_EPOCHS, [])
-        assert all(heartbeat_due(first + i, epoch) for i in due[:1])
+        # heartbeat_due(shard, epoch) holds for the shards of the epoch's phase
+        due = self._by_phase.get(epoch % HEARTBEAT_EPOCHS, [])
         if self.owed:
             owed = [i for i in self.owed if owed_due(first + i, epoch)]
             self.owed.difference_update(owed)
@@ -290,7 +292,7 @@ class ShardSwarm:
         return due
 
     def _send_rates(self, epoch: int, duration_ns: int) -> None:
-        reporting = self._reporting(epoch)
+        reporting = self._reporting(epoch, duration_ns)
         if not reporting:
             return
         rep = self.reporter.reported

@@ -253,7 +253,7 @@ class StorageDriver:
         self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
         leader = msg.leader
         if leader is not None and leader != self.mms_leader:
-            self.mms_leader = leader  # rate reports go to it alone (see _report_rates)
+            self.mms_leader = leader  # rate reports go to it alone (ReplicaLinks.report_rates)
             role = self.core.role
             if type(role) is PrimarySequencer:
                 role.rates.on_leader(leader)  # a new leader is owed this shard's rate
