@@ -85,7 +85,8 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
 
 def test_measure_one_point(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
     """The harness end to end at a small N: every epoch lists the shards and the
-    leader's PULL takes RATE reports (timing is not asserted: the machine may be busy)."""
+    swarm's RATE reports reach the leader's PULL (timing is not asserted: the machine may
+    be busy)."""
     params = experiment._params(quick=True) | {"warmup_s": 0.3, "window_s": 1.0}
     zk = discovery.connect(ensemble.hosts)
     try:
@@ -96,4 +97,7 @@ def test_measure_one_point(ensemble: ZooKeeperEnsemble, tmp_path: Path) -> None:
     row = point.row
     assert row["shards"] == 20 and row["all_shards"]
     assert row["epochs_per_s"] > 0 and row["frame_bytes"] > 0
-    assert row["rate_in_per_s"] and row["rate_in_per_s"] > 0
+    # Steady shards report only their heartbeats (one per 100 epochs each), which a short
+    # window on a slow machine may miss; the first reports (the load moved from nothing)
+    # reached the leader before it.
+    assert row["rate_in_per_s"] is not None and row["rate_to_leader_total"] > 0

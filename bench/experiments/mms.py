@@ -333,9 +333,9 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
     all_shards = bool(seen) and all(b.shards == n for b in seen)
     dt = float(s1.get("t", 0.0)) - float(s0.get("t", 0.0))
     leader_in = None
+    sent1 = s1.get("sent_per_mms", {}).get(leader_pull, 0) if leader_pull else 0
     if leader_pull and dt > 0:
         sent0 = s0.get("sent_per_mms", {}).get(leader_pull, 0)
-        sent1 = s1.get("sent_per_mms", {}).get(leader_pull, 0)
         leader_in = round((sent1 - sent0) / dt)
     skipped = int(s1.get("epochs_skipped", 0)) - int(s0.get("epochs_skipped", 0))
     model = per_epoch_cost(n, params["replicas_per_shard"], epochs_per_commit=params["epochs_per_commit"])
@@ -366,6 +366,9 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
         # RATE frames/s the leader's PULL accepted, and the reports/s steady shards send
         # (their heartbeats: each shard one per HEARTBEAT_EPOCHS epochs)
         "rate_in_per_s": leader_in if send_rates else 0,
+        # RATE frames the swarm sent the leader from its start to the window's end: at
+        # least the first reports (the load moved from nothing), however slow the epochs
+        "rate_to_leader_total": int(sent1) if send_rates else 0,
         "rate_nominal_per_s": round(n * epochs_per_s / HEARTBEAT_EPOCHS) if send_rates else 0,
         "swarm_epochs_skipped": skipped,
         # bytes/s the PUB would send with one subscriber per storage replica, as deployed
