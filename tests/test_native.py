@@ -74,3 +74,39 @@ def test_mypy_checks_narrowing_in_exactly_the_compiled_modules() -> None:
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["overrides"]
     checked = [o for o in conf if o.get("warn_unreachable")]
     assert len(checked) == 1 and tuple(checked[0]["module"]) == NATIVE_MODULES
+
+
+def test_the_build_cache_is_keyed_by_content_and_restores_what_it_kept(tmp_path: Path, monkeypatch) -> None:
+    """A cached build is found again by the digest of what it was made from: a source's
+    content moves the digest (its mtime does not), and the files it kept come back into
+    place as new files (so the build counts as current)."""
+    from ziplog.tools import build_native as bn
+
+    pkg = tmp_path / "ziplog"
+    (pkg / "cores").mkdir(parents=True)
+    src = pkg / "cores" / "core.py"
+    src.write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text("[tool.mypy]\n")
+    monkeypatch.setattr(bn, "ROOT", tmp_path)
+    monkeypatch.setattr(bn, "PACKAGE_DIR", pkg)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = bn.build_digest()
+    os.utime(src, (1, 1))
+    assert bn.build_digest() == first
+    src.write_text("x = 2\n")
+    assert bn.build_digest() != first
+
+    built = pkg / "cores" / "core.cpython-x.so"
+    built.write_bytes(b"compiled")
+    monkeypatch.setattr(bn, "compiled_files", lambda: [p for p in [built] if p.exists()])
+    monkeypatch.setattr(bn, "stale_reason", lambda: None if built.exists() and built.stat().st_mtime >= src.stat().st_mtime else "stale")
+    digest = bn.build_digest()
+    bn.to_cache(digest)
+    built.unlink()
+    assert not bn.from_cache("another digest") and not built.exists()
+    os.utime(src)  # the source is newer than anything cached
+    assert bn.from_cache(digest) and built.read_bytes() == b"compiled"
+    for i in range(bn.CACHE_KEEP + 2):  # only the newest few are kept
+        bn.to_cache(f"d{i}")
+    kept = [p.name for p in (tmp_path / "cache" / "ziplog" / "native").iterdir()]
+    assert len(kept) == bn.CACHE_KEEP and not any(n.startswith(".") for n in kept), kept

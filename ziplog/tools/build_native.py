@@ -6,16 +6,25 @@ mypyc turns typed Python into C that calls methods and reads attributes directly
 of through the interpreter: the storage server's and the client's every turn. The
 sources stay the reference (``ZIPLOG_PURE=1`` runs them). One shared library for the
 group, from one C file per module compiled side by side: about 80 s of CPU, under a minute
-on two cores (one C file for the whole group took twice that, for the same code speed)."""
+on two cores (one C file for the whole group took twice that, for the same code speed).
+
+A build is kept in a cache (``~/.cache/ziplog/native``, the last few) under a digest of
+everything it was made from: every source of the package, ``pyproject.toml`` (mypy's
+settings), the Python, mypy and the libraries whose types it reads, the compiler's
+settings, and this build script. A checkout whose
+digest was built before (a fresh clone of a built commit, a branch switched back) takes
+its compiled forms from there instead of compiling again; ``--force`` always compiles."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from ziplog.native import GROUP, NATIVE_MODULES, PACKAGE_DIR, compiled_files, source_file, stale_reason
 
@@ -56,6 +65,76 @@ setup(name="ziplog-native", packages=[], cmdclass={{"build_ext": ParallelBuildEx
 """
 
 
+#: builds kept in the cache (each about 15 MB)
+CACHE_KEEP = 3
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ziplog" / "native"
+
+
+def build_digest() -> str:
+    """What a build is made from: any change to it, and the build is another one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "-"
+
+    h = hashlib.sha256()
+    # the libraries whose types mypyc reads, besides mypy itself and the compiler's settings
+    for part in (sys.version, sys.platform, *(installed(d) for d in ("mypy", "setuptools", "msgspec", "pyzmq", "msgpack")),
+                 _SETUP, repr(NATIVE_MODULES), GROUP, os.environ.get("CC", ""), os.environ.get("CFLAGS", "")):
+        h.update(part.encode() + b"\0")
+    for path in sorted(PACKAGE_DIR.rglob("*.py")) + [ROOT / "pyproject.toml"]:
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def from_cache(digest: str) -> bool:
+    """Put the cached build of ``digest`` in place (as new files: they are then newer
+    than the sources); True when it took."""
+    entry = cache_dir() / digest
+    names = (entry / "files").read_text().split() if (entry / "files").exists() else []
+    if not names:
+        return False
+    for path in compiled_files():
+        path.unlink()
+    try:
+        for name in names:
+            shutil.copyfile(entry / name.replace("/", "%"), ROOT / name)
+    except OSError:
+        for path in compiled_files():
+            path.unlink()
+        return False
+    return stale_reason() is None
+
+
+def to_cache(digest: str) -> None:
+    """Keep this build under ``digest`` (written aside, then renamed into place), and only
+    the newest CACHE_KEEP builds. A cache that cannot be written costs nothing but time."""
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(prefix=".new-", dir=root))
+        names = [str(p.relative_to(ROOT)) for p in compiled_files()]
+        for name in names:
+            shutil.copyfile(ROOT / name, aside / name.replace("/", "%"))
+        (aside / "files").write_text("\n".join(names))
+        if (root / digest).exists():
+            shutil.rmtree(aside)
+        else:
+            aside.rename(root / digest)
+        entries = sorted((p for p in root.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+        for old in entries[:-CACHE_KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        print(f"the native build was not cached: {exc}", file=sys.stderr)
+
+
 def build() -> None:
     """Compile every native module (the old compiled forms removed first, so that a
     failed build leaves the sources running, never a stale library)."""
@@ -93,8 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if reason is None else 1
     if reason is None:
         return 0
+    digest = build_digest()
+    if not args.force and from_cache(digest):
+        print(f"{len(NATIVE_MODULES)} native modules from the build cache ({reason} here; built before from "
+              f"these sources)", flush=True)
+        return 0
     print(f"compiling {len(NATIVE_MODULES)} modules with mypyc ({reason})", flush=True)
     build()
+    if build_digest() == digest:  # nothing changed while it compiled: the build is the digest's
+        to_cache(digest)
     return 0
 
 
