@@ -51,7 +51,9 @@ from kazoo.client import KazooClient
 from ziplog.cores.replica.rate_report import HEARTBEAT_EPOCHS, RateReporter, owed_due
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
+from ziplog.protocol.epoch_feed import BlockWanted, EpochFeed
 from ziplog.protocol.frames import MAX_RATE_REPORTS
+from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
 from ziplog.shell.process import add_cluster_key_argument, load_cluster_key
@@ -85,6 +87,9 @@ class SwarmCounters:
     epochs_skipped: int = 0
     #: epochs that did not list every owned shard
     epochs_missing_shards: int = 0
+    #: EPOCH_SAME frames whose base was missed: block reads, and epochs not resolved
+    block_reads: int = 0
+    epochs_unresolved: int = 0
     #: RATE frames queued / dropped on a full PUSH queue, over every MMS replica
     rate_sent: int = 0
     rate_dropped: int = 0
@@ -179,7 +184,8 @@ class ShardSwarm:
         self.cur_epoch = -1
         self.cur_start_ns = 0
         self.cur_members: list[int] = []
-        self._last_shard_list: list[int] | None = None
+        self._last_shard_list: tuple[int, ...] | None = None
+        self.feed = EpochFeed()
         self._cached_members: list[int] = []
         #: the member indexes by heartbeat phase (shard id mod HEARTBEAT_EPOCHS)
         self._by_phase: dict[int, list[int]] = {}
@@ -226,10 +232,11 @@ class ShardSwarm:
         self.counters.mms_connected = len(self.pushes)
 
     # -- epochs ----------------------------------------------------------------------------------
-    def _owned_members(self, shard_list: list[int]) -> list[int]:
+    def _owned_members(self, shard_list: tuple[int, ...]) -> list[int]:
         """Indexes (into ``heads``) of the owned shards in an epoch's shard list; cached
-        while the list stays the same, which it does between membership changes."""
-        if shard_list != self._last_shard_list:
+        while the list stays the same, which it does between membership changes (the
+        epochs of a block share one tuple)."""
+        if shard_list is not self._last_shard_list and shard_list != self._last_shard_list:
             lo, hi = self.shards.start, self.shards.stop
             self._cached_members = [s - lo for s in shard_list if lo <= s < hi]
             self._last_shard_list = shard_list
@@ -238,8 +245,17 @@ class ShardSwarm:
                 self._by_phase.setdefault((lo + i) % HEARTBEAT_EPOCHS, []).append(i)
         return self._cached_members
 
+    def _read_block(self) -> Any:
+        """The committed epoch block, as a storage replica reads it for a missed base."""
+        self.counters.block_reads += 1
+        try:
+            return layout.dec(self.zk.get(layout.EPOCH_PATH)[0])
+        except Exception:
+            return None
+
     def _take_epochs(self, now_ns: int) -> None:
-        latest: wire.EpochStart | None = None
+        latest: EpochConfig | None = None
+        leader: int | None = None
         c = self.counters
         while True:
             try:
@@ -249,23 +265,29 @@ class ShardSwarm:
             c.epoch_frames += 1
             try:
                 msg = wire.decode_epoch(frame)
-            except wire.ProtocolError:
+                got = self.feed.on_message(msg)
+            except (wire.ProtocolError, ValueError):
                 continue
-            epoch = msg.epoch
+            if isinstance(got, BlockWanted):
+                got = self.feed.on_block(got, self._read_block())
+            if got is None:
+                c.epochs_unresolved += 1
+                continue
+            epoch = got.epoch
             if epoch <= self.cur_epoch or (latest is not None and epoch <= latest.epoch):
                 continue  # an epoch we already have (it may be broadcast twice)
             if latest is not None:
                 c.epochs_skipped += 1
-            latest = msg
+            latest, leader = got, msg.leader
             c.epochs += 1
         if latest is None:
             return
         if self.cur_epoch >= 0 and self.send_rates and self.cur_members:
             self._send_rates(self.cur_epoch, now_ns - self.cur_start_ns)
-        if latest.leader is not None and latest.leader != self.leader:
-            self.leader = latest.leader  # a new leader is owed every shard's report
+        if leader is not None and leader != self.leader:
+            self.leader = leader  # a new leader is owed every shard's report
             self.owed = set(range(len(self.shards)))
-        members = self._owned_members(list(latest.shards))
+        members = self._owned_members(latest.shards)
         if len(members) != len(self.shards):
             c.epochs_missing_shards += 1
         self.cur_epoch, self.cur_start_ns, self.cur_members = latest.epoch, now_ns, members

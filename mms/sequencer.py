@@ -10,6 +10,10 @@ the block's last epoch (shards that missed the ones between fill them from the
 membership history) and plans after it. Its own blocks it may cut short at any epoch it
 has not broadcast yet, which is how a membership change takes effect at the next epoch.
 
+A block's first broadcast carries its configuration (EPOCH); the block's later epochs
+go out as EPOCH_SAME naming that one (:meth:`EpochSequencer.same_as`), so a broadcast
+costs per block, not per epoch and shard (``ziplog.protocol.epoch_feed``).
+
 Planning (the ready list over every shard, then ``EpochPlanner.plan``) costs O(shards),
 so it runs only when its result can differ from the block's config:
 
@@ -87,6 +91,9 @@ class EpochSequencer:
         self.grace_until = 0
         #: the topology generation the last interval was chosen under
         self._interval_generation: int | None = None
+        #: the last epoch this leader broadcast in full (None: none yet); the later epochs
+        #: of its block go out as "same as" it
+        self.base: int | None = None
         cur = state.block
         if cur:
             last = int(cur.get("last", cur["epoch"]))
@@ -191,10 +198,21 @@ class EpochSequencer:
         assert self.block is not None
         return self.block.config.at(self.next_epoch)
 
+    def same_as(self) -> int | None:
+        """The epoch whose configuration ``next_epoch``'s broadcast may name instead of
+        carrying its own: an earlier epoch of the same block that this leader broadcast in
+        full (None: broadcast it in full). A block's epochs share one configuration."""
+        assert self.block is not None
+        base = self.base
+        return base if base is not None and self.block.first <= base < self.next_epoch else None
+
     def advance(self) -> None:
-        """``next_epoch`` was broadcast: it is the base of the next plan."""
+        """``next_epoch`` was broadcast (in full unless :meth:`same_as` named a base): it is
+        the base of the next plan."""
         assert self.ready()
         assert self.block is not None
+        if self.same_as() is None:
+            self.base = self.next_epoch
         self.planner.last = self.block.config.at(self.next_epoch)
         self.next_epoch += 1
 

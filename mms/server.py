@@ -194,7 +194,9 @@ class MembershipDriver(ElectedDriver):
         cfg = seq.config()
         # named before it leaves: a scrape never shows an epoch older than one a replica began
         self.last_epoch = cfg.epoch
-        self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates))
+        base = seq.same_as()
+        self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates) if base is None
+                      else self.encoder.encode_same(cfg.epoch, base))
         self.broadcasts += 1
         seq.advance()
         # fell behind (slow commit): do not burst to catch up

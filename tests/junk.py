@@ -103,7 +103,7 @@ VALID: list[wire.Frame] = [
     wire.Install(req_id=1, gen=2, base=0, trim=0, events=[], end=0), wire.Resume(req_id=1, gen=2, stable=0, refused=[]),
     wire.Error(req_id=1, code="X", message="m"), wire.Suspect(shard=0, replica=1, reason="silent"),
     wire.Rate(reports=[wire.RateEntry(shard=0, epoch=1, rate=2, busy=True)]), wire.StatusOk(req_id=1, status={"a": 1}),
-    wire.EpochStart(epoch=3, shards=(0, 1), rates=(100, 100)),
+    wire.EpochStart(epoch=3, shards=(0, 1), rates=(100, 100)), wire.EpochSame(epoch=4, base=3, leader=1),
 ]
 
 

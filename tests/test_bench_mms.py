@@ -18,6 +18,8 @@ from tests.zookeeper import require_zookeeper, running_ensemble
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
+from ziplog.protocol.epoch_feed import EpochFeed
+from ziplog.protocol.gsna import EpochConfig
 from ziplog.shell.process import write_cluster_key
 from ziplog.tools import procs
 from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
@@ -70,12 +72,12 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
         sub.connect(layout.dec(zk.get(f"{path}/{zk.get_children(path)[0]}")[0])["pub"])
         members: list[int] = []
         rates: list[int] = []
+        feed = EpochFeed()  # EPOCH_SAME frames whose base came before we connected resolve to None
         deadline = time.monotonic() + 20
         while not (members == list(range(100, 100 + SHARDS)) and rates and min(rates) > 0.9 * REPORTED_RATE):
             assert time.monotonic() < deadline, f"last epoch: members {members}, rates {rates}"
-            if sub.poll(100):
-                msg = wire.decode_epoch(sub.recv())
-                members, rates = list(msg.shards), list(msg.rates)
+            if sub.poll(100) and isinstance(cfg := feed.on_message(wire.decode_epoch(sub.recv())), EpochConfig):
+                members, rates = list(cfg.shards), list(cfg.rates)
         assert all(p.poll() is None for p in children)
     finally:
         ctx.destroy(linger=0)

@@ -21,6 +21,7 @@ from ziplog.io.zk_membership import block_transaction, read_epoch_state
 from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout, membership
+from ziplog.protocol.epoch_feed import EpochFeed
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.tools import procs
 
@@ -42,12 +43,24 @@ class Listener:
             self.sub.connect(info["pub"])
         self.seen: dict[int, tuple[Any, Any]] = {}
         self.order: list[int] = []
+        self.feed = EpochFeed()
+        #: the leader the last broadcast named
+        self.leaders: list[int | None] = []
+
+    def take(self) -> EpochConfig | None:
+        """The next broadcast's configuration (None: an EPOCH_SAME whose base was sent
+        before this listener connected)."""
+        msg = wire.decode_epoch(self.sub.recv())
+        cfg = self.feed.on_message(msg)
+        if not isinstance(cfg, EpochConfig):
+            return None
+        self.leaders.append(msg.leader)
+        return cfg
 
     def pump(self, until: float) -> None:
         while time.monotonic() < until:
-            if self.sub.poll(50):
-                msg = wire.decode_epoch(self.sub.recv())
-                e, cfg = msg.epoch, (tuple(msg.shards), tuple(msg.rates))
+            if self.sub.poll(50) and (got := self.take()) is not None:
+                e, cfg = got.epoch, (got.shards, got.rates)
                 assert self.seen.setdefault(e, cfg) == cfg, f"epoch {e} broadcast with two configs"
                 self.order.append(e)
 
@@ -118,10 +131,9 @@ def test_rates_go_to_the_leader_the_broadcasts_name_and_to_the_next_one(cluster:
         deadline = time.monotonic() + timeout
         while not done():
             assert time.monotonic() < deadline, f"leaders {leaders[-3:]}, rates {rates[-3:]}"
-            if lis.sub.poll(50):
-                msg = wire.decode_epoch(lis.sub.recv())
-                leaders.append(msg.leader)
-                rates.append(tuple(msg.rates))
+            if lis.sub.poll(50) and (got := lis.take()) is not None:
+                leaders.append(lis.leaders[-1])
+                rates.append(got.rates)
 
     try:
         old = leader_id(cluster)
@@ -141,9 +153,9 @@ def test_rates_go_to_the_leader_the_broadcasts_name_and_to_the_next_one(cluster:
                 for _ in range(50):
                     rid = c.insert_after(b"load", rid)
                 while lis.sub.poll(0):
-                    msg = wire.decode_epoch(lis.sub.recv())
-                    leaders.append(msg.leader)
-                    rates.append(tuple(msg.rates))
+                    if (got := lis.take()) is not None:
+                        leaders.append(lis.leaders[-1])
+                        rates.append(got.rates)
     finally:
         lis.close()
         cluster._spawn_mms(old)
@@ -302,6 +314,7 @@ class SteppedLeader:
     def __init__(self, zk: KazooClient, topo: discovery.Topology) -> None:
         self.zk, self.topo = zk, topo
         self.seq = EpochSequencer(read_epoch_state(zk), topo, PlannerSettings(), epochs_per_commit=10)
+        self.feed = EpochFeed()  # a subscriber that hears every broadcast
         self.planned_at: list[int] = []
         plan = self.seq.planner.plan
 
@@ -326,16 +339,19 @@ class SteppedLeader:
     def broadcast(self) -> tuple[int, tuple[int, ...]]:
         e = self.seq.next_epoch
         cfg = self.seq.config()
-        msg = wire.decode_epoch(wire.EpochEncoder().encode(cfg.epoch, cfg.shards, cfg.rates))
-        assert msg.epoch == e
+        base = self.seq.same_as()
+        enc = wire.EpochEncoder()
+        frame = enc.encode(cfg.epoch, cfg.shards, cfg.rates) if base is None else enc.encode_same(cfg.epoch, base)
+        heard = self.feed.on_message(wire.decode_epoch(frame))
+        assert isinstance(heard, EpochConfig) and heard.epoch == e, (e, base, heard)
         # The invariant: what is broadcast is already committed, block and history.
         block = layout.dec(self.zk.get(layout.EPOCH_PATH)[0])
         assert block["epoch"] <= e <= block["last"], (e, block)
-        assert (block["shards"], block["rates"]) == (list(msg.shards), list(msg.rates)), (e, block, msg)
+        assert (block["shards"], block["rates"]) == (list(heard.shards), list(heard.rates)), (e, block, heard)
         history = layout.dec(self.zk.get(layout.MEMBERSHIP_PATH)[0])
-        assert membership.members_in_history(history, e) == tuple(msg.shards)
+        assert membership.members_in_history(history, e) == heard.shards
         self.seq.advance()
-        return e, tuple(msg.shards)
+        return e, heard.shards
 
     def run_to(self, epoch: int) -> dict[int, tuple[int, ...]]:
         """Step up to (not including) ``epoch``: members per epoch."""

@@ -90,7 +90,10 @@ def test_every_fault_kind_was_exercised() -> None:
                  "power_lost_bytes", "stop_power_losses", "double_crashes", "same_address_restarts", "requeued",
                  "probes_held", "frozen_restarts",
                  # rate reports, per change, to the leader the broadcasts name (its changes drawn above)
-                 "rate_reports"):
+                 "rate_reports",
+                 # a block's later epochs broadcast as "same as" its first, and replicas that
+                 # missed that base (lost frames, a late start, a new leader) reading the block
+                 "epochs_same", "block_reads"):
         assert total.get(what, 0) > 0, (what, total)
     # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
     assert total["recoveries"] >= total["crashes_primary"] // 2, total

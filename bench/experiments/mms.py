@@ -60,6 +60,8 @@ from ziplog.io import zk as discovery
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
+from ziplog.protocol.epoch_feed import EpochFeed
+from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.topology import TopologyView
 from ziplog.shell.process import write_cluster_key
 from ziplog.tools import procs
@@ -84,7 +86,7 @@ DISTURBED_CPU_PCT = 25.0
 CHROOT_BASE = "/bench-mms"
 
 COLUMNS = ["shards", "rates", "epochs_per_s", "interval_p50_ms", "interval_p99_ms", "interval_max_ms",
-           "block_start_p50_ms", "other_p99_ms", "frame_bytes", "all_shards", "mms_cpu_pct", "zk_cpu_pct",
+           "block_start_p50_ms", "other_p99_ms", "frame_bytes", "broadcast_B_per_s", "all_shards", "mms_cpu_pct", "zk_cpu_pct",
            "swarm_cpu_pct", "other_cpu_pct", "rate_in_per_s", "model_epoch_ms", "keeps_up"]
 
 
@@ -117,8 +119,9 @@ class Broadcast:
 
     t_ns: int  # time.monotonic_ns() at arrival
     epoch: int
-    shards: int
+    shards: int  # -1: an EPOCH_SAME whose base the probe missed
     size: int
+    full: bool  # an EPOCH (members and rates), not an EPOCH_SAME
 
 
 class EpochProbe:
@@ -132,6 +135,7 @@ class EpochProbe:
         for pub in pubs:
             self.sub.connect(pub)
         self.last_epoch = -1
+        self.feed = EpochFeed()
 
     def _next(self, deadline: float) -> Broadcast | None:
         """The next broadcast of a new epoch before ``deadline`` (monotonic), or None."""
@@ -144,10 +148,12 @@ class EpochProbe:
             frame = self.sub.recv()
             t = time.monotonic_ns()
             msg = wire.decode_epoch(frame)
+            got = self.feed.on_message(msg)
             if msg.epoch <= self.last_epoch:
                 continue  # an epoch broadcast again (by a new leader)
             self.last_epoch = msg.epoch
-            return Broadcast(t, msg.epoch, len(msg.shards), len(frame))
+            shards = len(got.shards) if isinstance(got, EpochConfig) else -1
+            return Broadcast(t, msg.epoch, shards, len(frame), type(msg) is wire.EpochStart)
 
     def wait_for(self, shards: int, timeout: float) -> bool:
         """Until an epoch lists ``shards`` shards."""
@@ -341,7 +347,10 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
     model = per_epoch_cost(n, params["replicas_per_shard"], epochs_per_commit=params["epochs_per_commit"])
     keeps_up = (epochs_per_s >= MIN_RATE_FRACTION * NOMINAL_EPOCHS_PER_S
                 and bool(p99 < MAX_P99_INTERVALS * INTERVAL_MS) and all_shards)
-    frame = int(statistics.median(b.size for b in seen)) if seen else None
+    full = [b.size for b in seen if b.full]
+    frame = int(statistics.median(full)) if full else None
+    same = [b.size for b in seen if not b.full]
+    sent_per_s = round(sum(b.size for b in seen) / window_s) if seen else None
     return {
         "shards": n,
         "rates": send_rates,
@@ -354,6 +363,10 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
         "block_start_p99_ms": round(float(np.percentile(block_ms, 99)), 2) if block_ms.size else None,
         "other_p99_ms": round(float(np.percentile(other_ms, 99)), 2) if other_ms.size else None,
         "frame_bytes": frame,
+        # the block's later epochs, each "same as" its first: bytes, and the share of epochs
+        "same_frame_bytes": int(statistics.median(same)) if same else None,
+        "same_fraction": round(len(same) / len(seen), 2) if seen else None,
+        "broadcast_B_per_s": sent_per_s,
         "all_shards": all_shards,
         "epochs_missed_by_probe": missed,
         "mms_cpu_pct": cpu["mms"],
@@ -372,7 +385,7 @@ def _row(n: int, send_rates: bool, seen: list[Broadcast], window_s: float, cpu: 
         "rate_nominal_per_s": round(n * epochs_per_s / HEARTBEAT_EPOCHS) if send_rates else 0,
         "swarm_epochs_skipped": skipped,
         # bytes/s the PUB would send with one subscriber per storage replica, as deployed
-        "fanout_MB_s": round(frame * NOMINAL_EPOCHS_PER_S * n * params["replicas_per_shard"] / 1e6) if frame else None,
+        "fanout_MB_s": round(sent_per_s * n * params["replicas_per_shard"] / 1e6, 1) if sent_per_s else None,
         **model,
         "register_s": s1.get("register_s"),
         "startup_s": round(startup_s, 1),
@@ -463,13 +476,17 @@ def scale_model(params: dict[str, Any], sizes: tuple[int, ...] = MODEL_SIZES) ->
         cost = per_epoch_cost(n, params["replicas_per_shard"], repeat=3, epochs_per_commit=per_block)
         shards, rates = tuple(range(n)), tuple([params["records_per_s"]] * n)
         frame = len(wire.EpochEncoder(0).encode(10**6, shards, rates))
+        same = len(wire.EpochEncoder(0).encode_same(10**6 + 1, 10**6))
+        # a block's first epoch in full, the rest "same as" it
+        per_block_bytes = frame + (per_block - 1) * same
         block = len(layout.enc({"epoch": 10**6, "last": 10**6 + per_block - 1, "shards": list(shards),
                                 "rates": list(rates)}))
         out.append({
             "shards": n, **cost,
             "leader_cpu_pct": round(100 * cost["model_epoch_ms"] * epochs_per_s / 1000, 1),
             "epoch_frame_bytes": frame,
-            "per_subscriber_MB_s": round(frame * epochs_per_s / 1e6, 2),
+            "epoch_same_bytes": same,
+            "per_subscriber_MB_s": round(per_block_bytes * epochs_per_s / per_block / 1e6, 2),
             "subscribers": n * params["replicas_per_shard"],
             "zk_commits_per_s": epochs_per_s / per_block,
             "zk_block_bytes": block,
@@ -481,12 +498,12 @@ def scale_model(params: dict[str, Any], sizes: tuple[int, ...] = MODEL_SIZES) ->
 
 def _model_note(res: Results, model: list[dict[str, Any]]) -> None:
     lines = ["The plan past this machine (the leader's own code in-process, steady shards; `scale_model`):", "",
-             "| shards | leader CPU per epoch | leader CPU | full plan (topology change) | EPOCH frame | per "
-             "subscriber | subscribers | ZooKeeper | rate reports |",
+             "| shards | leader CPU per epoch | leader CPU | full plan (topology change) | EPOCH frame (a block's "
+             "first epoch; the rest EPOCH_SAME) | per subscriber | subscribers | ZooKeeper | rate reports |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in model:
         lines.append(f"| {m['shards']:,} | {m['model_epoch_ms']} ms | {m['leader_cpu_pct']} % | "
-                     f"{m['model_full_plan_ms']} ms | {m['epoch_frame_bytes'] / 1000:.0f} KB | "
+                     f"{m['model_full_plan_ms']} ms | {m['epoch_frame_bytes'] / 1000:.0f} KB; {m['epoch_same_bytes']} B | "
                      f"{m['per_subscriber_MB_s']} MB/s | {m['subscribers']:,} | {m['zk_commits_per_s']:g} commits/s "
                      f"of {m['zk_block_bytes'] / 1000:.0f} KB ({m['zk_MB_s']} MB/s) | {m['rate_reports_per_s']:,}/s |")
     res.note("\n".join(lines))
@@ -738,8 +755,9 @@ def _notes(res: Results, rows: list[dict[str, Any]], limit: Point | None, rates_
     if big:
         r = max(big, key=lambda r: r["shards"])
         res.note(f"Not measured: the PUB's fan-out. Here one SUB per swarm receives each epoch; deployed, every "
-                 f"storage replica subscribes, so at {r['shards']} shards a {r['frame_bytes']}-byte EPOCH 100 "
-                 f"times a second goes to {r['shards'] * res.params['replicas_per_shard']} subscribers: "
+                 f"storage replica subscribes, so at {r['shards']} shards the {r['broadcast_B_per_s']} B/s of "
+                 f"broadcasts (a {r['frame_bytes']}-byte EPOCH per block, {r['same_frame_bytes']}-byte EPOCH_SAMEs "
+                 f"between) go to {r['shards'] * res.params['replicas_per_shard']} subscribers: "
                  f"{r['fanout_MB_s']} MB/s from the leader (`fanout_MB_s` in the JSON).")
 
 

@@ -114,6 +114,8 @@ def _listen_epochs(pubs: list[str], log: EpochLog, stop: threading.Event) -> Non
     import zmq
 
     from ziplog.protocol import frames as wire
+    from ziplog.protocol.epoch_feed import EpochFeed
+    from ziplog.protocol.gsna import EpochConfig
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     try:
@@ -122,6 +124,7 @@ def _listen_epochs(pubs: list[str], log: EpochLog, stop: threading.Event) -> Non
         for a in pubs:
             sock.connect(a)
         seen: set[int] = set()
+        feed = EpochFeed()  # an EPOCH_SAME whose base came before we connected is left out
         while not stop.is_set():
             if not sock.poll(100):
                 continue
@@ -131,10 +134,10 @@ def _listen_epochs(pubs: list[str], log: EpochLog, stop: threading.Event) -> Non
                 except zmq.Again:
                     break
                 t = time.monotonic_ns()
-                msg = wire.decode_epoch(frame)
-                if msg.epoch not in seen:  # the leader's; no duplicates
-                    seen.add(msg.epoch)
-                    log.entries.append((t, msg.epoch, tuple(msg.shards), tuple(msg.rates)))
+                cfg = feed.on_message(wire.decode_epoch(frame))
+                if isinstance(cfg, EpochConfig) and cfg.epoch not in seen:  # the leader's; no duplicates
+                    seen.add(cfg.epoch)
+                    log.entries.append((t, cfg.epoch, cfg.shards, cfg.rates))
     finally:
         sock.close(0)
         ctx.term()

@@ -119,6 +119,8 @@ class Outcome:
     acquired: int = 0  # ... that reached ACQUIRED
     suspicions: int = 0  # SUSPECT frames a handler leader took
     rate_reports: int = 0  # rate reports MMS leaders took (per change, to the leader EPOCH names)
+    epochs_same: int = 0  # EPOCH_SAME broadcasts (an epoch named "as epoch b" of its block)
+    block_reads: int = 0  # epoch block reads by replicas that missed an EPOCH_SAME's base
     blocked: int = 0  # restarted primaries that found a backup ahead of them
     shards_added: int = 0
     shards_removed: int = 0
@@ -166,7 +168,8 @@ class Outcome:
               "killed_after_notice", "stops", "clean_restarts", "replicas3", "control3", "fsync_never",
               "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
               "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
-              "installed_power_losses", "frozen_restarts", "cuts", "rate_reports")
+              "installed_power_losses", "frozen_restarts", "cuts", "rate_reports",
+              "epochs_same", "block_reads")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -713,7 +716,13 @@ class SystemSim:
     def _tap(self, kind: str, endpoint: Any, frame: bytes, route: bytes | None) -> Callable[[], None] | None:
         if kind == "publish":
             msg = wire.decode_epoch(frame)
-            cfg = EpochConfig(msg.epoch, tuple(msg.shards), tuple(msg.rates))
+            if type(msg) is wire.EpochSame:
+                # the base is an epoch broadcast in full, of the same block: its config
+                self.outcome.epochs_same += 1
+                assert msg.base in self.configs, ("EPOCH_SAME names an epoch never broadcast", msg)
+                cfg = self.configs[msg.base].at(msg.epoch)
+            else:
+                cfg = EpochConfig(msg.epoch, tuple(msg.shards), tuple(msg.rates))
             old = self.configs.get(cfg.epoch)
             assert old is None or old == cfg, ("two configs broadcast for one epoch", cfg.epoch, old, cfg)
             if old is None:
@@ -1126,6 +1135,7 @@ class SystemSim:
         out.resubscribes = sum(rd.sub.core.resubscribes for rd in self.readers if rd.sub is not None)
         out.suspicions = sum(d.suspicions for d in self.fh_drivers)
         out.rate_reports = sum(d.rate_reports for d in self.mms_drivers)
+        out.block_reads = self.zk.block_reads
         out.trace = self.world.trace
 
 

@@ -586,6 +586,8 @@ class ZooKeeper:
         self._session_ids = itertools.count(1)
         self.epoch_block: dict[str, Any] | None = None
         self.epoch_version = 0
+        #: reads of the epoch block by storage replicas that missed an EPOCH_SAME's base
+        self.block_reads = 0
         self.history: list[list[Any]] = []
         self.history_version = 0
         self.meta: dict[int, dict[str, Any]] = {}  # /ziplog/shards/<s>
@@ -736,6 +738,10 @@ class SimStorageCoordination(_Coordination):
 
     def membership_history(self) -> list[list[Any]]:
         return [list(h) for h in self.zk.history]
+
+    def epoch_block(self) -> Any:
+        self.zk.block_reads += 1
+        return dict(self.zk.epoch_block) if self.zk.epoch_block else None
 
     def recovery_generation(self, shard: int) -> int:
         rec = self.zk.records.get(shard)

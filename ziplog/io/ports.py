@@ -203,6 +203,10 @@ class StorageCoordination(Protocol):
     def membership_history(self) -> list[list[Any]]:
         """The committed membership history, read fresh (synced)."""
 
+    def epoch_block(self) -> Any:
+        """The committed epoch block (``{epoch, last, shards, rates}``, as the membership
+        service wrote it; None: none yet), read fresh (synced)."""
+
     def recovery_generation(self, shard: int) -> int:
         """The generation of the shard's recovery record as the failure handler committed
         it, read fresh (synced); -1 when there is none."""

@@ -21,6 +21,7 @@ from ziplog.io.election import Election
 from ziplog.io.ports import CoordinationUnavailable
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.layout import (
+    EPOCH_PATH,
     FH_REPLICAS,
     MEMBERSHIP_PATH,
     MMS_REPLICAS,
@@ -383,6 +384,16 @@ class StorageCoordination(Session):
         except KazooException as exc:
             raise CoordinationUnavailable(f"reading the membership history: {exc!r}") from exc
         return dec(data) or []
+
+    def epoch_block(self) -> Any:
+        try:
+            self.zk.sync(EPOCH_PATH)
+            data, _ = self.zk.get(EPOCH_PATH)
+        except NoNodeError:
+            return None
+        except KazooException as exc:
+            raise CoordinationUnavailable(f"reading the epoch block: {exc!r}") from exc
+        return dec(data)
 
     def recovery_generation(self, shard: int) -> int:
         path = f"{RECOVERY}/{shard}"

@@ -72,6 +72,7 @@ RECOVERY_OK = 46
 # -- membership service ------------------------------------------------------------------
 EPOCH = 48
 RATE = 49
+EPOCH_SAME = 51
 # -- between cluster members --------------------------------------------------------------
 SIGNED = 50
 
@@ -452,6 +453,16 @@ class EpochStart(Frame, kw_only=True):
     leader: U64 | None = None
 
 
+class EpochSame(Frame, kw_only=True):
+    """EPOCH_SAME: ``epoch`` has the configuration of epoch ``base``, an earlier epoch of
+    the same committed block whose EPOCH carried it (``ziplog.protocol.epoch_feed``);
+    ``leader`` as in EPOCH. A few bytes whatever the number of shards."""
+    op: int = EPOCH_SAME
+    epoch: U64
+    base: U64
+    leader: U64 | None = None
+
+
 class RateEntry(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
     """One primary's report: its smoothed rate (records/s) as of ``epoch``, and whether
     it took records lately (``ziplog.cores.replica.rate_report``)."""
@@ -494,7 +505,7 @@ REPLIES: dict[int, type[Frame]] = {
 }
 FROM_PRIMARY: dict[int, type[Frame]] = {FORWARD: Forward, ERROR: Error}
 RECOVERY_REPLIES: dict[int, type[Frame]] = {RECOVERY_OK: RecoveryOk, ERROR: Error}
-EPOCHS: dict[int, type[Frame]] = {EPOCH: EpochStart}
+EPOCHS: dict[int, type[Frame]] = {EPOCH: EpochStart, EPOCH_SAME: EpochSame}
 RATES: dict[int, type[Frame]] = {RATE: Rate}
 SUSPECTS: dict[int, type[Frame]] = {SUSPECT: Suspect}
 SIGNED_ONLY: dict[int, type[Frame]] = {SIGNED: Signed}
@@ -728,3 +739,7 @@ class EpochEncoder:
             assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader))
             return frame
         return self._head + encode(epoch) + self._tail
+
+    def encode_same(self, epoch: int, base: int) -> bytes:
+        """The EPOCH_SAME of ``epoch``, whose configuration is that of ``base``."""
+        return encode(EpochSame(epoch=epoch, base=base, leader=self.leader))

@@ -21,6 +21,7 @@ from ziplog.cores.replica.parking import Parked
 from ziplog.cores.replica.primary import PrimarySequencer
 from ziplog.shell.inbound import InboundGuard
 from ziplog.server.client_rights import ClientRights
+from ziplog.server.epoch_subscription import EpochSubscription
 from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
 from ziplog.server.replica_metrics import replica_metrics
 from ziplog.shell.metrics import Durations
@@ -37,7 +38,6 @@ from ziplog.protocol.access import AccessTable
 from ziplog.protocol.addresses import advertised
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.events import DiskEvent
-from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.keys import ClientEntry
 from ziplog.protocol.membership import history_ranges
 
@@ -119,6 +119,7 @@ class StorageDriver:
         self.disk_fault: str | None = None
         self._disk_retry_at = 0
         self.trouble_log = ThrottledLog(self.log, rt)
+        self.epochs = EpochSubscription(coord, self.trouble_log)
         self.links = ReplicaLinks(settings, net, coord, self.guard, self.trouble_log, self.on_epoch_frame,
                                   self.on_primary_frame)
         self._dropped_below = 0
@@ -244,14 +245,11 @@ class StorageDriver:
             self.log.error("primary refused us: %s %s", msg.code, msg.message)
 
     def on_epoch_frame(self, frame: bytes) -> None:
-        try:
-            msg = f.decode_epoch(frame)
-            cfg = EpochConfig(msg.epoch, tuple(msg.shards), tuple(msg.rates))
-        except (f.ProtocolError, ValueError) as exc:
-            self.trouble_log("bad epoch broadcast dropped", exc)
+        got = self.epochs.take(frame)  # None: a bad frame, or an epoch that counts as missed
+        if got is None:
             return
+        cfg, leader = got
         self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
-        leader = msg.leader
         if leader is not None and leader != self.mms_leader:
             self.mms_leader = leader  # rate reports go to it alone (ReplicaLinks.report_rates)
             role = self.core.role
