@@ -170,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print("current" if reason is None else f"stale: {reason}")
         return 0 if reason is None else 1
-    if reason is None:
-        return 0
     digest = build_digest()
+    if reason is None:
+        if not (cache_dir() / digest).exists():
+            to_cache(digest)  # built here before these sources were committed: keep it for their clones
+        return 0
     if not args.force and from_cache(digest):
         print(f"{len(NATIVE_MODULES)} native modules from the build cache ({reason} here; built before from "
               f"these sources)", flush=True)
