@@ -65,7 +65,7 @@ from tests.sim import system
 from tests.sim.system import CLIENT_TIMEOUT_NS, Outcome, SystemSim
 from tests.sim.world import MS, SimProcess, SimTopology
 from ziplog.client.driver import ClientDriver
-from ziplog.cores.app_session import Insert, ReadRecord
+from ziplog.cores.app_session import CallbackRun, Insert, ReadRecord
 from ziplog.cores.client.state import ClientState
 from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState
 from ziplog.logbook.core import flow as fc
@@ -175,71 +175,30 @@ class SimEngine:
             self.waiting.append((need, op, on_result))
 
 
-class StepRun:
+class StepRun(CallbackRun):
     """One drive of a generator of the log's operations (``Insert``, ``ReadRecord``,
-    ``Lookup``) and :class:`Pause`, with callbacks: ``TransactionDriver._step`` and
-    ``_resume`` (``ziplog/logdb/driver.py``), a result that comes before the operation's
-    call returned waiting in ``early``. Inserts and reads go through the production
-    :class:`ClientLog` on the worker's client driver."""
+    ``Lookup``) and :class:`Pause`, on the production :class:`CallbackRun` (what LogDB's
+    ``TransactionDriver`` drives its runs with). Inserts and reads go through the
+    production :class:`ClientLog` on the worker's client driver."""
 
     def __init__(self, proc: SimProcess, log_port: ClientLog, engine: SimEngine, steps: Steps,
                  on_done: Callable[["StepRun"], None]) -> None:
+        super().__init__(steps, StepRun._perform, on_done)
         self.proc = proc
         self.log_port = log_port
         self.engine = engine
-        self.steps = steps
-        self.on_done = on_done
-        self.done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.inside = False
-        self.early: tuple[Any, BaseException | None] | None = None
-
-    def start(self) -> None:
-        self._step(None, None)
-
-    def _step(self, value: Any, error: BaseException | None) -> None:
-        while True:
-            try:
-                op = self.steps.send(value) if error is None else self.steps.throw(error)
-            except StopIteration as stop:
-                self._finish(stop.value, None)
-                return
-            except Exception as exc:  # the steps ended with an error: the run's end
-                self._finish(None, exc)
-                return
-            self.inside = True
-            try:
-                self._perform(op)
-            finally:
-                self.inside = False
-            if self.early is None:
-                return  # answered later, through _resume
-            (value, error), self.early = self.early, None
-
-    def _resume(self, value: Any, error: BaseException | None) -> None:
-        if self.done:
-            return
-        if self.inside:
-            self.early = (value, error)
-        else:
-            self._step(value, error)
-
-    def _finish(self, value: Any, error: BaseException | None) -> None:
-        self.done, self.value, self.error = True, value, error
-        self.on_done(self)
 
     def _perform(self, op: Any) -> None:
         t = type(op)
         if t is Insert:
             # Engine.perform: the new record's (gsn, shard)
-            self.log_port.insert(op.data, op.after, lambda rid, e: self._resume(None if e else (rid.gsn, rid.shard), e))
+            self.log_port.insert(op.data, op.after, lambda rid, e: self.resume(None if e else (rid.gsn, rid.shard), e))
         elif t is ReadRecord:
-            self.log_port.read(op.rid, self._resume)
+            self.log_port.read(op.rid, self.resume)
         elif t is ls.Lookup:
-            self.engine.lookup(op, self._resume)
+            self.engine.lookup(op, self.resume)
         elif t is Pause:
-            self.proc.call_at(self.proc.now() + op.ns, lambda: self._resume(None, None))
+            self.proc.call_at(self.proc.now() + op.ns, lambda: self.resume(None, None))
         else:
             raise AssertionError(f"a run yielded {op!r}, which no engine performs")
 

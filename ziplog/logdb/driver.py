@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+from ziplog.cores.app_session import CallbackRun
 from ziplog.io.ports import Connector, Endpoint, Runtime, Timer
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.transaction import Ask, AskKv, Insert, Op, ReadRecord, Rid, Steps
@@ -95,28 +96,17 @@ class _Report:
             self.on_result(call.value, None)
 
 
-class Run:
-    """One drive of a step generator: ``done`` once it returned or raised."""
+class Run(CallbackRun):
+    """One drive of a transaction's steps, and the coordinator or KV shard request it
+    waits on (if any)."""
 
-    __slots__ = ("steps", "on_done", "done", "value", "error", "inside", "early", "ask", "timer")
+    __slots__ = ("ask", "timer")
 
-    def __init__(self, steps: Steps, on_done: Callable[[], None] | None) -> None:
-        self.steps = steps
-        self.on_done = on_done
-        self.done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-        #: performing an operation now (its result, if it comes at once, waits in ``early``)
-        self.inside = False
-        self.early: tuple[Any, BaseException | None] | None = None
+    def __init__(self, steps: Steps, perform: Callable[[Any, Any], None],
+                 on_done: Callable[[], None] | None) -> None:
+        super().__init__(steps, perform, None if on_done is None else lambda _run: on_done())
         self.ask: _Asking | None = None
         self.timer: Timer | None = None
-
-    def result(self) -> Any:
-        assert self.done, "the steps are not done"
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 class _Asking:
@@ -147,55 +137,23 @@ class TransactionDriver:
 
     def run(self, steps: Steps, on_done: Callable[[], None] | None = None) -> Run:
         """Start driving ``steps``; ``on_done`` is called (on the runtime) when it ends."""
-        run = Run(steps, on_done)
-        self._step(run, None, None)
+        run = Run(steps, self._perform, on_done)
+        run.start()
         return run
 
     def close(self) -> None:
         for run in list(self.pending.values()):
-            self._resume(run, None, ZiplogTimeoutError("the LogDB client closed"))
+            run.resume(None, ZiplogTimeoutError("the LogDB client closed"))
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
 
     # -- the steps --------------------------------------------------------------------------------
-    def _step(self, run: Run, value: Any, error: BaseException | None) -> None:
-        while True:
-            try:
-                op = run.steps.send(value) if error is None else run.steps.throw(error)
-            except StopIteration as stop:
-                self._finish(run, stop.value, None)
-                return
-            except Exception as exc:  # the steps decided the call fails
-                self._finish(run, None, exc)
-                return
-            run.inside = True
-            try:
-                self._perform(run, op)
-            finally:
-                run.inside = False
-            if run.early is None:
-                return  # answered later, through _resume
-            (value, error), run.early = run.early, None
-
-    def _resume(self, run: Run, value: Any, error: BaseException | None) -> None:
-        if run.done:
-            return
-        if run.inside:
-            run.early = (value, error)
-        else:
-            self._step(run, value, error)
-
-    def _finish(self, run: Run, value: Any, error: BaseException | None) -> None:
-        run.done, run.value, run.error = True, value, error
-        if run.on_done is not None:
-            run.on_done()
-
     def _perform(self, run: Run, op: Op) -> None:
         if type(op) is Insert:
-            self.log.insert(op.data, op.after, lambda v, e: self._resume(run, v, e))
+            self.log.insert(op.data, op.after, run.resume)
         elif type(op) is ReadRecord:
-            self.log.read(op.rid, lambda v, e: self._resume(run, v, e))
+            self.log.read(op.rid, run.resume)
         else:
             assert type(op) is Ask or type(op) is AskKv
             run.ask = _Asking(op, self.rt.now() + self.timeout_ns)
@@ -232,7 +190,7 @@ class TransactionDriver:
         if run.timer is not None:
             run.timer.cancel()
             run.timer = None
-        self._resume(run, answer, error)
+        run.resume(answer, error)
 
     def _on_answer(self, frame: bytes) -> None:
         try:
