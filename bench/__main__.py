@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--quick", action="store_true", help="a short run (about two minutes for latency)")
         p.add_argument("--out", type=Path, default=None,
                        help=f"output directory (default results/{name}-<timestamp>/)")
+        if name == "mms":
+            p.add_argument("--shards", default=None,
+                           help="comma-separated N to measure alone instead of the sweep (e.g. 16000)")
         if name == "latency":
             p.add_argument("--systems", default=None,
                            help="comma-separated subset of ziplog,floor,floor-zmtp,floor-tcp,nopaxos,scalog,zookeeper,nats,nats-r3,redis,redis-replica")
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         kw = {}
         if getattr(args, "systems", None) and "systems" in inspect.signature(mod.run).parameters:
             kw["systems"] = args.systems.split(",")
+        if getattr(args, "shards", None) and "shards" in inspect.signature(mod.run).parameters:
+            kw["shards"] = [int(n) for n in args.shards.split(",")]
         t0 = time.monotonic()
         try:
             mod.run(quick=args.quick, out=out, **kw)

@@ -615,8 +615,12 @@ def limit_point(points: list[Point]) -> Point | None:
     return above[0] if above else (bad[0] if bad else None)
 
 
-def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
+def run(quick: bool, out: Path | None, shards: list[int] | None = None) -> list[dict[str, Any]]:
+    """The sweep (``shards``: measure only these N, with no extension, refinement or
+    variant; e.g. one N too large for the sweep's time, alone)."""
     params = _params(quick)
+    if shards:
+        params |= {"sweep": sorted(shards), "extend_to": 0, "refine": False, "rates_off_variant": False}
     res = Results(NAME, out, params)
     logs = res.dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
