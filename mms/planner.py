@@ -124,18 +124,10 @@ class EpochPlanner:
         return st.min_rate if r < st.min_rate else st.max_rate if r > st.max_rate else r
 
     def _rates_of(self, members: tuple[int, ...]) -> tuple[int, ...]:
-        """Each member's smoothed rate clamped to [min_rate, max_rate]; 1 while it drains.
-        (A plain loop: it runs over every member at each block commit.)"""
-        st, removed, known = self.settings, self.removed, self.rates
-        lo, hi, default = st.min_rate, st.max_rate, st.default_rate
-        rates = []
-        for s in members:
-            if s in removed:
-                rates.append(1)
-            else:
-                r = known.get(s, default)
-                rates.append(lo if r < lo else hi if r > hi else r)
-        return tuple(rates)
+        """Each member's smoothed rate clamped to [min_rate, max_rate]; 1 while it drains
+        (a full plan only: a block of the same members patches the changed ones)."""
+        rate_of = self._rate_of
+        return tuple(rate_of(s) for s in members)
 
     def committed(self, cfg: EpochConfig, history: list[list[Any]] | None) -> None:
         """The plan is in ZooKeeper: make it the base of the next one."""
