@@ -87,3 +87,42 @@ def test_latency_quick_writes_the_promised_results(tmp_path: Path, monkeypatch: 
     assert (tmp_path / "latency_one_client.png").stat().st_size > 0
     meta = json.loads((tmp_path / "latency_meta.json").read_text())
     assert meta["machine"]["cpu_count"] and meta["params"]["rounds"] == 2
+
+
+def test_frames_per_append_sums_replicas_by_kind_and_divides_by_the_inserts() -> None:
+    from bench.costs import frames_per_append, replica_frames
+    before = replica_frames({0: [{"primary": True, "inserts": 10, "sent_ack": 10, "received_insert": 10, "epoch": 3},
+                                 {"primary": False, "sent_prefix": 1}]})
+    after = replica_frames({0: [{"primary": True, "inserts": 110, "sent_ack": 60, "sent_acks": 10,
+                                 "received_insert": 110, "epoch": 9},
+                                {"primary": False, "sent_prefix": 11}],
+                            1: [{"primary": True, "inserts": 0, "sent_notice": 40}]})
+    assert after["primary"] == {"inserts": 110, "sent_ack": 60, "sent_acks": 10, "received_insert": 110,
+                                "sent_notice": 40}
+    per = frames_per_append(before, after, 100)
+    assert per["primary"] == {"received_insert": 1.0, "sent_ack": 0.5, "sent_acks": 0.1, "sent_notice": 0.4,
+                              "sent": 1.0, "received": 1.0}
+    assert per["backup"] == {"sent_prefix": 0.1, "sent": 0.1, "received": 0.0}
+
+
+def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: Path) -> None:
+    """ziplog's series on a real cluster, one and two shards, two loads each: every row
+    has the servers' CPU and messages per append, the replicas' frames by kind (each
+    INSERT reaches both replicas of its shard once), and one knee per shard count."""
+    from bench.experiments import throughput
+    from bench.report import Results
+    p = {**throughput.params_for(True), "shard_counts": [1, 2], "ramp": [(1, 2), (2, 4)], "clients_per_shard": 1,
+         "depth": 2, "seconds": 0.6, "warmup_s": 0.2, "workers_per_shard": 1}
+    rows = throughput._ziplog_scaling(p, Results("throughput", tmp_path, p))
+    assert [(r["shards"], r["clients_per_shard"], r["depth"]) for r in rows] == [
+        (1, 1, 2), (1, 2, 4), (2, 1, 2), (2, 2, 4)]
+    assert [r["system"] for r in rows] == ["ziplog", throughput.RAMP] * 2
+    for r in rows:
+        assert r["total_rate"] > 0 and r["server_cpu_us"] > 0 and r["server_msgs"] > 0, r
+        frames = r["frames_per_append"]
+        assert 0.8 <= frames["primary"]["received_insert"] <= 1.2, frames
+        assert 0.8 <= frames["backup"]["received_insert"] <= 1.2, frames
+    for n in (1, 2):
+        assert sum(1 for r in rows if r["shards"] == n and r["knee"]) == 1
+    knee1 = next(r for r in rows if r["shards"] == 1 and r["knee"])
+    assert knee1["server_cpu_ratio"] == 1.0

@@ -266,3 +266,35 @@ def test_a_server_refuses_a_negative_malloc_trim(capsys: pytest.CaptureFixture[s
         main(["--zk", "127.0.0.1:1", "--shard", "0", "--replica", "0", "--malloc-trim-mb", "-1"])
     assert exit_.value.code == 2
     assert "--malloc-trim-mb must be 0 or more" in capsys.readouterr().err
+
+
+def test_replicas_count_the_frames_they_send_and_receive(cluster: ziplog.LocalCluster) -> None:
+    """STATUS counts frames by kind (what ``bench throughput`` divides by the appends):
+    both replicas of the written shard took every INSERT, its primary acknowledged each
+    and forwarded them, and its NOTICEs reached the other shard's replicas."""
+    inserts = 40
+
+    def counts(c: ziplog.Client) -> dict[tuple[int, int], dict[str, int]]:
+        return {(r["shard"], r["replica"]): r for rs in c.status().values() for r in rs}
+
+    with cluster.client() as c:
+        shard = c.topology.shards()[0]
+        other = next(s for s in c.topology.shards() if s != shard)
+        c.set_policy(Policy.fixed(shard))
+        before = counts(c)
+        for i in range(inserts):
+            assert c.insert_after(b"counted %d" % i).shard == shard
+        after = counts(c)
+
+    def grew(replica: tuple[int, int], key: str) -> int:
+        return after[replica].get(key, 0) - before[replica].get(key, 0)
+
+    primary, backup = (shard, 0), (shard, 1)
+    assert grew(primary, "received_insert") >= inserts and grew(backup, "received_insert") >= inserts
+    assert grew(primary, "sent_ack") + grew(primary, "sent_acks") >= 1
+    assert grew(primary, "sent_forward") >= 1 and grew(backup, "received_forward") >= 1
+    assert grew(primary, "received_status") >= 1 and grew(primary, "sent_statusok") >= 1
+    # the records' gsns cross the other shard's slots: it is told, one message to each replica
+    assert grew(primary, "sent_notice") >= 2
+    assert grew((other, 0), "received_notice") >= 1 and grew((other, 1), "received_notice") >= 1
+    assert all(v >= 0 for r in after.values() for k, v in r.items() if k.startswith(("sent_", "received_")))

@@ -44,7 +44,7 @@ def _one(key: str, p: dict[str, Any], res: Results) -> dict[str, float]:
         lat = summarize(samples)
         pool = stack.enter_context(ClientPool(system.client_spec(0), p["clients_per_shard"], system.name,
                                               max_workers=p["workers_per_shard"]))
-        results, cpu, _ = throughput._measure([pool], p)
+        results, cpu, _, _ = throughput._measure([pool], p)
         rate = sum(r.rate for r in results)
         servers = cpu.get("storage servers", 0.0)
     out = {"p50_us": lat["p50_us"], "p99_us": lat["p99_us"], "throughput": rate,

@@ -27,13 +27,21 @@ from typing import Any
 from ziplog.tools.stats import summarize
 
 from .. import systems as sysreg
+from ..costs import CostMeter, frames_per_append, per_append, replica_frames
 from ..cpu import CpuMeter, disk_written_bytes
 from ..loadgen import ClientPool, LoadResult, fast_path_ratio
 from ..report import Results, progress
 from ..systems.base import Unavailable
 
 COLUMNS = ["system", "shards", "clients_per_shard", "depth", "per_shard_rate", "total_rate", "p50_us", "p99_us",
-           "fast_path_ratio", "cpu_servers", "cpu_clients", "cpu_machine", "disk_mb_s", "saturates"]
+           "fast_path_ratio", "cpu_servers", "cpu_clients", "cpu_machine", "server_cpu_us", "server_syscalls",
+           "server_msgs", "disk_mb_s", "saturates"]
+#: the columns of the per-append cost table (ziplog's series: one row per shard count and load)
+COST_COLUMNS = ["system", "shards", "clients_per_shard", "depth", "total_rate", "p50_us", "knee", "server_cpu_us",
+                "server_cpu_ratio", "server_syscalls", "server_ctx_switches", "server_msgs", "primary_sent",
+                "backup_sent", "notices_sent", "mms_cpu_us", "zk_cpu_us", "client_cpu_us"]
+#: ziplog's series with the load raised until the servers are the limit
+RAMP = "ziplog, load raised"
 #: the rows of ziplog with a storage process per CPU
 PER_CPU = "ziplog, process per CPU"
 RIVALS = ["ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
@@ -52,6 +60,9 @@ def params_for(quick: bool) -> dict[str, Any]:
         "seconds": 2.0 if quick else 5.0,
         "warmup_s": 0.5 if quick else 1.0,
         "rivals": RIVALS,
+        # (clients per shard, appends in flight per client), raised until the total stops growing
+        "ramp": [(1, 4), (4, 8), (8, 16)] if quick else [(1, 4), (2, 8), (4, 8), (8, 16), (16, 32)],
+        "knee_within": 0.95,             # the knee: the lightest load within 5 % of the series' best
     }
 
 
@@ -65,18 +76,33 @@ def _saturates(cpu: dict[str, float], clients_cores: float, server_cores: float)
     return f"not CPU ({cpu.get('machine', 0):.1f}/{n:.0f} cores): latency-bound clients or the system"
 
 
-def _measure(pools: list[ClientPool], p: dict[str, Any]) -> tuple[list[LoadResult], dict[str, float], float]:
-    meter = CpuMeter()
+def _measure(pools: list[ClientPool], p: dict[str, Any], depth: int | None = None,
+             status: Any = None) -> tuple[list[LoadResult], dict[str, float], float, dict[str, Any]]:
+    """Run the pools' saturating load; CPU, disk and (given ``status``, a ziplog client's
+    STATUS of every replica) each append's costs over the measured window."""
+    meter, costs = CpuMeter(), CostMeter()
     start_wall = time.time() + 0.3
     for pool in pools:
-        pool.begin("saturate", p["depth"], p["seconds"], p["warmup_s"], p["record_bytes"], 0.0, start_wall)
+        pool.begin("saturate", depth or p["depth"], p["seconds"], p["warmup_s"], p["record_bytes"], 0.0, start_wall)
     time.sleep(max(0.0, start_wall - time.time() + p["warmup_s"]))  # CPU counted over the measured window
+    frames0 = replica_frames(status()) if status is not None else None
     meter.start()
+    costs.start()
     d0 = disk_written_bytes()
     time.sleep(p["seconds"])
     cpu = meter.stop()
+    counts = costs.stop()
     disk = (disk_written_bytes() - d0) / p["seconds"] / 1e6
-    return [pool.finish() for pool in pools], cpu, disk
+    frames1 = replica_frames(status()) if status is not None else None
+    results = [pool.finish() for pool in pools]
+    appends = round(sum(r.rate for r in results) * p["seconds"])
+    extra: dict[str, Any] = {"per_append": per_append(cpu, p["seconds"], counts, appends)}
+    if frames0 is not None and frames1 is not None:
+        # per insert the primaries took between the two snapshots (the same window, give
+        # or take a STATUS round trip)
+        inserts = frames1.get("primary", {}).get("inserts", 0) - frames0.get("primary", {}).get("inserts", 0)
+        extra["frames_per_append"] = frames_per_append(frames0, frames1, inserts)
+    return results, cpu, disk, extra
 
 
 def _row(name: str, shards: int, results: list[LoadResult], cpu: dict[str, float], disk: float,
@@ -104,9 +130,29 @@ def _row(name: str, shards: int, results: list[LoadResult], cpu: dict[str, float
 ZIPLOG_ROLES = ("storage servers", "membership service", "failure handlers", "ZooKeeper")
 
 
-def _ziplog_row(name: str, shards: int, pools: list[ClientPool], p: dict[str, Any], res: Results) -> dict[str, Any]:
-    results, cpu, disk = _measure(pools, p)
+def _cost_columns(extra: dict[str, Any]) -> dict[str, Any]:
+    """The per-append columns of a row from :func:`_measure`'s costs."""
+    pa = extra.get("per_append", {})
+    fr = extra.get("frames_per_append", {})
+    server = pa.get("storage servers", {})
+    prim, back = fr.get("primary", {}), fr.get("backup", {})
+    msgs = round(prim.get("sent", 0.0) + back.get("sent", 0.0), 2) if fr else None
+    return {"server_cpu_us": server.get("cpu_us"), "server_syscalls": server.get("syscalls"),
+            "server_ctx_switches": server.get("ctx_switches"), "server_msgs": msgs,
+            "primary_sent": prim.get("sent"), "backup_sent": back.get("sent"),
+            "notices_sent": prim.get("sent_notice", 0.0) if fr else None,
+            "mms_cpu_us": pa.get("membership service", {}).get("cpu_us"),
+            "zk_cpu_us": pa.get("ZooKeeper", {}).get("cpu_us"),
+            "client_cpu_us": pa.get("load generator", {}).get("cpu_us"), **extra}
+
+
+def _ziplog_row(name: str, shards: int, pools: list[ClientPool], p: dict[str, Any], res: Results,
+                depth: int | None = None, status: Any = None) -> dict[str, Any]:
+    results, cpu, disk, extra = _measure(pools, p, depth, status)
     row = _row(name, shards, results, cpu, disk, p, ZIPLOG_ROLES)
+    row.update(_cost_columns(extra))
+    if depth is not None:
+        row["depth"] = depth
     row["storage_server_cores"] = cpu.get("storage servers", 0.0)
     res.log(f"  {name}, {shards} shard(s): {row['total_rate']:.0f}/s total, {row['per_shard_rate']:.0f}/s per shard; "
             f"cpu {cpu}; {row['saturates']}")
@@ -137,7 +183,16 @@ def _ziplog_per_cpu(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
     return rows
 
 
+def _pools(system: Any, shards: list[int], clients: int, p: dict[str, Any]) -> list[ClientPool]:
+    return [ClientPool(system.client_spec(shard), clients, f"ziplog-s{shard}", max_workers=p["workers_per_shard"],
+                       seed=shard + 1) for shard in shards]
+
+
 def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
+    """Shards added one by one to one cluster; at each count the load is raised through
+    ``p["ramp"]`` (the shipped load, ``clients_per_shard`` x ``depth``, is the row named
+    "ziplog"; the others are :data:`RAMP`)."""
+    import ziplog
     rows: list[dict[str, Any]] = []
     system = sysreg.make("ziplog", shards=1, replicas=p["replicas"])
     try:
@@ -146,22 +201,49 @@ def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
         res.not_started("ziplog", str(e))
         system.stop()
         return rows
-    pools: list[ClientPool] = []
+    levels = list(dict.fromkeys([*p["ramp"], (p["clients_per_shard"], p["depth"])]))
     try:
         cluster: Any = system.cluster  # type: ignore[attr-defined]
-        for target in progress("throughput", p["shard_counts"], lambda n: f"ziplog with {n} shard(s)"):
-            while len(cluster.shard_ids) < target:
-                cluster.add_shard()
-            while len(pools) < target:
-                shard = cluster.shard_ids[len(pools)]
-                pools.append(ClientPool(system.client_spec(shard), p["clients_per_shard"], f"ziplog-s{shard}",
-                                        max_workers=p["workers_per_shard"], seed=shard + 1))
-            rows.append(_ziplog_row("ziplog", target, pools, p, res))
+        with ziplog.Client(cluster.zk_hosts, timeout=10.0) as client:
+            for target in progress("throughput", p["shard_counts"], lambda n: f"ziplog with {n} shard(s)"):
+                while len(cluster.shard_ids) < target:
+                    cluster.add_shard()
+                shards = list(cluster.shard_ids[:target])
+                for clients, depth in sorted(levels, key=lambda cd: cd[0] * cd[1]):
+                    pools = _pools(system, shards, clients, p)
+                    try:
+                        shipped = (clients, depth) == (p["clients_per_shard"], p["depth"])
+                        row = _ziplog_row("ziplog" if shipped else RAMP, target, pools, p, res, depth,
+                                          lambda: client.status(wait=2.0))
+                        row["clients_per_shard"] = clients
+                        rows.append(row)
+                    finally:
+                        for pool in pools:
+                            pool.close()
     finally:
-        for pool in pools:
-            pool.close()
         system.stop()
+    _mark_knees(rows, p)
     return rows
+
+
+def _mark_knees(rows: list[dict[str, Any]], p: dict[str, Any]) -> None:
+    """Per shard count, the knee of the load series: the lightest load whose total is
+    within ``knee_within`` of the best one's (past it more load buys no appends, only
+    latency); ``server_cpu_ratio``: servers' CPU per append over one shard's at its knee."""
+    series = [r for r in rows if r["system"] in ("ziplog", RAMP)]
+    knees: dict[int, dict[str, Any]] = {}
+    for n in sorted({r["shards"] for r in series}):
+        mine = sorted((r for r in series if r["shards"] == n), key=lambda r: r["clients_per_shard"] * r["depth"])
+        best = max(r["total_rate"] for r in mine)
+        knee = next(r for r in mine if r["total_rate"] >= p["knee_within"] * best)
+        for r in mine:
+            r["knee"] = r is knee
+        knees[n] = knee
+    one = knees.get(min(knees)) if knees else None
+    for r in series:
+        base = one.get("server_cpu_us") if one else None
+        r["server_cpu_ratio"] = (round(r["server_cpu_us"] / base, 2)
+                                 if base and r.get("server_cpu_us") is not None and r.get("knee") else None)
 
 
 def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
@@ -178,7 +260,7 @@ def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
                 except Unavailable as e:
                     res.not_started(system.name, str(e))
                     continue
-                results, cpu, disk = _measure([pool], p)
+                results, cpu, disk, _ = _measure([pool], p)
                 server_roles = tuple(k for k in cpu if k not in ("load generator", "harness", "total", "machine",
                                                                   "machine_cores", "other"))
                 row = _row(system.name, 1, results, cpu, disk, p, server_roles)
@@ -230,8 +312,18 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                  f"clients {z1['cpu_clients']:.2f}, disk {z1['disk_mb_s']:.0f} MB/s"
                  + (f"; fast path {z1['fast_path_ratio']:.0%} of its inserts at this load."
                     if z1.get("fast_path_ratio") is not None else "."))
+    costs = [r for r in rows if r["system"] in ("ziplog", RAMP)]
+    for r in costs:
+        if r.get("knee"):
+            res.note(f"knee at {r['shards']} shard(s): {r['clients_per_shard']} clients x {r['depth']} in flight per "
+                     f"shard, {r['total_rate']:.0f}/s; storage servers {r['server_cpu_us']} us of CPU, "
+                     f"{r['server_syscalls']} system calls and {r['server_msgs']} messages sent per append"
+                     + (f" ({r['server_cpu_ratio']}x one shard's CPU)" if r.get("server_cpu_ratio") else ""))
     res.write(rows, COLUMNS, "Throughput: pipelined clients, ziplog as shards are added (a process per replica, and a "
               "process per CPU), and every system on one shard",
+              extra_tables=[("What each append costs, ziplog as shards are added and the load raised (per append: "
+                             "CPU us, system calls, context switches and messages sent by the storage servers; "
+                             "knee: the lightest load within 5 % of the series' best total)", costs, COST_COLUMNS)],
               intro=(f"{p['clients_per_shard']} asyncio clients per shard over {p['workers_per_shard']} processes, "
                      f"each keeping {p['depth']} appends of {p['record_bytes']} bytes in flight, "
                      f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up. cpu_* columns are cores "

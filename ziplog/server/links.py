@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ziplog.cores.effects import Peer, ShardReplicas
 from ziplog.cores.replica import ReplicaSettings
 from ziplog.io.ports import Endpoint, Network, StorageCoordination
 from ziplog.protocol import frames as f
@@ -51,11 +52,11 @@ class ReplicaLinks:
         #: replica) -> (address, endpoint); made on the first notice to the shard
         self.peer_replicas: dict[tuple[int, int], tuple[str, Endpoint]] = {}
 
-    def report_rates(self, reports: list[f.RateEntry], leader: int, key: ClusterKey) -> None:
+    def report_rates(self, reports: list[f.RateEntry], leader: int, key: ClusterKey) -> int:
         """A turn's rate reports in one RATE frame (or more, past MAX_RATE_REPORTS), sealed,
         to membership service replica ``leader``, as the last epoch broadcast named it; to
         every replica while none is named or its PULL is unknown (a follower drops them
-        at no cost)."""
+        at no cost). Returns how many messages left."""
         pull = self.coord.topology.mms_pull_of(leader) if leader >= 0 else None
         push = None if pull is None else self.mms_pushes.get(pull)
         pushes = [push] if push is not None else list(self.mms_pushes.values())
@@ -63,6 +64,7 @@ class ReplicaLinks:
             frame = f.seal(key, f.encode(f.Rate(reports=reports[i:i + f.MAX_RATE_REPORTS])))
             for ep in pushes:
                 ep.send(frame)
+        return len(pushes) * ((len(reports) + f.MAX_RATE_REPORTS - 1) // f.MAX_RATE_REPORTS)
 
     def follow_topology(self) -> str:
         """Connect to new control-plane replicas, and (a backup) to the primary's new
@@ -109,6 +111,16 @@ class ReplicaLinks:
         self.primary_addr = addr
         self.primary_owner = owner
         return NEW_PRIMARY_LINK
+
+    def endpoints_for(self, dest: object) -> list[Endpoint]:
+        """Where a sealed message to ``dest`` goes: the primary's link (none while it is
+        down), every replica of another shard, or every failure handler replica."""
+        if dest is Peer.PRIMARY:
+            return [] if self.primary is None else [self.primary]
+        if type(dest) is ShardReplicas:
+            return self.replicas_of(dest.shard)
+        assert dest is Peer.HANDLER, dest
+        return list(self.fh_pushes.values())
 
     def replicas_of(self, shard: int) -> list[Endpoint]:
         """The connections to ``shard``'s replicas at the addresses ZooKeeper holds now

@@ -22,6 +22,7 @@ from ziplog.cores.replica.primary import PrimarySequencer
 from ziplog.shell.inbound import InboundGuard
 from ziplog.server.client_rights import ClientRights
 from ziplog.server.epoch_subscription import EpochSubscription
+from ziplog.server.frame_counts import FrameCounts
 from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
 from ziplog.server.replica_metrics import replica_metrics
 from ziplog.shell.metrics import Durations
@@ -87,6 +88,7 @@ class StorageDriver:
         self.disk = disk
         self.core = ReplicaCore(settings)
         self.core.driver_stats["inbound_failures"] = 0
+        self.frames = FrameCounts(self.core.driver_stats)
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
         self.refused_frames: dict[str, int] = {}
@@ -184,6 +186,7 @@ class StorageDriver:
                     self._check_generation(msg)
             elif self.rights is not None:
                 self.rights.check(route, msg)
+            self.frames.received(type(msg))
         except f.ProtocolError as exc:
             self.refused_frames[exc.code] = self.refused_frames.get(exc.code, 0) + 1
             core.error(route, exc.req_id, exc.code, exc.message)
@@ -237,6 +240,7 @@ class StorageDriver:
         except f.ProtocolError as exc:
             self.log.warning("bad frame from the primary: %s", exc)
             return
+        self.frames.received(type(msg))
         if type(msg) is f.Forward:
             self.core.on_forward(msg, self.rt.now())
             self._perform(self.core.ready())
@@ -245,6 +249,7 @@ class StorageDriver:
             self.log.error("primary refused us: %s %s", msg.code, msg.message)
 
     def on_epoch_frame(self, frame: bytes) -> None:
+        self.frames.received(f.EpochStart)  # EPOCH or EPOCH_SAME: one broadcast each
         got = self.epochs.take(frame)  # None: a bad frame, or an epoch that counts as missed
         if got is None:
             return
@@ -289,7 +294,7 @@ class StorageDriver:
         self._perform(core.ready())
         if self._rate_reports:
             reports, self._rate_reports = self._rate_reports, []
-            self.links.report_rates(reports, self.mms_leader, self.key)
+            self.frames.sent(f.Rate, self.links.report_rates(reports, self.mms_leader, self.key))
         disk = self.disk
         if disk is not None:
             # An answer waiting for the disk does not wait for the batch interval too.
@@ -361,25 +366,21 @@ class StorageDriver:
     # -- effects ----------------------------------------------------------------------------------
     def _send(self, messages: Messages) -> None:
         encode = f.encode
-        router = self.router
+        router, sent = self.router, self.frames.sent
         for dest, msg in messages:
             if type(dest) is bytes:
                 router.send_to(dest, encode(msg))
                 self._answered = True
-            elif dest is Peer.PRIMARY:
-                if self.links.primary is not None:
-                    self.links.primary.send(f.seal(self.key, encode(msg)))
-            elif type(dest) is ShardReplicas:
-                frame = f.seal(self.key, encode(msg))
-                for ep in self.links.replicas_of(dest.shard):
-                    ep.send(frame)
+                sent(type(msg))
             elif dest is Peer.MMS:
                 assert type(msg) is f.Rate
-                self._rate_reports.extend(msg.reports)
+                self._rate_reports.extend(msg.reports)  # one RATE frame at the turn's end
             else:
+                peers = self.links.endpoints_for(dest)
                 frame = f.seal(self.key, encode(msg))
-                for ep in self.links.fh_pushes.values():
+                for ep in peers:
                     ep.send(frame)
+                sent(type(msg), len(peers))
 
     def _perform(self, ready: Ready) -> None:
         while True:
