@@ -15,6 +15,7 @@ from ziplog.cores.replica.rate_report import (
     LEADER_SPREAD,
     MOVE_DIVISOR,
     MOVE_FLOOR,
+    OBSERVE_NS,
     RateReport,
     RateReporter,
 )
@@ -44,6 +45,30 @@ def test_a_move_past_an_eighth_is_reported_and_a_smaller_one_is_not() -> None:
     assert _run(r, [110] * 20, first=5) == []  # 11,000/s: the smoothed figure moves 1/10
     moved = _run(r, [120] * 5, first=25)  # 12,000/s: past 1/8 of 10,000
     assert moved and moved[0].rate > 10_000 + 10_000 // MOVE_DIVISOR
+
+
+def test_two_broadcasts_taken_in_one_turn_do_not_make_a_report() -> None:
+    """On a loaded machine a replica may take two epochs in one turn: the second closes
+    after microseconds with no record. Taken into a window of whole epochs, it does not
+    move the rate; smoothed an epoch at a time it halved it, and every epoch was a report."""
+    r = RateReporter(0)
+    counts_and_ns = [(90, EPOCH_NS), (0, 2_000)] * (HEARTBEAT_EPOCHS // 2)
+    reports = [rep for epoch, (n, ns) in enumerate(counts_and_ns) if (rep := r.on_epoch_closed(epoch, n, ns))]
+    assert [x.epoch for x in reports] == [0]  # the first; the next is the heartbeat
+    assert r.rate is not None and abs(r.rate - 9000) * MOVE_DIVISOR <= 9000
+
+
+def test_a_busy_shards_noisy_counts_are_reported_a_few_times_a_second() -> None:
+    """A busy shard's count per epoch is a noisy figure (here Poisson, 3,000 records/s):
+    windows of OBSERVE_NS report it a few times a second, where every other epoch did."""
+    import random
+    rng = random.Random(7)
+    r = RateReporter(0)
+    epochs = 1000
+    counts = [sum(1 for _ in range(300) if rng.random() < 0.1) for _ in range(epochs)]  # mean 30 an epoch
+    reports = _run(r, counts)
+    assert OBSERVE_NS >= 2 * EPOCH_NS
+    assert len(reports) < epochs // 8, len(reports)
 
 
 def test_idle_and_busy_turns_are_reported_at_once() -> None:

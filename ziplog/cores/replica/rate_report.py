@@ -6,9 +6,14 @@ default), so a report every epoch from every primary (what the leader used to re
 shards x 100 reports a second, whatever the shards do) bought nothing past the first of
 each block. A primary now reports **per change**:
 
-* it smooths the rate it observed itself, an epoch at a time (the weight of the newest
-  epoch 1/2, the membership planner's old rule, moved here whole), and the report
-  carries the smoothed rate, which the planner takes as it is;
+* it smooths the rate it observed itself, a window of at least :data:`OBSERVE_NS` at a
+  time (the weight of the newest window 1/2, the membership planner's old rule, moved
+  here whole), and the report carries the smoothed rate, which the planner takes as it
+  is. A window is whole epochs: one 10 ms epoch's count of a busy shard is a noisy
+  figure, and on a loaded machine a replica can take two epoch broadcasts in one turn,
+  the second closing after microseconds with no record; smoothed per epoch, either
+  moved the rate past the bound about every epoch (four shards under load on two cores:
+  nearly 100 reports a second per shard, for a figure the planner takes up once a block);
 * it reports when that rate moved more than 1/:data:`MOVE_DIVISOR` away from what it
   reported last (and more than :data:`MOVE_FLOOR` records/s: a shard around the
   planner's floor does not chatter), and when it turns **busy** (records in an epoch
@@ -42,6 +47,9 @@ from ziplog.protocol.gsna import NS_PER_S
 
 #: a report when the smoothed rate moved more than 1/MOVE_DIVISOR from the last one
 MOVE_DIVISOR = 8
+#: the smoothed rate takes in whole epochs at least this long at a time (two epochs at
+#: the planner's 10 ms; a turn to busy or idle takes in what it has at once)
+OBSERVE_NS = 20_000_000
 #: ... and by more than this many records/s
 MOVE_FLOOR = 64
 #: epochs without a record before a shard reports itself idle (the membership
@@ -95,6 +103,9 @@ class RateReporter:
         self.silent_epochs = 0
         #: the membership leader the broadcasts name (-1: none known)
         self.leader = -1
+        #: records and time of the epochs closed since the smoothed rate last took some in
+        self.window_count = 0
+        self.window_ns = 0
 
     @property
     def busy(self) -> bool:
@@ -108,17 +119,25 @@ class RateReporter:
             self.owed = True
 
     def observe(self, count: int, duration_ns: int) -> bool:
-        """Take an epoch's ``count`` records over ``duration_ns`` into the smoothed rate;
-        True when that changed what was reported (moved past the bound, or turned busy or
-        idle), or nothing was reported yet."""
+        """Take an epoch's ``count`` records over ``duration_ns`` into the window, and the
+        window into the smoothed rate once it is :data:`OBSERVE_NS` long (or the shard
+        turned busy or idle, or it is the first); True when that changed what was
+        reported (moved past the bound, or turned busy or idle), or nothing was reported
+        yet."""
         assert count >= 0, count
-        observed = count * NS_PER_S // max(duration_ns, 1)  # an epoch closed in the turn it began
-        rate = self.rate = observed if self.rate is None else (self.rate + observed) // 2
+        was_busy = self.busy
         self.empty_epochs = 0 if count else self.empty_epochs + 1
+        self.window_count += count
+        self.window_ns += max(duration_ns, 1)  # an epoch closed in the turn it began
+        if self.rate is None or self.window_ns >= OBSERVE_NS or self.busy != was_busy:
+            observed = self.window_count * NS_PER_S // self.window_ns
+            self.rate = observed if self.rate is None else (self.rate + observed) // 2
+            self.window_count = self.window_ns = 0
         last = self.reported
         if last is None or last.busy != self.busy:
             return True
-        moved = abs(rate - last.rate)
+        assert self.rate is not None
+        moved = abs(self.rate - last.rate)
         return moved * MOVE_DIVISOR > last.rate and moved > MOVE_FLOOR
 
     def on_epoch_closed(self, epoch: int, count: int, duration_ns: int) -> RateReport | None:
