@@ -126,3 +126,15 @@ def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: 
         assert sum(1 for r in rows if r["shards"] == n and r["knee"]) == 1
     knee1 = next(r for r in rows if r["shards"] == 1 and r["knee"])
     assert knee1["server_cpu_ratio"] == 1.0
+
+
+def test_the_next_epoch_is_heard_when_its_first_broadcast_was() -> None:
+    """``sequential``'s release at a close: a record of epoch e released up to e's end
+    waited for the close only if the release came once e + 1 was broadcast."""
+    import numpy as np
+    from bench.experiments.sequential_analyse import EpochLog
+    from ziplog.protocol.gsna import epoch_base, epoch_end
+    log = EpochLog([(300, 6, (0, 1), (200, 200)), (100, 5, (0, 1), (200, 200)), (250, 6, (0, 1), (200, 200))])
+    got = log.next_heard(np.asarray([epoch_base(5), epoch_end(5), epoch_base(6), epoch_base(4)], dtype=np.int64))
+    never = np.iinfo(np.int64).max
+    assert got.tolist() == [250, 250, never, 100]

@@ -53,6 +53,17 @@ class EpochLog:
         rates = [float(np.mean(r)) for t, _, _, r in list(self.entries) if t_from <= t < t_to and r]
         return float(np.mean(rates)) if rates else None
 
+    def next_heard(self, gsns: np.ndarray) -> np.ndarray:
+        """Per gsn, when the epoch after its own was first heard (the largest int64 where
+        it never was): its epoch closed then."""
+        from ziplog.protocol.gsna import epoch_of
+        first: dict[int, int] = {}
+        for t, e, _, _ in list(self.entries):
+            if e not in first or t < first[e]:
+                first[e] = t
+        never = np.iinfo(np.int64).max
+        return np.asarray([first.get(epoch_of(int(g)) + 1, never) for g in gsns], dtype=np.int64)
+
     def rate_spread(self, t_from: int, t_to: int) -> float | None:
         """How far apart the MMS puts shards that run at the same rate: the mean over
         broadcasts of (std / mean) of the announced rates, in percent."""
@@ -111,6 +122,11 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
     wait = seen[:, 9] - seen[:, 8] if len(seen) else empty         # that -> the batch that released it
     held = (seen[:, 10] != seen[:, 2]) & (seen[:, 9] > seen[:, 8]) if len(seen) else np.empty(0, dtype=bool)
     at_end = (seen[:, 11] % EPOCH_SPAN == 0) if len(seen) else np.empty(0, dtype=bool)  # released up to an epoch's end
+    # Up to an epoch's end is where a NOTICE takes a shard with no slot left above the
+    # record's gsn, as well as where its close does: only a release after the next epoch
+    # was broadcast (as heard here) can have waited for the close.
+    next_heard = epochs.next_heard(seen[:, 7]) if epochs is not None and len(seen) else None
+    at_close = held & at_end & (seen[:, 9] >= next_heard) if next_heard is not None else None
     per_shard = [int(np.count_nonzero(acks[:, 4] == s)) / span for s in range(p["shards"])] if len(acks) else []
     fast = d.client_stats.get("fast_path", 0)
     slow = d.client_stats.get("slow_path", 0)
@@ -136,6 +152,9 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
         "held_by_shard": {int(s): int(c) for s, c in zip(*np.unique(seen[held][:, 10], return_counts=True))}
         if held.size and held.any() else {},
         "released_at_epoch_end_pct": round(100.0 * float(np.mean(at_end)), 1) if at_end.size else None,
+        "released_at_close_pct": round(100.0 * float(np.mean(at_close)), 1)
+        if at_close is not None and at_close.size else None,
+        "seq_p99_over_p50": round(float(np.percentile(seq, 99) / np.percentile(seq, 50)), 2) if seq.size else None,
         "slot_ahead_pct": round(100.0 * float(np.count_nonzero(ahead)) / max(int(np.count_nonzero(known)), 1), 1)
         if known.any() else None,
         "slot_lead_p50_us": us(float(np.median(lead[known])) / 1e3) if known.any() else None,

@@ -33,7 +33,7 @@ STEP_COLUMNS = ["stage", "step", "from_rate", "to_rate", "steps", "base_p50_us",
                 "mms_update_ms"]
 VARIANT_COLUMNS = ["stage", "settings", "T_us", "announced_rate", "seq_p50_us", "seq_p99_us", "insert_p50_us",
                    "seq_over_insert", "own_path_p50_us", "merge_wait_p50_us", "held_by_other_pct",
-                   "released_at_epoch_end_pct", "announced_spread_pct", "slot_ahead_pct", "merge_wait_ahead_p50_us",
+                   "released_at_epoch_end_pct", "released_at_close_pct", "seq_p99_over_p50", "announced_spread_pct", "slot_ahead_pct", "merge_wait_ahead_p50_us",
                    "merge_wait_behind_p50_us", "idle_cpu_cores", "cpu_cores"]
 
 
@@ -136,8 +136,10 @@ def _conclude(res: Results, p: dict[str, Any], rate: int, probe_rows: list[dict[
                  f"its shard's batch reached the subscriber: insert, replication until stable, push) took p50 "
                  f"{first['own_path_p50_us']} us; the merge then waited p50 {first['merge_wait_p50_us']} us "
                  f"(p99 {first['merge_wait_p99_us']} us) for the other shards: {first['held_by_other_pct']} % of "
-                 f"records waited for another shard's progress, {first['released_at_epoch_end_pct']} % were released "
-                 f"only when that shard closed the epoch. The MMS announced {first['announced_rate']}/s per shard "
+                 f"records waited for another shard's progress, {first['released_at_close_pct']} % were released "
+                 f"only after the next epoch began, at that shard's close of theirs "
+                 f"({first['released_at_epoch_end_pct']} % by a batch up to an epoch's end, where a NOTICE also takes a "
+                 f"shard with no slot left above the record); delivery p99 {first['seq_p99_over_p50']} x its p50. The MMS announced {first['announced_rate']}/s per shard "
                  f"(offered {rate}/s; the planner's floor is {MMS_DEFAULT_MIN_RATE}/s), a slot every "
                  f"{1e3 / (first['announced_rate'] or rate):.1f} ms per shard: {first['slot_ahead_pct']} % of records "
                  f"got a slot expected after their call (median lead {first['slot_lead_p50_us']} us) and waited p50 "
