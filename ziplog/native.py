@@ -55,6 +55,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "ziplog.io.zmq_runtime",
     "ziplog.io.zmtp_poll",
     "ziplog.client.driver",
+    "ziplog.server.frame_counts",
     "ziplog.server.links",
     "ziplog.server.storage",
 )
