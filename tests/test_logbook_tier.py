@@ -95,6 +95,20 @@ def _wait_until(ok: Any, timeout: float = TIMEOUT) -> None:
         timer.cancel()
 
 
+def test_auto_asks_a_few_nodes_itself_and_many_through_the_aggregator(tier: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from ziplog.logbook import client
+    assert client.choose_mode("auto", tier.zk_hosts, TIMEOUT) == "nodes"  # the tier wants 2 nodes
+    with LogBook(tier.zk_hosts, 1) as lb:
+        assert lb._engine.mode == "nodes"
+        s = lb.append(b"auto", tags=["auto"])
+        got = lb.read_next(0, tag="auto")
+        assert got is not None and got.seqnum == s
+    monkeypatch.setattr(client, "DIRECT_NODES_MAX", 1)
+    assert client.choose_mode("auto", tier.zk_hosts, TIMEOUT) == "tier"
+    assert client.choose_mode("local", tier.zk_hosts, TIMEOUT) == "local"
+
+
 def test_a_node_drops_what_a_trim_hides(tier: Any) -> None:
     with LogBook(tier.zk_hosts, 7, index="tier") as lb:
         seqnums = [lb.append(b"r", tags=[i % 3]) for i in range(120)]

@@ -51,6 +51,14 @@ def desired(zk: KazooClient) -> int:
     return n if type(n) is int and n >= 1 else 1
 
 
+def desired_or_none(zk: KazooClient) -> int | None:
+    """:func:`desired`, or None when it cannot be read now."""
+    try:
+        return desired(zk)
+    except KazooException:
+        return None
+
+
 def set_desired(zk: KazooClient, nodes: int) -> None:
     """Want at least ``nodes`` index nodes (the feeder adds them to the assignment)."""
     while True:
