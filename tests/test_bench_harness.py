@@ -106,25 +106,29 @@ def test_frames_per_append_sums_replicas_by_kind_and_divides_by_the_inserts() ->
 
 
 def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: Path) -> None:
-    """ziplog's series on a real cluster, one and two shards, two loads each: every row
+    """ziplog's series on a real cluster, one and two shards, two loads each and one total
+    load open loop spread over the shards: every row
     has the servers' CPU and messages per append, the replicas' frames by kind (each
     INSERT reaches both replicas of its shard once), and one knee per shard count."""
     from bench.experiments import throughput
     from bench.report import Results
     p = {**throughput.params_for(True), "shard_counts": [1, 2], "ramp": [(1, 2), (2, 4)], "clients_per_shard": 1,
          "depth": 2, "seconds": 0.6, "warmup_s": 0.2, "workers_per_shard": 1}
+    p["equal_total_rate"] = 400
     rows = throughput._ziplog_scaling(p, Results("throughput", tmp_path, p))
     assert [(r["shards"], r["clients_per_shard"], r["depth"]) for r in rows] == [
-        (1, 1, 2), (1, 2, 4), (2, 1, 2), (2, 2, 4)]
-    assert [r["system"] for r in rows] == ["ziplog", throughput.RAMP] * 2
+        (1, 1, 2), (1, 2, 4), (1, 1, None), (2, 1, 2), (2, 2, 4), (2, 1, None)]
+    assert [r["system"] for r in rows] == ["ziplog", throughput.RAMP, throughput.EQUAL] * 2
+    equal = [r for r in rows if r["system"] == throughput.EQUAL]
+    assert equal[0]["server_cpu_ratio"] == 1.0 and equal[1]["server_cpu_ratio"] > 0
     for r in rows:
         assert r["total_rate"] > 0 and r["server_cpu_us"] > 0 and r["server_msgs"] > 0, r
         frames = r["frames_per_append"]
         assert 0.8 <= frames["primary"]["received_insert"] <= 1.2, frames
         assert 0.8 <= frames["backup"]["received_insert"] <= 1.2, frames
     for n in (1, 2):
-        assert sum(1 for r in rows if r["shards"] == n and r["knee"]) == 1
-    knee1 = next(r for r in rows if r["shards"] == 1 and r["knee"])
+        assert sum(1 for r in rows if r["shards"] == n and r.get("knee")) == 1
+    knee1 = next(r for r in rows if r["shards"] == 1 and r.get("knee"))
     assert knee1["server_cpu_ratio"] == 1.0
 
 

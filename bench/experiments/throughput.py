@@ -42,6 +42,9 @@ COST_COLUMNS = ["system", "shards", "clients_per_shard", "depth", "total_rate", 
                 "backup_sent", "notices_sent", "mms_cpu_us", "zk_cpu_us", "client_cpu_us"]
 #: ziplog's series with the load raised until the servers are the limit
 RAMP = "ziplog, load raised"
+#: ziplog's series with one total load, open loop, spread over the shards: what each
+#: append costs when the work is the same and only the shard count changes
+EQUAL = "ziplog, same total load"
 #: the rows of ziplog with a storage process per CPU
 PER_CPU = "ziplog, process per CPU"
 RIVALS = ["ziplog-poll", "floor", "floor-zmtp", "floor-tcp", "nopaxos", "scalog", "zookeeper", "nats", "nats-r3", "redis",
@@ -63,6 +66,7 @@ def params_for(quick: bool) -> dict[str, Any]:
         # (clients per shard, appends in flight per client), raised until the total stops growing
         "ramp": [(1, 4), (4, 8), (8, 16)] if quick else [(1, 4), (2, 8), (4, 8), (8, 16), (16, 32)],
         "knee_within": 0.95,             # the knee: the lightest load within 5 % of the series' best
+        "equal_total_rate": 2000,        # appends/s in all for the same-load series, open loop
     }
 
 
@@ -76,14 +80,17 @@ def _saturates(cpu: dict[str, float], clients_cores: float, server_cores: float)
     return f"not CPU ({cpu.get('machine', 0):.1f}/{n:.0f} cores): latency-bound clients or the system"
 
 
-def _measure(pools: list[ClientPool], p: dict[str, Any], depth: int | None = None,
-             status: Any = None) -> tuple[list[LoadResult], dict[str, float], float, dict[str, Any]]:
-    """Run the pools' saturating load; CPU, disk and (given ``status``, a ziplog client's
-    STATUS of every replica) each append's costs over the measured window."""
+def _measure(pools: list[ClientPool], p: dict[str, Any], depth: int | None = None, status: Any = None,
+             open_rate: float | None = None) -> tuple[list[LoadResult], dict[str, float], float, dict[str, Any]]:
+    """Run the pools' saturating load (or, given ``open_rate``, that many appends/s per
+    client, open loop); CPU, disk and (given ``status``, a ziplog client's STATUS of
+    every replica) each append's costs over the measured window."""
     meter, costs = CpuMeter(), CostMeter()
     start_wall = time.time() + 0.3
+    kind, arg = ("open", open_rate) if open_rate is not None else ("saturate", depth or p["depth"])
     for pool in pools:
-        pool.begin("saturate", depth or p["depth"], p["seconds"], p["warmup_s"], p["record_bytes"], 0.0, start_wall)
+        pool.begin(kind, arg, p["seconds"], p["warmup_s"], p["record_bytes"], 0.0 if kind == "saturate" else 2.0,
+                   start_wall)
     time.sleep(max(0.0, start_wall - time.time() + p["warmup_s"]))  # CPU counted over the measured window
     frames0 = replica_frames(status()) if status is not None else None
     meter.start()
@@ -147,8 +154,8 @@ def _cost_columns(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ziplog_row(name: str, shards: int, pools: list[ClientPool], p: dict[str, Any], res: Results,
-                depth: int | None = None, status: Any = None) -> dict[str, Any]:
-    results, cpu, disk, extra = _measure(pools, p, depth, status)
+                depth: int | None = None, status: Any = None, open_rate: float | None = None) -> dict[str, Any]:
+    results, cpu, disk, extra = _measure(pools, p, depth, status, open_rate)
     row = _row(name, shards, results, cpu, disk, p, ZIPLOG_ROLES)
     row.update(_cost_columns(extra))
     if depth is not None:
@@ -220,16 +227,34 @@ def _ziplog_scaling(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
                     finally:
                         for pool in pools:
                             pool.close()
+                rows.append(_equal_load_row(system, shards, p, res, lambda: client.status(wait=2.0)))
     finally:
         system.stop()
     _mark_knees(rows, p)
     return rows
 
 
+def _equal_load_row(system: Any, shards: list[int], p: dict[str, Any], res: Results, status: Any) -> dict[str, Any]:
+    """``equal_total_rate`` appends/s in all, open loop, spread evenly over ``shards``
+    (``clients_per_shard`` clients each)."""
+    clients = p["clients_per_shard"]
+    pools = _pools(system, shards, clients, p)
+    try:
+        per_client = p["equal_total_rate"] / len(shards) / clients
+        row = _ziplog_row(EQUAL, len(shards), pools, p, res, 1, status, open_rate=per_client)
+        row["clients_per_shard"] = clients
+        row["depth"] = None
+        return row
+    finally:
+        for pool in pools:
+            pool.close()
+
+
 def _mark_knees(rows: list[dict[str, Any]], p: dict[str, Any]) -> None:
     """Per shard count, the knee of the load series: the lightest load whose total is
     within ``knee_within`` of the best one's (past it more load buys no appends, only
-    latency); ``server_cpu_ratio``: servers' CPU per append over one shard's at its knee."""
+    latency); ``server_cpu_ratio``: servers' CPU per append over one shard's at its knee
+    (the same-load series: over one shard's at the same load)."""
     series = [r for r in rows if r["system"] in ("ziplog", RAMP)]
     knees: dict[int, dict[str, Any]] = {}
     for n in sorted({r["shards"] for r in series}):
@@ -244,6 +269,10 @@ def _mark_knees(rows: list[dict[str, Any]], p: dict[str, Any]) -> None:
         base = one.get("server_cpu_us") if one else None
         r["server_cpu_ratio"] = (round(r["server_cpu_us"] / base, 2)
                                  if base and r.get("server_cpu_us") is not None and r.get("knee") else None)
+    equal = sorted((r for r in rows if r["system"] == EQUAL), key=lambda r: r["shards"])
+    for r in equal:
+        base = equal[0].get("server_cpu_us")
+        r["server_cpu_ratio"] = round(r["server_cpu_us"] / base, 2) if base and r.get("server_cpu_us") else None
 
 
 def _rivals(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
@@ -312,13 +341,17 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                  f"clients {z1['cpu_clients']:.2f}, disk {z1['disk_mb_s']:.0f} MB/s"
                  + (f"; fast path {z1['fast_path_ratio']:.0%} of its inserts at this load."
                     if z1.get("fast_path_ratio") is not None else "."))
-    costs = [r for r in rows if r["system"] in ("ziplog", RAMP)]
+    costs = [r for r in rows if r["system"] in ("ziplog", RAMP, EQUAL)]
     for r in costs:
         if r.get("knee"):
             res.note(f"knee at {r['shards']} shard(s): {r['clients_per_shard']} clients x {r['depth']} in flight per "
                      f"shard, {r['total_rate']:.0f}/s; storage servers {r['server_cpu_us']} us of CPU, "
                      f"{r['server_syscalls']} system calls and {r['server_msgs']} messages sent per append"
                      + (f" ({r['server_cpu_ratio']}x one shard's CPU)" if r.get("server_cpu_ratio") else ""))
+        elif r["system"] == EQUAL:
+            res.note(f"{p['equal_total_rate']} appends/s in all over {r['shards']} shard(s): storage servers "
+                     f"{r['server_cpu_us']} us of CPU ({r['server_cpu_ratio']}x one shard's), {r['server_syscalls']} "
+                     f"system calls and {r['server_msgs']} messages sent per append ({r['notices_sent']} NOTICEs)")
     res.write(rows, COLUMNS, "Throughput: pipelined clients, ziplog as shards are added (a process per replica, and a "
               "process per CPU), and every system on one shard",
               extra_tables=[("What each append costs, ziplog as shards are added and the load raised (per append: "
