@@ -400,6 +400,7 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
         return _find(rows, section, kind, nodes)
 
     ratio("tier lookup / read_record", r(TIER), r(FLOOR), f"N={n}")
+    ratio("nodes-direct lookup (the default) / read_record", r(NODES), r(FLOOR), f"N={n}")
     ratio("nodes-direct / aggregator", r(NODES), r(TIER), f"N={n}")
     ratio("cache hit / read_record", r(HIT), r(FLOOR), f"N={n}")
     ratio("local index / read_record", r(LOCAL), r(FLOOR), f"N={n}")
