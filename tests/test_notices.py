@@ -253,3 +253,30 @@ def test_a_shard_that_missed_nothing_new_hears_again_in_the_next_epoch() -> None
         h.pump()
     notes = [m for _, m in h.notices if isinstance(m, wire.Notice)]
     assert len(notes) == 1 and notes[0].epoch == h.epoch
+
+
+def test_a_notice_that_lost_the_race_to_the_close_and_an_announcement_the_close_overtook_are_counted() -> None:
+    """STATUS says how often the epoch's close, not a NOTICE, released another shard's
+    record: a NOTICE of an epoch this primary closed already (``late_notices``), and an
+    announcement held back by the notice interval whose epoch closed first
+    (``announcements_closed``). A NOTICE that changes nothing for another reason (a shard
+    that is no member, a gsn outside its epoch) is not counted."""
+    h = Harness()
+    stats = h.P.stats
+    h.notice(h.slot_gsn(1, 5), shard=9)
+    h.notice(epoch_end(h.epoch) + 7)
+    assert stats.get("late_notices", 0) == 0
+    h.next_epoch()
+    h.notice(epoch_base(h.epoch - 1) + 5, epoch=h.epoch - 1)
+    assert stats["late_notices"] == 1
+    # a record announced at once; the next one, within the interval, waits, and the
+    # epoch closes before the interval is up
+    h.insert(1, b"first", to=(0,))
+    h.pump()
+    h.insert(2, b"held back", to=(0,))
+    h.pump()
+    assert stats.get("announcements_closed", 0) == 0
+    h.next_epoch()
+    h.now += h.P.s.notice_interval_ns
+    h.P.flush(h.now)
+    assert stats["announcements_closed"] == 1

@@ -277,6 +277,7 @@ class Harness:
             q.put(("phase", spec))
         time.sleep(max(start_ns - time.monotonic_ns(), 0) / 1e9)
         cpu0, t_cpu0 = cpu_seconds(self._pids()), time.monotonic()
+        notices0 = self._notice_counters()
         results: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + duration_s + p["drain_s"] + p["insert_timeout_s"] + 10.0
         while len(results) < len(self.cmd_qs) and time.monotonic() < deadline:
@@ -293,6 +294,8 @@ class Harness:
         if len(results) < len(self.cmd_qs):
             raise RuntimeError(f"writers did not finish phase {spec.phase} in time")
         cpu = (cpu_seconds(self._pids()) - cpu0) / max(time.monotonic() - t_cpu0, 1e-3)
+        notices1 = self._notice_counters()
+        notices = {k: v - notices0.get(k, 0) for k, v in notices1.items()}
         acks = np.concatenate([r["acks"] for r in results.values()])
         stats: dict[str, int] = {}
         errors: dict[str, int] = {}
@@ -314,7 +317,28 @@ class Harness:
                          sum(r["not_issued"] for r in results.values()), errors,
                          [e for r in results.values() for e in r["first_errors"]],
                          np.concatenate([r["lag_ns"] for r in results.values()]), stats,
-                         len(acked_keys - got_keys), cpu, announced, spread)
+                         len(acked_keys - got_keys), cpu, announced, spread, notices)
+
+    def _notice_counters(self) -> dict[str, int]:
+        """The primaries' NOTICE counters now, summed ({} on the Scalog-style log, or when
+        STATUS cannot be had): received, late (after their epoch closed there), passed;
+        NOTICE frames sent (``announced``) and announcements overtaken by a close."""
+        if self.cluster is None:
+            return {}
+        try:
+            with self.cluster.client() as c:
+                status = c.status(wait=2.0)
+        except Exception:
+            return {}
+        out: dict[str, int] = {}
+        keys = ("received_notice", "late_notices", "passed_on_notice", "announcements_closed", "sent_notice")
+        for replicas in status.values():
+            for r in replicas:
+                if r.get("primary"):
+                    for k in keys:
+                        out[k] = out.get(k, 0) + int(r.get(k, 0))
+        out["announced"] = out.pop("sent_notice", 0)
+        return out
 
     def _collect(self, phase: int, acked: int, deadline: float) -> np.ndarray:
         """Ask the subscriber for its deliveries until it has this phase's acknowledged

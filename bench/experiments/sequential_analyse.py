@@ -35,6 +35,8 @@ class PhaseData:
     cpu_cores: float          # cluster, writers and subscriber together, during the phase
     announced: float | None   # mean per-shard rate the MMS announced during the measured window
     announced_spread: float | None  # EpochLog.rate_spread over the measured window
+    #: the primaries' STATUS counters of NOTICEs over the phase, summed (ziplog only)
+    notices: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,6 +164,11 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
         "merge_wait_behind_p50_us": us(pct(wait[behind], 50)) if behind.any() else None,
         "issue_lag_p50_us": us(pct(d.lag_ns, 50)), "issue_lag_p99_us": us(pct(d.lag_ns, 99)),
         "fast_path_pct": round(100.0 * fast / (fast + slow), 1) if fast + slow else None,
+        # NOTICEs that reached a primary after it had closed their epoch (the close released
+        # their record), and announcements the close overtook in the notice interval
+        "late_notices_pct": round(100.0 * d.notices.get("late_notices", 0) / d.notices["received_notice"], 1)
+        if d.notices.get("received_notice") else None,
+        "announcements_closed": d.notices.get("announcements_closed", 0) if d.notices else None,
         "cpu_cores": round(d.cpu_cores, 2),
         "records": int(len(dl)), "acked": int(len(d.acks)), "undelivered": d.undelivered,
         "acked_pct": round(100.0 * len(d.acks) / d.scheduled, 1) if d.scheduled else 0.0,

@@ -33,7 +33,8 @@ STEP_COLUMNS = ["stage", "step", "from_rate", "to_rate", "steps", "base_p50_us",
                 "mms_update_ms"]
 VARIANT_COLUMNS = ["stage", "settings", "T_us", "announced_rate", "seq_p50_us", "seq_p99_us", "insert_p50_us",
                    "seq_over_insert", "own_path_p50_us", "merge_wait_p50_us", "held_by_other_pct",
-                   "released_at_epoch_end_pct", "released_at_close_pct", "seq_p99_over_p50", "announced_spread_pct", "slot_ahead_pct", "merge_wait_ahead_p50_us",
+                   "released_at_epoch_end_pct", "released_at_close_pct", "seq_p99_over_p50", "late_notices_pct",
+                   "announcements_closed", "announced_spread_pct", "slot_ahead_pct", "merge_wait_ahead_p50_us",
                    "merge_wait_behind_p50_us", "idle_cpu_cores", "cpu_cores"]
 
 

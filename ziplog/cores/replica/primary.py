@@ -65,7 +65,7 @@ class PrimarySequencer:
         self.stats = stats
         self.admission = Admission(settings, log, parking, error)
         self.fwd = Forwarding(settings, log, out)
-        self.progress = Progress(settings, out)
+        self.progress = Progress(settings, out, stats)
         backups = set(range(1, settings.replicas))
         self.state = PrimaryState.STARTING if backups else PrimaryState.SERVING
         #: backups whose HELLO this (re)started primary has not accepted yet

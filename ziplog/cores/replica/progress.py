@@ -19,10 +19,15 @@ LONG_AGO_NS = -(1 << 62)
 
 
 class Progress:
-    def __init__(self, settings: ReplicaSettings, out: Outbox) -> None:
+    def __init__(self, settings: ReplicaSettings, out: Outbox, stats: dict[str, int]) -> None:
         self.s = settings
         self.shard = settings.shard
         self.out = out
+        #: the core's counters (STATUS): ``late_notices``, NOTICEs of an epoch this primary
+        #: had closed already (the record named was released here by the close, not by the
+        #: notice), and ``announcements_closed``, announcements held back by the notice
+        #: interval whose epoch closed first (the close passed them everywhere)
+        self.stats = stats
         #: the highest gsn this primary decided a record at and has not announced yet
         self.to_announce = 0
         self.last_notice_ns = LONG_AGO_NS
@@ -62,6 +67,8 @@ class Progress:
                     self.early_notices[msg.epoch] = msg.gsn
             return None
         if config is None or msg.epoch < config.epoch or msg.shard not in config.shards:
+            if msg.epoch < current:
+                self.stats["late_notices"] = self.stats.get("late_notices", 0) + 1
             return None
         if msg.gsn > self.told.get(msg.shard, 0):
             self.told[msg.shard] = msg.gsn  # keys: member shards only
@@ -86,7 +93,9 @@ class Progress:
         NOTICEs would wake its replicas for nothing)."""
         g, self.to_announce = self.to_announce, 0
         if config is None or cursor is None or epoch_of(g) != config.epoch:
-            return  # decided in an epoch that is closed now: its close passed it everywhere
+            # decided in an epoch that is closed now: its close passed it everywhere
+            self.stats["announcements_closed"] = self.stats.get("announcements_closed", 0) + 1
+            return
         sched = cursor.schedule
         before = config.base - 1
         msg = None
