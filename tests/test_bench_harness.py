@@ -112,12 +112,12 @@ def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: 
     INSERT reaches both replicas of its shard once), and one knee per shard count."""
     from bench.experiments import throughput
     from bench.report import Results
-    p = {**throughput.params_for(True), "shard_counts": [1, 2], "ramp": [(2, 2)], "clients_per_shard": 1,
+    p = {**throughput.params_for(True), "shard_counts": [1, 2], "ramp": [], "clients_per_shard": 1,
          "depth": 2, "seconds": 0.5, "warmup_s": 0.2, "workers_per_shard": 1, "equal_total_rate": 400}
     rows = throughput._ziplog_scaling(p, Results("throughput", tmp_path, p))
     assert [(r["shards"], r["clients_per_shard"], r["depth"]) for r in rows] == [
-        (1, 1, 2), (1, 2, 2), (1, 1, None), (2, 1, 2), (2, 2, 2), (2, 1, None)]
-    assert [r["system"] for r in rows] == ["ziplog", throughput.RAMP, throughput.EQUAL] * 2
+        (1, 1, 2), (1, 1, None), (2, 1, 2), (2, 1, None)]
+    assert [r["system"] for r in rows] == ["ziplog", throughput.EQUAL] * 2
     equal = [r for r in rows if r["system"] == throughput.EQUAL]
     assert equal[0]["server_cpu_ratio"] == 1.0 and equal[1]["server_cpu_ratio"] > 0
     for r in rows:
@@ -129,6 +129,23 @@ def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: 
         assert sum(1 for r in rows if r["shards"] == n and r.get("knee")) == 1
     knee1 = next(r for r in rows if r["shards"] == 1 and r.get("knee"))
     assert knee1["server_cpu_ratio"] == 1.0
+
+
+def test_the_knee_is_the_lightest_load_within_reach_of_the_best() -> None:
+    from bench.experiments import throughput
+    p = {"knee_within": 0.95}
+
+    def row(system: str, shards: int, clients: int, depth: int, rate: float, cpu: float) -> dict[str, Any]:
+        return {"system": system, "shards": shards, "clients_per_shard": clients, "depth": depth,
+                "total_rate": rate, "server_cpu_us": cpu}
+    rows = [row(throughput.RAMP, 1, 1, 4, 5000, 180), row("ziplog", 1, 4, 8, 9000, 100),
+            row(throughput.RAMP, 1, 8, 16, 9200, 95), row(throughput.RAMP, 2, 1, 4, 4000, 270),
+            row("ziplog", 2, 4, 8, 6000, 160), row(throughput.RAMP, 2, 8, 16, 7000, 130),
+            row(throughput.EQUAL, 1, 4, 0, 2000, 300), row(throughput.EQUAL, 2, 4, 0, 2000, 450)]
+    throughput._mark_knees(rows, p)
+    assert [r["knee"] for r in rows[:6]] == [False, True, False, False, False, True]
+    assert [r["server_cpu_ratio"] for r in rows[:6]] == [None, 1.0, None, None, None, 1.3]
+    assert [r["server_cpu_ratio"] for r in rows[6:]] == [1.0, 1.5]
 
 
 def test_the_next_epoch_is_heard_when_its_first_broadcast_was() -> None:
