@@ -131,7 +131,18 @@ def test_cluster_processes_serve_metrics() -> None:
         # each guess the primary confirmed is a fast-path insert (a client may also take the
         # fast path on a backup's answer from a decision it already held: not a guess)
         confirmed = value(b, "ziplog_replica_confirmed_guesses_total")
-        assert 0 < confirmed <= paths["fast_path"], paths
+        assert confirmed <= paths["fast_path"], paths
+        warm = 0
+        if confirmed == 0:
+            # A cold start on a busy machine can have every insert reach the backup after
+            # the primary's decision did (a re-ACK each, or a fast answer from the decision
+            # the backup held): on the warm cluster the backup's guesses are confirmed.
+            with cluster.client() as c:
+                for i in range(INSERTS):
+                    c.insert_after(b"warm %d" % i)
+            warm = INSERTS
+            scrape_until("a guess of the backup's confirmed", backup,
+                         lambda s: value(s, "ziplog_replica_confirmed_guesses_total") > 0)
         # every guess that missed is one of the slow paths (the re-ACK tells the client)
         wrong = sum(value(b, "ziplog_replica_wrong_guesses_total", kind=k) for k in ("epoch", "ahead", "behind"))
         assert wrong <= value(b, "ziplog_replica_reacks_total")
@@ -172,7 +183,7 @@ def test_cluster_processes_serve_metrics() -> None:
         # An insert after a rid a few epochs ahead parks on the primary until its epoch
         # begins: the wait histogram counts it (a lead the epochs overtook before the
         # insert arrived is tried again, longer).
-        inserted = INSERTS
+        inserted = INSERTS + warm
         parked_before = value(scrape(primary), "ziplog_replica_parked_wait_seconds_count", kind="insert")
         with cluster.client() as c:
             for lead in (3, 6, 12, 24):
