@@ -176,9 +176,7 @@ def _ziplog_per_cpu(p: dict[str, Any], res: Results) -> list[dict[str, Any]]:
         pools: list[ClientPool] = []
         try:
             system.start()
-            pools = [ClientPool(system.client_spec(shard), p["clients_per_shard"], f"ziplog-s{shard}",
-                                max_workers=p["workers_per_shard"], seed=shard + 1)
-                     for shard in system.cluster.shard_ids]  # type: ignore[attr-defined]
+            pools = _pools(system, system.cluster.shard_ids, p["clients_per_shard"], p)  # type: ignore[attr-defined]
             rows.append(_ziplog_row(PER_CPU, target, pools, p, res))
         except Unavailable as e:
             res.not_started(PER_CPU, str(e))

@@ -198,7 +198,8 @@ def choose_mode(index: str, zk_hosts: str, timeout: float) -> str:
     try:
         if not zk_logbook.exists(session):
             return "local"
-        return "nodes" if zk_logbook.desired_or_none(session) in range(1, DIRECT_NODES_MAX + 1) else "tier"
+        wanted = zk_logbook.desired_or_none(session)
+        return "nodes" if wanted is not None and wanted <= DIRECT_NODES_MAX else "tier"
     finally:
         zk.stop(session)
 

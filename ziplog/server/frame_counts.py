@@ -19,15 +19,14 @@ class FrameCounts:
         self._received_keys: dict[type, str] = {}
 
     def sent(self, kind: type, n: int = 1) -> None:
-        key = self._sent_keys.get(kind)
-        if key is None:
-            key = self._sent_keys[kind] = "sent_" + kind.__name__.lower()
-        into = self.into
-        into[key] = into.get(key, 0) + n
+        self._add(self._sent_keys, "sent_", kind, n)
 
     def received(self, kind: type) -> None:
-        key = self._received_keys.get(kind)
+        self._add(self._received_keys, "received_", kind, 1)
+
+    def _add(self, keys: dict[type, str], way: str, kind: type, n: int) -> None:
+        key = keys.get(kind)
         if key is None:
-            key = self._received_keys[kind] = "received_" + kind.__name__.lower()
+            key = keys[kind] = way + kind.__name__.lower()
         into = self.into
-        into[key] = into.get(key, 0) + 1
+        into[key] = into.get(key, 0) + n

@@ -60,11 +60,13 @@ class ReplicaLinks:
         pull = self.coord.topology.mms_pull_of(leader) if leader >= 0 else None
         push = None if pull is None else self.mms_pushes.get(pull)
         pushes = [push] if push is not None else list(self.mms_pushes.values())
+        sent = 0
         for i in range(0, len(reports), f.MAX_RATE_REPORTS):
             frame = f.seal(key, f.encode(f.Rate(reports=reports[i:i + f.MAX_RATE_REPORTS])))
             for ep in pushes:
                 ep.send(frame)
-        return len(pushes) * ((len(reports) + f.MAX_RATE_REPORTS - 1) // f.MAX_RATE_REPORTS)
+            sent += len(pushes)
+        return sent
 
     def follow_topology(self) -> str:
         """Connect to new control-plane replicas, and (a backup) to the primary's new
