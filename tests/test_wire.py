@@ -141,7 +141,7 @@ _ops = st.one_of(st.sampled_from(sorted(_REFERENCE_SCHEMAS)), _scalars)
 _fields = st.lists(st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=8), _scalars), max_size=8)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(_versions, _ops, _fields)
 @example(wire.PROTOCOL_VERSION, wire.RATE, [])  # a bare rate report: UNAUTHENTICATED, not UNKNOWN_OP
 @example(wire.PROTOCOL_VERSION, wire.SUSPECT, [7])

@@ -48,6 +48,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "ziplog.cores.replica.parking",
     "ziplog.cores.replica.primary",
     "ziplog.cores.replica.progress",
+    "ziplog.cores.replica.received",
     "ziplog.cores.replica.recovery",
     "ziplog.cores.client.calls",
     "ziplog.cores.client.state",

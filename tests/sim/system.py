@@ -64,7 +64,7 @@ from ziplog.protocol.errors import (
     ZiplogError,
     ZiplogTimeoutError,
 )
-from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
+from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent, RecordRefEvent
 from ziplog.protocol.gsna import EpochConfig, EpochSchedule, epoch_of
 from ziplog.protocol.membership import history_ranges
 from ziplog.protocol.types import RID_GENESIS, Policy
@@ -156,6 +156,8 @@ class Outcome:
     installed_power_losses: int = 0  # (B's window) power lost by a replica installed by a recovery (resumed or not)
     frozen_restarts: int = 0  # replicas that came back frozen for a recovery that had not resumed them
     cuts: int = 0  # replicas cut from their peers (alive, serving clients) past the suspicion timeout
+    references: int = 0  # records FORWARDs named by reference (forward by reference)
+    reference_misses: int = 0  # FORWARDs a live backup could not resolve at the end (a catch-up brought the data)
     trace: list[str] = field(default_factory=list)
     #: what a simulation on top of the log counts (``tests/sim/logdb_system.py``)
     logdb: dict[str, int] = field(default_factory=dict)
@@ -168,7 +170,7 @@ class Outcome:
               "killed_after_notice", "stops", "clean_restarts", "replicas3", "control3", "fsync_never",
               "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
               "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
-              "installed_power_losses", "frozen_restarts", "cuts", "rate_reports",
+              "installed_power_losses", "frozen_restarts", "cuts", "references", "reference_misses", "rate_reports",
               "epochs_same", "block_reads")
 
     def counts(self) -> dict[str, int]:
@@ -468,6 +470,13 @@ class SystemSim:
         self.handler_settings = HandlerSettings(retry_ns=rng.choice([5, 10, 20]) * MS, quiet_ns=rng.choice([1, 2]) * suspect,
                                                 install_bytes=knobs.choice([1 << 20, 1 << 20, 100]))
         self.settings["notice_interval_ns"] = knobs.choice([0, 1 * MS, 5 * MS])
+        # Forward by reference, drawn apart again: off in half the seeds; on, every record
+        # (or those of 16 bytes and more) goes by reference, and in some seeds a backup
+        # keeps so few bytes of inserts that references miss and catch-ups carry the data.
+        refs = random.Random(seed * 104729 + 3)
+        self.settings["forward_by_reference"] = refs.random() < 0.5
+        self.settings["reference_min_bytes"] = refs.choice([0, 16])
+        self.settings["max_reference_bytes"] = refs.choice([64 << 20, 64 << 20, 100])
         self.planner_settings = PlannerSettings(default_rate=rng.choice([500, 2000]))
         self.think_us = rng.choice([500, 3000, 10_000])
         nshards = shards if shards is not None else rng.choice([2, 2, 3])
@@ -744,6 +753,8 @@ class SystemSim:
                 return None
             if isinstance(fwd, wire.Forward) and fwd.body.events and not isinstance(fwd.body.events[-1], FrontierEvent):
                 self.outcome.forward_parts += 1
+            if isinstance(fwd, wire.Forward):
+                self.outcome.references += sum(type(ev) is RecordRefEvent for ev in fwd.body.events)
         return None
 
     def _hold(self, endpoint: Any, frame: bytes, route: bytes) -> int:
@@ -1135,6 +1146,8 @@ class SystemSim:
         out.resubscribes = sum(rd.sub.core.resubscribes for rd in self.readers if rd.sub is not None)
         out.suspicions = sum(d.suspicions for d in self.fh_drivers)
         out.rate_reports = sum(d.rate_reports for d in self.mms_drivers)
+        out.reference_misses = sum(r.driver.core.stats["reference_misses"] for r in self.reps.values()
+                                   if r.up and r.driver is not None)
         out.block_reads = self.zk.block_reads
         out.trace = self.world.trace
 

@@ -11,6 +11,7 @@ one object per record, shared by the log, the forward batch and the disk batch.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Iterator, Union
 
 import msgpack
@@ -31,6 +32,7 @@ EV_STABLE = 4
 EV_SNAPSHOT = 5
 EV_TRUNCATE = 6
 EV_RECOVERY = 7
+EV_RECORD_REF = 8
 
 #: :class:`RecoveryEvent` phases
 RECOVERY_FROZEN = 0
@@ -51,6 +53,35 @@ class RecordEvent(_Event, tag=EV_RECORD, frozen=True):
     client_id: U64
     seq: U64
     data: bytes
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.client_id, self.seq)
+
+
+#: bytes of a record's digest in a :class:`RecordRefEvent`
+DIGEST_BYTES = 16
+
+
+def record_digest(data: bytes) -> bytes:
+    """What names a record's data in a reference: the first 16 bytes of its SHA-256 (a
+    client that sent one replica other bytes under the same key cannot make the
+    replicas store different records: the reference does not match)."""
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES]
+
+
+class RecordRefEvent(_Event, tag=EV_RECORD_REF, frozen=True):
+    """FORWARD only: the record of ``(client_id, seq)`` is decided at ``gsn`` (as
+    :class:`RecordEvent`), and its data is the ``size`` bytes whose digest is ``digest``,
+    which the client's INSERT brought the backup too. A backup that holds no such bytes
+    applies nothing of the FORWARD and asks for a catch-up, which carries the data."""
+
+    gsn: U64
+    slot: U64
+    client_id: U64
+    seq: U64
+    size: U64
+    digest: Annotated[bytes, msgspec.Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]
 
     @property
     def key(self) -> tuple[int, int]:
@@ -119,6 +150,8 @@ class TruncateEvent(_Event, tag=EV_TRUNCATE, frozen=True):
 #: A record event's encoded size beyond its data, at most (five msgpack integers and
 #: the array and bin headers).
 RECORD_EVENT_OVERHEAD = 56
+#: A reference's encoded size, at most (six integers, the digest and the headers).
+RECORD_REF_SIZE = 64 + DIGEST_BYTES
 
 
 def record_size(data: bytes) -> int:
@@ -132,11 +165,13 @@ def event_size(ev: "StreamEvent") -> int:
         return len(ev.data) + RECORD_EVENT_OVERHEAD
     if type(ev) is EpochEvent:
         return 24 + 9 * len(ev.members or ())
+    if type(ev) is RecordRefEvent:
+        return RECORD_REF_SIZE
     return 32
 
 
 #: What a FORWARD carries.
-StreamEvent = Union[RecordEvent, FrontierEvent, EpochEvent]
+StreamEvent = Union[RecordEvent, RecordRefEvent, FrontierEvent, EpochEvent]
 #: What an INSTALL carries.
 InstallEvent = Union[RecordEvent, EpochEvent]
 #: What a segment file holds.

@@ -245,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
+    ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
+                    help="a FORWARD names a record at least this large by reference (its backups have the "
+                         "client's copy) instead of carrying it")
+    ap.add_argument("--no-forward-by-reference", action="store_true",
+                    help="FORWARDs carry every record's data")
     ap.add_argument("--forward-interval-us", type=int, default=0,
                     help="batch forwarded decisions for up to this long (fewer messages, later stability)")
     ap.add_argument("--prefix-interval-us", type=int, default=None,
@@ -358,6 +363,8 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                                wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
+                               forward_by_reference=not args.no_forward_by_reference,
+                               reference_min_bytes=args.reference_min_bytes,
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=None if args.prefix_interval_us is None else args.prefix_interval_us * 1000,
                                heartbeat_ns=int(args.heartbeat_ms * 1e6), suspect_timeout_ns=int(args.suspect_timeout_ms * 1e6))

@@ -30,6 +30,7 @@ from typing import Callable
 from ziplog.cores.effects import Outbox, Peer
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
+from ziplog.cores.replica.received import ReceivedData
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
 from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
@@ -173,6 +174,10 @@ class BackupFollower:
         #: client the primary refused may have moved them to another shard
         self.no_guess: Memory[Key, None] = Memory(settings.refusal_memory_ns, settings.max_remembered,
                                                   settings.prune_interval_ns)
+        #: the data of the inserts we received, which the primary's FORWARDs may name
+        self.received = ReceivedData(settings.reference_min_bytes if settings.forward_by_reference else 1 << 63,
+                                     settings.reference_memory_ns, settings.max_reference_bytes,
+                                     settings.prune_interval_ns)
         self.prefix_dirty = False
         self.last_prefix_ns = 0
         #: at most one PREFIX per this (the settings' rule, read once: flush and
@@ -234,17 +239,18 @@ class BackupFollower:
         log = self.log
         body = msg.body
         if body.prev_frontier > log.frontier or body.prev_epoch > log.last_epoch:
-            # We missed a forward (or restarted): ask for a catch-up, not more than once
-            # per retry interval (the catch-up itself may be in flight).
-            if self.hello_sent_at is None or now - self.hello_sent_at > self.s.hello_retry_ns:
-                self.out.send(Peer.PRIMARY, self.hello())
-                self.hello_sent_at = now
+            self._ask_catch_up(now)  # we missed a forward (or restarted)
+            return
+        events = self.received.resolve(body.events)
+        if events is None:  # it names bytes we do not hold: the catch-up carries them
+            self.stats["reference_misses"] += 1
+            self._ask_catch_up(now)
             return
         self.hello_sent_at = None
         self._link_to(Link.IN_STEP)
         # A FORWARD that does not end with the primary's frontier is one part of a
         # catch-up: more follows, asked for at once. Only a whole one puts us in step.
-        partial = not body.events or type(body.events[-1]) is not FrontierEvent
+        partial = not events or type(events[-1]) is not FrontierEvent
         if not partial:
             # In step with the primary: we now hold everything it decided. Only a SERVING
             # primary sends a FORWARD that ends with its frontier (PrimarySequencer.
@@ -254,7 +260,7 @@ class BackupFollower:
             self._qualify()
         changed = False
         sp = self.spec
-        for ev in body.events:
+        for ev in events:
             t = type(ev)
             if t is RecordEvent:
                 assert isinstance(ev, RecordEvent)
@@ -286,11 +292,19 @@ class BackupFollower:
             self.out.send(Peer.PRIMARY, self.hello())
             self.hello_sent_at = now
 
+    def _ask_catch_up(self, now: int) -> None:
+        """Ask the primary for everything above our frontier, not more than once per
+        retry interval (the catch-up itself may be in flight)."""
+        if self.hello_sent_at is None or now - self.hello_sent_at > self.s.hello_retry_ns:
+            self.out.send(Peer.PRIMARY, self.hello())
+            self.hello_sent_at = now
+
     def _settle(self, ev: RecordEvent, now: int) -> None:
         """The primary decided ``ev``: our guess of it (if any) is confirmed or replaced,
         a guess of another record at its gsn is displaced, and a client we answered with
         another gsn gets the decided one."""
         gsn, key = ev.gsn, (ev.client_id, ev.seq)
+        self.received.discard(key)
         sp = self.spec
         guessed = None
         if sp is not None:
@@ -411,6 +425,7 @@ class BackupFollower:
         # Inserts the primary never decided (it refused them, or the client gave up).
         self.pending_routes.prune(now)
         self.no_guess.prune(now)
+        self.received.prune(now)
 
     def flush(self, now: int) -> None:
         if ((self.prefix_dirty and now - self.last_prefix_ns >= self.prefix_every_ns)
@@ -422,9 +437,9 @@ class BackupFollower:
     def next_deadline(self, now: int) -> int | None:
         s = self.s
         best = self.pending_routes.next_prune()
-        t = self.no_guess.next_prune()
-        if t is not None and (best is None or t < best):
-            best = t
+        for t in (self.no_guess.next_prune(), self.received.next_prune()):
+            if t is not None and (best is None or t < best):
+                best = t
         link = self.link
         if self.prefix_dirty or link is Link.IN_STEP:
             every = self.prefix_every_ns

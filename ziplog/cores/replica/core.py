@@ -93,7 +93,7 @@ class ReplicaCore:
         self.out = Outbox()
         self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "confirmed_guesses": 0, "reacks": 0, "reads": 0,
                                       "errors": 0, "wrong_guesses_epoch": 0, "wrong_guesses_ahead": 0,
-                                      "wrong_guesses_behind": 0, "guesses_displaced": 0}
+                                      "wrong_guesses_behind": 0, "guesses_displaced": 0, "reference_misses": 0}
         #: error replies by code (the codes are the protocol's few constants: bounded)
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
@@ -105,6 +105,9 @@ class ReplicaCore:
         self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
                            if settings.is_primary else BackupFollower(settings, self.log, self.out, self.error, self.stats))
         self.fanout = Fanout(settings, self.log, self.parking, self.out, self.error, self.stats)
+        #: a backup keeps each insert's data as it arrives: a FORWARD read later in the
+        #: same turn, before the turn's inserts are taken, may name it (by reference)
+        self._received = self.role.received if isinstance(self.role, BackupFollower) else None
         self.liveness = Liveness(settings.shard, settings.replica, settings.suspect_timeout_ns, self.out)
         self.recovery = RecoveryParticipant(settings.shard, settings.replica, self.log, self.role, self.parking,
                                             self.out, self.error, self._resumed)
@@ -180,6 +183,8 @@ class ReplicaCore:
         turn protocol is in the module's documentation)."""
         t = type(msg)
         if t is f.Insert or t is f.Notice:
+            if t is f.Insert and self._received is not None:
+                self._received.add((msg.client_id, msg.seq), msg.data, now)  # type: ignore[union-attr]
             self._hold(route, msg, now)  # type: ignore[arg-type]
             return
         self._handlers[t](route, msg, now)
@@ -414,25 +419,30 @@ class ReplicaCore:
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        log = self.log
-        return {
-            "shard": self.shard,
-            "replica": self.s.replica,
-            "primary": self.is_primary,
-            "epoch": log.last_epoch,
-            "frontier": log.frontier,
-            "stable": log.stable,
-            "trim_point": log.trim_point,
-            "records": len(log.gsns),
-            "subscriptions": len(self.fanout.subs),
-            "parked": len(self.parking),
-            "qualified": self.role.qualified,
-            "frozen": self.recovery.frozen,
-            "recovery": self.recovery.phase.value,
-            "recovery_gen": self.recovery.gen,
-            "suspicions": self.liveness.suspicions,
-            "disk": self.log.disk_fault or "ok",
-            **self.role.status(),
-            **self.stats,
-            **self.driver_stats,
-        }
+        return replica_status(self)
+
+
+def replica_status(core: ReplicaCore) -> dict[str, Any]:
+    """What STATUS reports of a replica."""
+    log = core.log
+    return {
+        "shard": core.shard,
+        "replica": core.s.replica,
+        "primary": core.is_primary,
+        "epoch": log.last_epoch,
+        "frontier": log.frontier,
+        "stable": log.stable,
+        "trim_point": log.trim_point,
+        "records": len(log.gsns),
+        "subscriptions": len(core.fanout.subs),
+        "parked": len(core.parking),
+        "qualified": core.role.qualified,
+        "frozen": core.recovery.frozen,
+        "recovery": core.recovery.phase.value,
+        "recovery_gen": core.recovery.gen,
+        "suspicions": core.liveness.suspicions,
+        "disk": log.disk_fault or "ok",
+        **core.role.status(),
+        **core.stats,
+        **core.driver_stats,
+    }

@@ -16,7 +16,16 @@ from ziplog.cores.effects import Outbox
 from ziplog.cores.replica.log import DecidedLog, epoch_hint
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
-from ziplog.protocol.events import FrontierEvent, RecordEvent, StreamEvent, event_size
+from ziplog.protocol.events import (
+    RECORD_EVENT_OVERHEAD,
+    RECORD_REF_SIZE,
+    FrontierEvent,
+    RecordEvent,
+    RecordRefEvent,
+    StreamEvent,
+    event_size,
+    record_digest,
+)
 
 
 class Forwarding:
@@ -42,6 +51,9 @@ class Forwarding:
         #: (subscribers that read from a backup learn it from there)
         self.demanded = 0
         self.last_forward_ns = 0
+        #: records of at least this many bytes go by reference (a backup has their
+        #: data from the client: see :mod:`.received`); catch-ups always carry data
+        self.reference_min = settings.reference_min_bytes if settings.forward_by_reference else 1 << 63
 
     # -- stability --------------------------------------------------------------------------------
     def stable_changed(self) -> None:
@@ -97,13 +109,22 @@ class Forwarding:
         self.out.send(route, f.Forward(stable=log.stable, body=f.ForwardBody(frontier, epoch_hint(frontier), events)))
 
     # -- the turn's decisions ---------------------------------------------------------------------
+    def _wire_size(self, size: int) -> int:
+        """What a record event of ``size`` encoded bytes takes in a FORWARD."""
+        return RECORD_REF_SIZE if size - RECORD_EVENT_OVERHEAD >= self.reference_min else size
+
     def full_for(self, size: int) -> bool:
-        """A record of ``size`` bytes would take this turn's FORWARD past its bound."""
-        return bool(self.events) and self.bytes + size > self.s.forward_batch_bytes
+        """A record event of ``size`` bytes would take this turn's FORWARD past its bound."""
+        return bool(self.events) and self.bytes + self._wire_size(size) > self.s.forward_batch_bytes
 
     def add_record(self, ev: RecordEvent, size: int) -> None:
-        self.events.append(ev)
-        self.bytes += size
+        data = ev.data
+        if len(data) >= self.reference_min:
+            self.events.append(RecordRefEvent(ev.gsn, ev.slot, ev.client_id, ev.seq, len(data), record_digest(data)))
+            self.bytes += RECORD_REF_SIZE
+        else:
+            self.events.append(ev)
+            self.bytes += size
 
     def add(self, ev: StreamEvent) -> None:
         """An epoch or frontier event (no record bytes)."""

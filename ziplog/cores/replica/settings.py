@@ -54,6 +54,16 @@ class ReplicaSettings:
     #: that): a turn's decisions beyond it go in several, a catch-up in parts. Backups
     #: refuse larger messages (``frames.forward_limit``).
     forward_batch_bytes: int = 4 << 20
+    #: A FORWARD names a record of at least ``reference_min_bytes`` by its key, size and
+    #: digest instead of carrying its data (the client's INSERT brought the backup the
+    #: same bytes): the primary sends each such record once instead of once per backup.
+    forward_by_reference: bool = True
+    reference_min_bytes: int = 1024
+    #: A backup holds the data of the inserts it received for this long at most, until
+    #: the primary's decision names them ...
+    reference_memory_ns: int = 2_000_000_000
+    #: ... and at most this many bytes of it (the oldest go first).
+    max_reference_bytes: int = 64 << 20
     #: Replicas of a shard hear from each other at least this often: an idle primary
     #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
     heartbeat_ns: int = 100_000_000
