@@ -246,10 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
-                    help="a FORWARD names a record at least this large by reference (its backups have the "
-                         "client's copy) instead of carrying it")
-    ap.add_argument("--no-forward-by-reference", action="store_true",
-                    help="FORWARDs carry every record's data")
+                    help="with --forward-by-reference: the smallest record a FORWARD names by reference")
+    ap.add_argument("--forward-by-reference", action="store_true",
+                    help="FORWARDs name records of --reference-min-bytes or more (the backups have the client's "
+                         "copy) instead of carrying them: fewer bytes on the primary's links, more CPU")
     ap.add_argument("--forward-interval-us", type=int, default=0,
                     help="batch forwarded decisions for up to this long (fewer messages, later stability)")
     ap.add_argument("--prefix-interval-us", type=int, default=None,
@@ -363,7 +363,7 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                                wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
-                               forward_by_reference=not args.no_forward_by_reference,
+                               forward_by_reference=args.forward_by_reference,
                                reference_min_bytes=args.reference_min_bytes,
                                forward_interval_ns=args.forward_interval_us * 1000,
                                prefix_interval_ns=None if args.prefix_interval_us is None else args.prefix_interval_us * 1000,
