@@ -142,7 +142,7 @@ SEEDS = {
     39: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
     50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills"),
     132: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
-    147: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
+    255: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
     # a run again on a new worker took the counter's lock again for a holder that had
     # given it back, before the lock step read its record again after the chain
     190: ("worker_kills", "duplicates_overlapping", "lock_refusals", "leader_kills"),

@@ -1,8 +1,9 @@
 """Forward by reference without I/O: a FORWARD names a large record by key, size and
-digest, and the backup takes the bytes the client's INSERT brought it. A backup that
-does not hold them (the INSERT was lost, or brought other bytes under the same key)
-applies nothing of that FORWARD and asks for a catch-up, which carries the data: it
-never stores bytes the primary did not decide. Small records, and every record with the
+digest, and the backup takes the bytes the client's INSERT brought it. A FORWARD that
+outruns the INSERT waits for it (those after it wait behind it); one that waits in
+vain (the INSERT was lost, or brought other bytes under the same key) is dropped and
+the backup asks for a catch-up, which carries the data: it never stores bytes the
+primary did not decide. Small records, and every record with the
 setting off (the default), go by value."""
 
 from __future__ import annotations
@@ -58,11 +59,31 @@ def test_a_large_record_goes_by_reference_and_the_backup_stores_the_clients_byte
     assert h.P.stable >= g
 
 
+def test_a_forward_that_outruns_the_insert_waits_for_it_and_those_after_it_wait_in_order() -> None:
+    h = Harness()
+    h.insert(1, BIG, to=(0,))  # decided and forwarded before the INSERT reaches the backup
+    h.pump()
+    g1 = _gsn(h, 1)
+    assert g1 not in h.B.log.records and len(h.B.role.waiting.waiting) == 1  # type: ignore[union-attr]
+    h.insert(2, BIG[::-1], to=(0,))
+    h.pump()
+    assert len(h.B.role.waiting.waiting) == 2, "the next FORWARD waits behind it"  # type: ignore[union-attr]
+    h.insert(1, BIG, to=(1,))  # the INSERT arrives: the first applies, the second waits for its own
+    assert g1 in h.B.log.records and len(h.B.role.waiting.waiting) == 1  # type: ignore[union-attr]
+    h.insert(2, BIG[::-1], to=(1,))
+    h.pump()
+    assert h.B.log.records[_gsn(h, 2)].data == BIG[::-1] and h.B.frontier == h.P.frontier
+    assert h.B.stats["reference_misses"] == 0 and [type(ev) for ev in h.forwarded()] == [RecordRefEvent] * 2
+
+
 def test_a_backup_that_never_got_the_insert_catches_up_with_the_data() -> None:
     h = Harness()
     h.insert(1, BIG, to=(0,))  # the INSERT to the backup is lost
     h.pump()
     g = _gsn(h, 1)
+    assert h.B.stats["reference_misses"] == 0, "it waits for the INSERT first"
+    assert h.B.next_deadline(h.now) == h.now + h.B.s.reference_wait_ns
+    h.tick(h.B.s.reference_wait_ns)
     assert h.B.stats["reference_misses"] == 1
     assert h.B.log.records[g].data == BIG and h.B.frontier == h.P.frontier
     kinds = [type(ev) for ev in h.forwarded()]
@@ -78,9 +99,20 @@ def test_other_bytes_under_the_same_key_never_reach_the_backups_log() -> None:
     h.insert(1, BIG, to=(0,))
     h.insert(1, BIG[:-1] + b"?", to=(1,))  # a client that sent the backup other bytes
     h.pump()
+    h.tick(h.B.s.reference_wait_ns)
     g = _gsn(h, 1)
     assert h.B.stats["reference_misses"] == 1
     assert h.B.log.records[g].data == BIG, "the primary's bytes, by the catch-up"
+
+
+def test_too_many_forwards_waiting_are_dropped_for_a_catch_up() -> None:
+    h = Harness({"max_waiting_forwards": 2})
+    for seq in (1, 2, 3):
+        h.insert(seq, BIG, to=(0,))
+        h.pump()
+    assert h.B.stats["reference_misses"] == 1 and not h.B.role.waiting.waiting  # type: ignore[union-attr]
+    assert [h.B.log.records[_gsn(h, seq)].data for seq in (1, 2, 3)] == [BIG] * 3
+    assert h.B.frontier == h.P.frontier
 
 
 def test_an_insert_read_in_the_forwards_turn_resolves_it() -> None:

@@ -30,7 +30,7 @@ from typing import Callable
 from ziplog.cores.effects import Outbox, Peer
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
-from ziplog.cores.replica.received import ReceivedData
+from ziplog.cores.replica.received import by_reference
 from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol import frames as f
 from ziplog.protocol.events import EpochEvent, FrontierEvent, RecordEvent
@@ -174,10 +174,9 @@ class BackupFollower:
         #: client the primary refused may have moved them to another shard
         self.no_guess: Memory[Key, None] = Memory(settings.refusal_memory_ns, settings.max_remembered,
                                                   settings.prune_interval_ns)
-        #: the data of the inserts we received, which the primary's FORWARDs may name
-        self.received = ReceivedData(settings.reference_min_bytes if settings.forward_by_reference else 1 << 63,
-                                     settings.reference_memory_ns, settings.max_reference_bytes,
-                                     settings.prune_interval_ns)
+        #: the data of the inserts we received, which the primary's FORWARDs may name, and
+        #: the FORWARDs that wait for it
+        self.received, self.waiting = by_reference(settings, self._take_forward, self._ask_catch_up, stats)
         self.prefix_dirty = False
         self.last_prefix_ns = 0
         #: at most one PREFIX per this (the settings' rule, read once: flush and
@@ -225,6 +224,7 @@ class BackupFollower:
     def connect_primary(self, now: int, frozen: bool) -> None:
         """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
         the primary answers (it may not be up yet, or the hello may be lost)."""
+        self.waiting.clear()  # its catch-up brings what they held
         self._link_to(Link.CONNECTING)
         self.hello_sent_at = now
         if not frozen:  # frozen: our state is the recovery's business, not a primary's
@@ -236,16 +236,18 @@ class BackupFollower:
         return f.Hello(shard=self.shard, replica=self.s.replica, frontier=self.log.frontier, guessed_top=guessed_top)
 
     def on_forward(self, msg: f.Forward, now: int) -> None:
+        self.waiting.offer(msg, now)  # now, or once the inserts it names arrived (by reference)
+
+    def _take_forward(self, msg: f.Forward, now: int) -> bool:
+        """Apply ``msg``, or say it waits (False): it names bytes we do not hold yet."""
         log = self.log
         body = msg.body
         if body.prev_frontier > log.frontier or body.prev_epoch > log.last_epoch:
             self._ask_catch_up(now)  # we missed a forward (or restarted)
-            return
+            return True
         events = self.received.resolve(body.events)
-        if events is None:  # it names bytes we do not hold: the catch-up carries them
-            self.stats["reference_misses"] += 1
-            self._ask_catch_up(now)
-            return
+        if events is None:
+            return False
         self.hello_sent_at = None
         self._link_to(Link.IN_STEP)
         # A FORWARD that does not end with the primary's frontier is one part of a
@@ -289,12 +291,11 @@ class BackupFollower:
         # backups only the primary sees every PREFIX: it tells us.
         log.advance_stable(log.frontier if self.s.backup_knows_stable else msg.stable)
         if partial:
-            self.out.send(Peer.PRIMARY, self.hello())
-            self.hello_sent_at = now
+            self._ask_catch_up(now)  # the next part, at once (hello_sent_at is None here)
+        return True
 
     def _ask_catch_up(self, now: int) -> None:
-        """Ask the primary for everything above our frontier, not more than once per
-        retry interval (the catch-up itself may be in flight)."""
+        """Ask for everything above our frontier, at most once per hello_retry (it may be in flight)."""
         if self.hello_sent_at is None or now - self.hello_sent_at > self.s.hello_retry_ns:
             self.out.send(Peer.PRIMARY, self.hello())
             self.hello_sent_at = now
@@ -393,8 +394,7 @@ class BackupFollower:
 
     # -- epochs ---------------------------------------------------------------------------------
     def on_epoch(self, config: EpochConfig, now: int) -> bool:
-        """A broadcast: only speculation uses it (the decided membership is the primary's
-        EV_EPOCH)."""
+        """A broadcast: only speculation uses it (the primary's EV_EPOCH decides membership)."""
         sp = self.spec
         if sp is not None and config.epoch <= sp.config.epoch:
             return False
@@ -417,6 +417,7 @@ class BackupFollower:
 
     # -- time -----------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
+        self.waiting.expire(now)
         if (self.link is Link.CONNECTING and self.hello_sent_at is not None
                 and now - self.hello_sent_at > self.s.hello_retry_ns):
             self.connect_primary(now, frozen=False)
@@ -437,7 +438,7 @@ class BackupFollower:
     def next_deadline(self, now: int) -> int | None:
         s = self.s
         best = self.pending_routes.next_prune()
-        for t in (self.no_guess.next_prune(), self.received.next_prune()):
+        for t in (self.no_guess.next_prune(), self.received.next_prune(), self.waiting.deadline()):
             if t is not None and (best is None or t < best):
                 best = t
         link = self.link
@@ -458,7 +459,7 @@ class BackupFollower:
 
     # -- failure recovery -------------------------------------------------------------------------
     def frozen(self) -> None:
-        pass
+        self.waiting.clear()  # frozen: we promised to store nothing new
 
     def holds(self, key: Key) -> int | None:
         held = self.log.dedup.get(key)
@@ -485,6 +486,7 @@ class BackupFollower:
 
     def installing(self) -> None:
         self.spec = None
+        self.waiting.clear()
         self.restarted_clean = False  # the recovery's state replaces what the disk vouched for
 
     def installed(self) -> None:

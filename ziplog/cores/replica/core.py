@@ -108,6 +108,7 @@ class ReplicaCore:
         #: a backup keeps each insert's data as it arrives: a FORWARD read later in the
         #: same turn, before the turn's inserts are taken, may name it (by reference)
         self._received = self.role.received if isinstance(self.role, BackupFollower) else None
+        self._waiting = self.role.waiting if isinstance(self.role, BackupFollower) else None
         self.liveness = Liveness(settings.shard, settings.replica, settings.suspect_timeout_ns, self.out)
         self.recovery = RecoveryParticipant(settings.shard, settings.replica, self.log, self.role, self.parking,
                                             self.out, self.error, self._resumed)
@@ -183,8 +184,10 @@ class ReplicaCore:
         turn protocol is in the module's documentation)."""
         t = type(msg)
         if t is f.Insert or t is f.Notice:
-            if t is f.Insert and self._received is not None:
+            if t is f.Insert and self._received is not None and self._waiting is not None:
                 self._received.add((msg.client_id, msg.seq), msg.data, now)  # type: ignore[union-attr]
+                if self._waiting.waiting:  # a FORWARD may have waited for it
+                    self._waiting.retry(now)
             self._hold(route, msg, now)  # type: ignore[arg-type]
             return
         self._handlers[t](route, msg, now)

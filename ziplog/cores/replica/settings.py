@@ -67,6 +67,11 @@ class ReplicaSettings:
     reference_memory_ns: int = 2_000_000_000
     #: ... and at most this many bytes of it (the oldest go first).
     max_reference_bytes: int = 64 << 20
+    #: A FORWARD naming bytes the backup does not hold waits this long for the INSERT
+    #: (FORWARDs after it wait with it, at most ``max_waiting_forwards``), then the
+    #: backup asks for a catch-up.
+    reference_wait_ns: int = 2_000_000
+    max_waiting_forwards: int = 256
     #: Replicas of a shard hear from each other at least this often: an idle primary
     #: sends an empty FORWARD, an idle backup a PREFIX (the heartbeats).
     heartbeat_ns: int = 100_000_000
