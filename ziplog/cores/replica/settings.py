@@ -58,8 +58,7 @@ class ReplicaSettings:
     #: digest instead of carrying its data (the client's INSERT brought the backup the
     #: same bytes): the primary sends each such record once instead of once per backup.
     #: Off by default: it saves the primary's link bytes, not CPU (two SHA-256 digests
-    #: per record cost more than a 4 KiB copy), and where a FORWARD outruns the INSERT
-    #: (one machine's scheduling) the miss costs a catch-up (README, issue 47's table).
+    #: per record cost more than a 4 KiB copy on one machine: README).
     forward_by_reference: bool = False
     reference_min_bytes: int = 1024
     #: A backup holds the data of the inserts it received for this long at most, until
