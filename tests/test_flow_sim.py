@@ -139,10 +139,10 @@ def test_env_lock_run_again_takes_the_first_runs_tries_whatever_its_clock_says(
 #: crashes, the MMS or failure handler leader killed)
 SEEDS = {
     12: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "replica_crashes"),
-    39: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
+    9: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
     50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills"),
-    132: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
-    255: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
+    284: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
+    288: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
     # a run again on a new worker took the counter's lock again for a holder that had
     # given it back, before the lock step read its record again after the chain
     190: ("worker_kills", "duplicates_overlapping", "lock_refusals", "leader_kills"),

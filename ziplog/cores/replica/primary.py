@@ -195,13 +195,13 @@ class PrimarySequencer:
         self.epoch_count = 0
         self.next_slot = 0
         if self.shard in config.shards:
-            self.cursor = SlotCursor(EpochSchedule(config), self.shard)
+            self.cursor = cur = SlotCursor(EpochSchedule(config), self.shard)
+            log.advance_frontier(cur.gsn(0) - 1)  # what lies below our first slot is others'
         else:
             self.cursor = None
             log.advance_frontier(config.end)  # nothing of ours in this epoch
         self.fwd.add(EpochEvent(config.epoch, config.epoch, tuple(config.shards)))
-        early = self.progress.epoch_began(config.epoch)
-        if early is not None:
+        if (early := self.progress.epoch_began(config.epoch)) is not None:
             self._pass(early)
         self.fwd.stable_changed()
         return True
