@@ -59,19 +59,23 @@ class ReceivedData:
             self.bytes -= len(e[1])
 
     def resolve(self, events: list[StreamEvent]) -> list[StreamEvent] | None:
-        """``events`` with each reference replaced by the record it names, or None when
-        one names bytes we do not hold."""
-        out: list[StreamEvent] = []
+        """``events`` with each reference replaced by the record it names (``events``
+        itself when it holds none), or None when one names bytes we do not hold."""
         entries = self._entries
+        refs = False
         for ev in events:  # first only look (a FORWARD that waits is tried at each insert)
             if type(ev) is RecordRefEvent:
                 assert isinstance(ev, RecordRefEvent)
-                if (ev.client_id, ev.seq) not in entries:
+                if ev.key not in entries:
                     return None
+                refs = True
+        if not refs:
+            return events  # by value: nothing to copy
+        out: list[StreamEvent] = []
         for ev in events:
             if type(ev) is RecordRefEvent:
                 assert isinstance(ev, RecordRefEvent)
-                e = entries.get((ev.client_id, ev.seq))
+                e = entries.get(ev.key)
                 if e is None or len(e[1]) != ev.size or record_digest(e[1]) != ev.digest:
                     return None
                 out.append(RecordEvent(ev.gsn, ev.slot, ev.client_id, ev.seq, e[1]))
