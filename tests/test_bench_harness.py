@@ -113,7 +113,7 @@ def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: 
     from bench.experiments import throughput
     from bench.report import Results
     p = {**throughput.params_for(True), "shard_counts": [1, 2], "ramp": [], "clients_per_shard": 1,
-         "depth": 2, "seconds": 0.5, "warmup_s": 0.2, "workers_per_shard": 1, "equal_total_rate": 400}
+         "depth": 2, "seconds": 1.0, "warmup_s": 0.2, "workers_per_shard": 1, "equal_total_rate": 400}
     rows = throughput._ziplog_scaling(p, Results("throughput", tmp_path, p))
     assert [(r["shards"], r["clients_per_shard"], r["depth"]) for r in rows] == [
         (1, 1, 2), (1, 1, None), (2, 1, 2), (2, 1, None)]
@@ -124,7 +124,11 @@ def test_throughput_raises_the_load_and_counts_what_each_append_costs(tmp_path: 
         assert r["total_rate"] > 0 and r["server_cpu_us"] > 0 and r["server_msgs"] > 0, r
         frames = r["frames_per_append"]
         assert 0.8 <= frames["primary"]["received_insert"] <= 1.2, frames
-        assert 0.8 <= frames["backup"]["received_insert"] <= 1.2, frames
+        # The backups' INSERTs are divided by the primaries' inserts, and each replica reads
+        # its counters when the STATUS reaches it: on two busy cores a half-second window
+        # once gave 1.27 (a primary answering some 0.13 s after its backup). Once, not
+        # twice, and not never, is what this checks.
+        assert 0.7 <= frames["backup"]["received_insert"] <= 1.3, frames
     for n in (1, 2):
         assert sum(1 for r in rows if r["shards"] == n and r.get("knee")) == 1
     knee1 = next(r for r in rows if r["shards"] == 1 and r.get("knee"))
