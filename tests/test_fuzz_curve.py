@@ -9,7 +9,7 @@ process exited or restarted, no recovery began, no leader changed, no traceback,
 request boxed by the stranger answered FORBIDDEN or a decoder's code, and a client with
 the cluster's key inserts and reads.
 
-``ZIPLOG_FUZZ_EXAMPLES`` (default 300) sets how many examples each stage draws."""
+``ZIPLOG_FUZZ_EXAMPLES`` (default 150) sets how many examples each stage draws."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ziplog.protocol.zmtp import (
     parse_endpoint,
 )
 
-EXAMPLES = int(os.environ.get("ZIPLOG_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("ZIPLOG_FUZZ_EXAMPLES", "150"))
 STAGES = ("hello", "initiate", "traffic")
 STRANGER = new_keypair()
 WAIT_S = 10.0

@@ -35,7 +35,7 @@ def _state(path: Path, index: int) -> tuple[int, dict, list]:
 
 @pytest.mark.parametrize("seed", [1])
 def test_a_crash_before_any_statement_leaves_data_and_position_together(tmp_path: Path, seed: int) -> None:
-    log = make_log(seed, turns=25)  # ~120 statements a shard, each a crash point (a forked child)
+    log = make_log(seed, turns=15)  # ~70 statements a shard, each a crash point (a forked child)
     end = log.turns[-1][1]
     for index in range(SHARDS):
         clean = tmp_path / f"clean-{index}.sqlite3"

@@ -45,7 +45,7 @@ def test_pure_mode_imports_every_source() -> None:
     assert len(files) == len(NATIVE_MODULES) and all(f.endswith(".py") for f in files), files
 
 
-@pytest.mark.parametrize("sim", [["--system", "--seeds", "8", "--jobs", "1"], ["--seeds", "40"]],
+@pytest.mark.parametrize("sim", [["--system", "--seeds", "6", "--jobs", "1"], ["--seeds", "24"]],
                          ids=["system", "shard"])
 def test_the_simulation_is_the_same_compiled_and_interpreted(sim: list[str]) -> None:
     """Deterministic seeds: every count (inserts acknowledged on the fast and the slow
