@@ -2,11 +2,13 @@
 and LogBook index tier (started with the cluster's flags) serve clients that give a key
 file with ``append`` and ``read``: a LogDB transaction commits and reads back, a LogBook
 appends, reads by tag through the tier, and a key without ``append`` is refused its
-commit and its append (typed, nothing written)."""
+commit and its append (typed, nothing written). Each app server judges its own requests
+by the registry too: a key without ``read`` reads nothing through them."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -61,3 +63,60 @@ def test_logbook_with_a_client_key(cluster: ziplog.LocalCluster) -> None:
             assert got is None
         finally:
             lb.close()
+
+
+def _registered_addrs(cluster: ziplog.LocalCluster, path: str) -> list[str]:
+    from ziplog.protocol.layout import dec
+    zkc = cluster._zkc
+    return [dec(zkc.get(f"{path}/{kid}")[0])["addr"] for kid in sorted(zkc.get_children(path))]
+
+
+def test_every_app_server_refuses_a_read_to_a_key_without_the_right(cluster: ziplog.LocalCluster) -> None:
+    """Every app server a client reaches judges each request by the registry, as a storage
+    replica does: a key without ``read``, and a removed one, are answered FORBIDDEN by
+    LogDB's coordinator (Latest: where a key's last write is) and KV shard (KvGet: its
+    value), and by LogBook's index node and aggregator (Lookup: which gsns hold a tag);
+    a key with ``read`` is answered. Raw frames over CURVE, so no storage replica's check
+    comes first."""
+    import time
+
+    from ziplog.io.keys import client_credentials
+    from ziplog.io.zk_logbook import AGGREGATORS, NODES
+    from ziplog.io.zk_logdb import db_path
+    from ziplog.io.zmq_runtime import round_trip
+    from ziplog.logbook.core import frames as bf
+    from ziplog.logdb.core import frames as df
+
+    with local_logdb(cluster, coordinators=1, kv_shards=1), local_logbook(cluster, index_nodes=1):
+        writer = cluster.add_client("writes-only", "append")
+        removed = cluster.add_client("removed", "read")
+        cluster.remove_client("removed")
+        reader = cluster.add_client("reads", "read")  # last: a table that has it has every change above
+        asks: list[tuple[str, bytes, Callable[[bytes], object], type]] = [
+            (addr, df.encode(df.Latest(req=5, key=b"k")), df.decode_answer, df.LatestIs)
+                for addr in _registered_addrs(cluster, f"{db_path('default')}/coordinators")]
+        asks += [(addr, df.encode(df.KvGet(req=5, key=b"k")), df.decode_answer, df.KvValue)
+                 for addr in _registered_addrs(cluster, f"{db_path('default')}/kv")]
+        lookup = bf.encode(bf.Lookup(req=5, how=bf.NEXT, book=7, tag=None, seqnum=0, cut=0, exact=False))
+        asks += [(addr, lookup, bf.decode_answer, bf.Found)
+                 for path in (NODES, AGGREGATORS) for addr in _registered_addrs(cluster, path)]
+        assert len(asks) == 4, asks
+
+        def ask(addr: str, frame: bytes, decode: Callable[[bytes], object], key: Path) -> Any:
+            got = round_trip(addr, frame, 10_000_000_000, 1 << 20, client_credentials(str(key)))
+            assert got is not None, f"{addr} did not answer"
+            return decode(got)
+
+        for addr, frame, decode, answered in asks:
+            deadline = time.monotonic() + 30
+            while True:  # until this server's table has the registry's last change
+                got = ask(addr, frame, decode, reader)
+                if type(got) is answered:
+                    break
+                assert getattr(got, "code", None) == "FORBIDDEN" and time.monotonic() < deadline, (addr, got)
+                time.sleep(0.05)
+            for key, who in ((writer, "writes-only"), (removed, None)):
+                got = ask(addr, frame, decode, key)
+                assert getattr(got, "code", None) == "FORBIDDEN" and getattr(got, "req", None) == 5, (addr, got)
+                wanted = "lacks the 'read' right" if who else "not registered"
+                assert wanted in got.message, (addr, got)

@@ -18,8 +18,9 @@ from typing import Any, cast
 
 from ziplog.logbook.core import frames as f
 from ziplog.logbook.core.aggregator import AggregatorCore, Result
-from ziplog.logbook.index_node import internal
+from ziplog.logbook.index_node import forbidden, internal
 from ziplog.logbook.tier import AskDriver, node_sources
+from ziplog.shell.rights import Refusal
 
 log = logging.getLogger("ziplog.logbook.aggregator")
 
@@ -30,9 +31,11 @@ TIMEOUT_NS = 10_000_000_000
 class AggregatorFrontend:
     """Engines' frames in, the tier's results out to them."""
 
-    def __init__(self, ask: AskDriver, send: Any) -> None:
+    def __init__(self, ask: AskDriver, send: Any, refuse: Refusal | None = None) -> None:
         self.ask = ask
         self.send = send
+        #: under CURVE: why a route may not make a request (its key's rights)
+        self.refuse = refuse
 
     def on_frame(self, route: bytes, frame: bytes) -> None:
         try:
@@ -40,6 +43,9 @@ class AggregatorFrontend:
         except f.BadFrame as exc:
             self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"malformed request: {exc}")))
             return
+        if type(req) is f.Lookup or type(req) is f.Status:
+            if forbidden(self.refuse, route, req, self._failed):
+                return
         if type(req) is f.Lookup:
             self.ask.lookup((route, req.req), req.how, req.book, req.tag, req.seqnum, req.cut, req.exact)
         elif type(req) is f.Status:
@@ -48,6 +54,9 @@ class AggregatorFrontend:
                                                   floor=0, size=0, nodes=len(core.sources))))
         else:
             self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message="an aggregator serves Lookup and Status")))
+
+    def _failed(self, route: bytes, req: int, code: str, message: str) -> None:
+        self.send(route, f.encode(f.Failed(req=req, code=code, message=message)))
 
     def on_multipart(self, route: bytes, parts: int) -> None:
         self.send(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST, message=f"a request is one frame, got {parts}")))
@@ -67,13 +76,16 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.io.zk_logbook import AGGREGATORS, TierDirectory
     from ziplog.logbook.process import tier_process
     from ziplog.shell.inbound import InboundGuard
+    from ziplog.shell.rights import router_rights
     from ziplog.protocol.addresses import advertised
 
-    async with tier_process(args) as (_, session, stop, rt):
+    async with tier_process(args) as (key, session, stop, rt):
         front: AggregatorFrontend
         ask = AskDriver(rt, rt, AggregatorCore(TIMEOUT_NS), lambda res: front.on_result(res))
         routers: list[Any] = []
-        front = AggregatorFrontend(ask, lambda route, frame: routers[0].send_to(route, frame))
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        front = AggregatorFrontend(ask, lambda route, frame: routers[0].send_to(route, frame),
+                                   None if rights is None else rights.refusal)
         directories: list[TierDirectory] = []
 
         def refresh() -> None:
@@ -86,6 +98,8 @@ async def serve(args: argparse.Namespace) -> int:
                                         internal(lambda r, d: routers[0].send_to(r, d))), front.on_multipart, args.bind,
                            args.port, max_bytes=f.ANSWER_LIMIT)
         routers.append(router)
+        if rights is not None:
+            rights.bind(router)
         session.keep_registered(f"{AGGREGATORS}/{os.getpid()}@{socket.gethostname()}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         log.info("aggregator serving at %s (advertised: %s)", router.addr, advertised(router.addr, args.advertise))

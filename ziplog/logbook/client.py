@@ -32,7 +32,7 @@ from ziplog.logbook.core.cache import CAPACITY as CACHE_ENTRIES
 from ziplog.logbook.core.cache import SuffixCache
 from ziplog.logbook.core.index import Assignment, IndexNode
 from ziplog.logbook.tier import TierLink
-from ziplog.protocol.errors import ZiplogError, ZiplogTimeoutError
+from ziplog.protocol.errors import ForbiddenError, ZiplogError, ZiplogTimeoutError
 from ziplog.protocol.types import RecordId
 
 __all__ = ["LogBook", "LogRecord", "Engine"]
@@ -162,6 +162,8 @@ class EngineState:
         if res.error is not None:
             if res.error == tf.BEHIND:
                 raise ZiplogTimeoutError(f"the LogBook index tier: {res.message}")
+            if res.error == tf.FORBIDDEN:
+                raise ForbiddenError(f"the LogBook index tier: {res.message}")
             raise ZiplogError(f"the LogBook index tier refused a lookup: {res.error} {res.message}")
         assert res.cut >= op.min_cut, ("the tier answered below the asked cut", res.cut, op.min_cut)
         assert self.cache is not None

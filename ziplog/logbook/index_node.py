@@ -20,6 +20,7 @@ from ziplog.cores.effects import Messages
 from ziplog.logbook.core import frames as f
 from ziplog.logbook.core.node import NodeCore
 from ziplog.protocol.auth import ClusterKey
+from ziplog.shell.rights import Refusal
 
 log = logging.getLogger("ziplog.logbook.index_node")
 
@@ -29,11 +30,13 @@ TICK_S = 0.1
 
 class IndexNodeDriver:
     def __init__(self, core: NodeCore, key: ClusterKey, send: Callable[[bytes, bytes], object],
-                 now: Callable[[], int]) -> None:
+                 now: Callable[[], int], refuse: Refusal | None = None) -> None:
         self.core = core
         self.key = key
         self.send = send
         self.now = now
+        #: under CURVE: why a route may not make a request (its key's rights)
+        self.refuse = refuse
         #: frames refused, by error code
         self.refused: dict[str, int] = {}
 
@@ -56,11 +59,14 @@ class IndexNodeDriver:
             self._perform(self.core.on_feed(route, feed, now))
         elif type(req) is f.Feed:
             self._refuse(route, 0, f.UNAUTHENTICATED, "a Feed is taken only sealed by a cluster member")
-        elif type(req) is f.Lookup:
-            self._perform(self.core.on_lookup(route, req, now))
         else:
-            assert type(req) is f.Status
-            self.send(route, f.encode(self.core.status(req.req)))
+            assert type(req) is f.Lookup or type(req) is f.Status
+            if forbidden(self.refuse, route, req, self._refuse):
+                return
+            if type(req) is f.Lookup:
+                self._perform(self.core.on_lookup(route, req, now))
+            else:
+                self.send(route, f.encode(self.core.status(req.req)))
 
     def on_multipart(self, route: bytes, parts: int) -> None:
         self._refuse(route, 0, f.BAD_REQUEST, f"a request is one frame, got {parts}")
@@ -78,6 +84,17 @@ class IndexNodeDriver:
             self.send(route, f.encode(frame))
 
 
+def forbidden(refuse: Refusal | None, route: bytes, req: f.Lookup | f.Status,
+              answer: Callable[[bytes, int, str, str], None]) -> bool:
+    """Whether ``req`` was refused (and answered FORBIDDEN): its sender's key lacks the
+    right it needs (:data:`~ziplog.logbook.core.frames.REQUEST_RIGHTS`)."""
+    why = None if refuse is None else refuse(route, req)
+    if why is None:
+        return False
+    answer(route, req.req, f.FORBIDDEN, why)
+    return True
+
+
 def internal(send: Callable[[bytes, bytes], object]) -> Callable[[bytes, bytes, Exception], None]:
     """The answer to a frame whose handling failed (the process goes on serving)."""
     def reply(route: bytes, frame: bytes, exc: Exception) -> None:
@@ -91,15 +108,20 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.io.zk_logbook import NODES
     from ziplog.logbook.process import tier_process
     from ziplog.shell.inbound import InboundGuard
+    from ziplog.shell.rights import router_rights
     from ziplog.protocol.addresses import advertised
 
     async with tier_process(args) as (key, session, stop, rt):
         core = NodeCore(args.node)
-        driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns,
+                                 None if rights is None else rights.refusal)
         guard = InboundGuard(log, rt)
         router = rt.router(guard.routed("the index node's ROUTER", driver.on_frame, internal(lambda r, d: router.send_to(r, d))),
                            driver.on_multipart, args.bind,
                            args.port, max_bytes=f.REQUEST_LIMIT)
+        if rights is not None:
+            rights.bind(router)
         session.keep_registered(f"{NODES}/{args.node}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         log.info("index node %d serving at %s", args.node, router.addr)

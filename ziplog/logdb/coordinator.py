@@ -155,6 +155,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.shell.inbound import InboundGuard
     from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key, member_credentials
+    from ziplog.shell.rights import router_rights
     from ziplog.shell.metrics import serve_metrics
 
     key = load_cluster_key(args.cluster_key_file)
@@ -174,7 +175,9 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
         who = f"coordinator-{args.id}"
         guard = InboundGuard(log, rt)
-        router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard, args.bind, args.port)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard, args.bind, args.port,
+                                rights)
 
         def send(route: bytes, frame: bytes) -> None:
             router.send_to(route, frame)

@@ -143,6 +143,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
     from ziplog.protocol.addresses import advertised
     from ziplog.shell.process import load_cluster_key, member_credentials
     from ziplog.shell.metrics import serve_metrics
+    from ziplog.shell.rights import router_rights
 
     key = load_cluster_key(args.cluster_key_file)
     session = zk.Session(args.zk, key)
@@ -170,7 +171,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         def answer(route: bytes, frame: bytes) -> None:
             router.send_to(route, driver.answer(frame))
 
-        router = serve_requests(rt, answer, InboundGuard(log, rt), args.bind, args.port)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        router = serve_requests(rt, answer, InboundGuard(log, rt), args.bind, args.port, rights)
         session.keep_registered(f"{db_path(args.name)}/kv/{args.index}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})
         code = await run_until_stopped(

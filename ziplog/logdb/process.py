@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Protocol
 
 from ziplog.io.ports import Router
 from ziplog.shell.inbound import InboundGuard
+from ziplog.shell.rights import RouterRights
 from ziplog.logdb.core import frames as f
 from ziplog.protocol.errors import TrimmedError
 from ziplog.protocol.types import RecordId
@@ -27,12 +28,28 @@ class Replayer(Protocol):
 
 
 def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: InboundGuard,
-                   host: str = "127.0.0.1", port: int = 0) -> Router:
+                   host: str = "127.0.0.1", port: int = 0, rights: RouterRights | None = None) -> Router:
     """Bind the clients' ROUTER on the process's runtime (``port`` 0: any free one): each
     request is one frame after its route, handled under ``guard`` (a failure answers the
     sender INTERNAL and the process goes on); a message of more parts is answered
-    BAD_REQUEST. ``handle`` answers through the returned router's ``send_to``."""
+    BAD_REQUEST. ``handle`` answers through the returned router's ``send_to``. Under
+    CURVE (``rights``), a request whose sender's key lacks its right
+    (:data:`~ziplog.logdb.core.frames.REQUEST_RIGHTS`) is answered FORBIDDEN before it
+    reaches ``handle``."""
     router: Router | None = None
+
+    def judged(route: bytes, frame: bytes) -> None:
+        if rights is not None:
+            try:
+                req: f.Request | None = f.decode_request(frame)
+            except f.BadFrame:
+                req = None  # the handler answers it BAD_REQUEST
+            why = None if req is None else rights.refusal(route, req)
+            if why is not None:
+                assert router is not None and req is not None
+                router.send_to(route, f.encode(f.Failed(req=req.req, code=f.FORBIDDEN, message=why)))
+                return
+        handle(route, frame)
 
     def internal(route: bytes, frame: bytes, exc: Exception) -> None:
         assert router is not None
@@ -44,8 +61,10 @@ def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: Inbou
         router.send_to(route, f.encode(f.Failed(req=0, code=f.BAD_REQUEST,
                                                 message=f"a request is one frame, got {parts}")))
 
-    router = rt.router(guard.routed("the clients' ROUTER", handle, internal), multipart, host, port,
+    router = rt.router(guard.routed("the clients' ROUTER", judged, internal), multipart, host, port,
                        max_bytes=f.REQUEST_LIMIT)
+    if rights is not None:
+        rights.bind(router)
     return router
 
 

@@ -1,4 +1,6 @@
-"""Who may do what at a storage replica's ROUTER under CURVE (pure).
+"""Who may do what at a storage replica's ROUTER under CURVE (pure); the apps' servers
+(LogDB's coordinator and KV shards, LogBook's index nodes and aggregators) judge their
+own requests by the same table (:meth:`AccessTable.refusal_for`).
 
 Every CURVE connection carries the long-term key its INITIATE vouched for. A request is
 served when that key holds the right its op needs (:data:`REQUEST_RIGHTS`); the cluster's
@@ -65,11 +67,15 @@ class AccessTable:
         """Why ``key`` may not send ``msg`` (None: it may). An op outside the table
         (a sealed frame's inner op has been opened by then) is not a client's to send
         and is left to the MAC check and the decoder."""
-        needed = REQUEST_RIGHTS.get(type(msg))
+        return self.refusal_for(key, REQUEST_RIGHTS.get(type(msg)))
+
+    def refusal_for(self, key: bytes | None, needed: Right | None) -> str | None:
+        """Why ``key`` may not make a request that needs ``needed`` (None: it may; a
+        request that needs no right is left to the MAC check and the decoder)."""
         if needed is None or needed in self.rights(key):
             return None
         if key is None:
-            return "this replica serves CURVE connections only"
+            return "this server serves CURVE connections only"
         name = self._names.get(key)
         if name is None:
             return "this client key is not registered (ziplog client add), or was removed"

@@ -22,6 +22,7 @@ import msgspec
 
 from ziplog.logbook.core.records import MAX_TAGS
 from ziplog.protocol.frames import MAX_DETAIL_CHARS
+from ziplog.protocol.keys import Right
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -155,6 +156,11 @@ TOO_OLD = "TOO_OLD"  # the cut is below what this server keeps: ask again at ``f
 BEHIND = "BEHIND"  # the server did not reach the cut in time
 BUSY = "BUSY"  # too many lookups wait here: ask again later
 INTERNAL = "INTERNAL"  # handling the request failed: the server goes on serving
+FORBIDDEN = "FORBIDDEN"  # under CURVE: the client's key lacks the request's right (REQUEST_RIGHTS), or is not registered
+
+#: the right each client request needs under CURVE (a Feed is sealed by a member
+#: instead): a lookup reads the index, which gsns hold a tag
+REQUEST_RIGHTS: dict[type, Right] = {Lookup: Right.READ, Status: Right.ADMIN}
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

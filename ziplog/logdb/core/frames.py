@@ -17,6 +17,7 @@ import msgspec
 
 from ziplog.logdb.core.records import MAX_KEY_BYTES, MAX_KEYS_PER_TXN, Rid
 from ziplog.protocol.frames import MAX_DETAIL_CHARS
+from ziplog.protocol.keys import Right
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 Key = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)]
@@ -116,6 +117,12 @@ BUSY = "BUSY"  # too many requests wait here: ask again later
 UNKNOWN_TXN = "UNKNOWN_TXN"  # no decision for the transaction (forgotten, or its commit record is not LogDB's)
 NOT_OWNER = "NOT_OWNER"  # this KV shard does not own the key
 INTERNAL = "INTERNAL"  # the server failed while handling the request (logged; it goes on serving): ask again
+FORBIDDEN = "FORBIDDEN"  # under CURVE: the client's key lacks the request's right (REQUEST_RIGHTS), or is not registered
+
+#: the right each request needs under CURVE (``ziplog client add``): what a key may not
+#: read from the log it may not read through LogDB either; an outcome is its committer's
+REQUEST_RIGHTS: dict[type, Right] = {Latest: Right.READ, Validate: Right.READ, KvGet: Right.READ,
+                                     Outcome: Right.APPEND}
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

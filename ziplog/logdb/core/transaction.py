@@ -40,7 +40,7 @@ from ziplog.logdb.core.records import (
     decode,
     encode,
 )
-from ziplog.protocol.errors import TrimmedError, ZiplogError
+from ziplog.protocol.errors import ForbiddenError, TrimmedError, ZiplogError
 
 @dataclass(frozen=True, slots=True)
 class Ask:
@@ -89,6 +89,8 @@ def _check_key(key: bytes) -> bytes:
 
 def _failed(answer: f.Answer) -> None:
     if type(answer) is f.Failed:
+        if answer.code == f.FORBIDDEN:
+            raise ForbiddenError(f"{answer.code}: {answer.message}")
         raise LogDBError(f"{answer.code}: {answer.message}")
 
 
