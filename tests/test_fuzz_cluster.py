@@ -7,7 +7,7 @@ and no contained failure in any log, every junk frame to a ROUTER answered with 
 error, every acknowledged record delivered once in one order, and a fresh client
 inserts and reads.
 
-``ZIPLOG_FUZZ_EXAMPLES`` (default 300) sets how many generated frames go to every
+``ZIPLOG_FUZZ_EXAMPLES`` (default 150) sets how many generated frames go to every
 socket; the suite's run is a smoke test, a larger run is one command away."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ziplog.io.zk_logdb import Directory
 from ziplog.logdb.core import frames as ldb
 from ziplog.protocol import frames as wire
 
-EXAMPLES = int(os.environ.get("ZIPLOG_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("ZIPLOG_FUZZ_EXAMPLES", "150"))
 #: what the driver logs when the handling of one message failed (ziplog/shell/inbound.py)
 CONTAINED = "failed (message dropped, still serving)"
 
