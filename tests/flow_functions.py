@@ -44,9 +44,8 @@ def count_under_lock(env: Env, _: Any) -> int:
     """Add 1 to a counter read and written outside any transaction, under a lock: two
     holders at once would lose an increment. If the lock stays taken for 20 s, BUSY (no
     increment), and the caller calls again under a new workflow id: a holder killed
-    mid-run keeps the lock until its run again, which needs a free worker, and waiters
-    that never gave up could hold every worker of a small pool (their give-up is
-    remembered, so a run again of the same workflow gives up too)."""
+    mid-run keeps the lock until its run again (its give-up is remembered, so a run
+    again of the same workflow gives up too)."""
     if not env.lock("counter", timeout=20):
         return BUSY
     n = env.read("counters", "c", 0) + 1

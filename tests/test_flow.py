@@ -21,7 +21,7 @@ import ziplog
 from tests import flow_functions as bank
 from ziplog.logbook import LogBook
 from ziplog.logbook.core import flow as fc
-from ziplog.logbook.flow import FlowBook, FlowClient, SqliteDatabase, Worker, WorkerPool, run_workflow
+from ziplog.logbook.flow import Env, FlowBook, FlowClient, SqliteDatabase, Worker, WorkerPool, run_workflow
 from ziplog.logbook.flow import travel
 from ziplog.protocol.errors import TrimmedError
 from ziplog.tools import cli
@@ -93,6 +93,31 @@ def test_a_trip_killed_at_every_operation_and_run_again_books_once(cluster: zipl
             for k in range(1, len(ops) + 1):
                 outcome = fc.unpack_outcome(run_workflow(FlowBook(other, db), f"trip-{k}", travel.functions.get))
                 assert outcome["booked"] == (f"trip-{k}" in bookings), k
+        finally:
+            db.close()
+
+
+def test_a_lock_waiter_gives_its_worker_back_and_runs_again_after_the_holder(cluster: ziplog.LocalCluster,
+                                                                            tmp_path: Path) -> None:
+    """A holder killed mid-run keeps its lock until its run again, which needs a free
+    worker of a bounded pool: a waiter gives its worker back after ``RUN_LOCK_WAIT_S``
+    (``Suspended``: no outcome recorded), and its run again, once the lock is free, takes
+    it and counts once."""
+    book = BOOK + 40
+    with LogBook(cluster.zk_hosts, book) as lb, LogBook(cluster.zk_hosts, book) as other:
+        db = SqliteDatabase(str(tmp_path / "db.sqlite"), audit=True)
+        try:
+            holder = Env(FlowBook(other, db), "holder")  # a run that took the lock, then died
+            assert holder.try_lock("counter")
+            FlowClient(lb).start("count_under_lock", None, "waiter")
+            flow = FlowBook(lb, db)
+            worker = Worker(flow, bank.functions)
+            assert worker.run_one() and worker.suspended == 1 and worker.ran == 0
+            assert flow.drive(fc.read_done("waiter")) is None, "a suspended run recorded an outcome"
+            holder.unlock("counter")  # the holder's run again gives the lock back
+            other.observe(lb.position)
+            again = fc.unpack_outcome(run_workflow(FlowBook(other, db), "waiter", bank.functions.get))
+            assert again == 1 and db.rows("counters") and fc.unpack(db.rows("counters")["c"]) == 1
         finally:
             db.close()
 

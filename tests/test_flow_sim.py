@@ -98,21 +98,30 @@ class ScriptedFlow:
         return self.chains.setdefault(name, LockChain(name))
 
 
+class SleepClock:
+    """``time`` as ``Env`` sees it: moves only when a run sleeps, or when told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_env_lock_run_again_takes_the_first_runs_tries_whatever_its_clock_says(
         monkeypatch: pytest.MonkeyPatch) -> None:
     book = ScriptedBook()
     other = ScriptedFlow(book)
     assert flow_env.Env(cast(flow_env.FlowBook, other), "other").try_lock("L")
 
-    class Clock:
-        """``time`` as ``Env`` sees it: a clock that moves only when a run sleeps."""
-
-        def __init__(self) -> None:
-            self.now = 0.0
-            self.sleeps = 0
-
-        def monotonic(self) -> float:
-            return self.now
+    class Clock(SleepClock):
+        sleeps = 0
 
         def sleep(self, seconds: float) -> None:
             self.now += seconds
@@ -123,7 +132,7 @@ def test_env_lock_run_again_takes_the_first_runs_tries_whatever_its_clock_says(
     monkeypatch.setattr(flow_env, "time", Clock())
     # the first run: its first try finds the lock held, its next takes it (and it dies)
     assert flow_env.Env(cast(flow_env.FlowBook, ScriptedFlow(book)), "w").lock("L", timeout=1.0)
-    assert book.holder("L") == fr.holder_of("w", 3)  # try, decision to try again, try
+    assert book.holder("L") == fr.holder_of("w", 4)  # deadline, try, decision to try again, try
     # run again on a slower engine: its clock runs out after its first try, and it still
     # takes the first run's path (else it would go on without the lock its step holds,
     # and nobody would give it back)
@@ -132,17 +141,43 @@ def test_env_lock_run_again_takes_the_first_runs_tries_whatever_its_clock_says(
     assert again.held == {"L": book.holder("L")}
 
 
+def test_env_lock_gives_the_worker_back_and_a_run_again_waits_on_to_the_same_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiter holds no worker for long (a pool is bounded, and a holder killed mid-run
+    needs a worker to run again and give the lock back): past ``run_wait`` a run that
+    decided to try again stops (``Suspended``, recording nothing more). Its run again
+    replays the tries and decisions and goes on trying; the deadline is a remembered
+    step, so the runs together wait ``timeout`` at most, not ``timeout`` each."""
+    clock = SleepClock()
+    monkeypatch.setattr(flow_env, "time", clock)
+    book = ScriptedBook()
+    other = ScriptedFlow(book)
+    assert flow_env.Env(cast(flow_env.FlowBook, other), "other").try_lock("L")
+    with pytest.raises(fc.Suspended):
+        flow_env.Env(cast(flow_env.FlowBook, ScriptedFlow(book)), "w").lock("L", timeout=10.0, run_wait=0.05)
+    assert book.holder("L") == fr.holder_of("other", 1)
+    other.drive(fc.unlock("other", 2, other.chain("L"), fr.holder_of("other", 1)))
+    again = flow_env.Env(cast(flow_env.FlowBook, ScriptedFlow(book)), "w")
+    assert again.lock("L", timeout=10.0, run_wait=0.05)
+    assert again.held == {"L": book.holder("L")} and again.step > 4  # past the first run's tries
+    # nobody gives it back: a waiter's runs together give up at the first run's deadline
+    with pytest.raises(fc.Suspended):
+        flow_env.Env(cast(flow_env.FlowBook, ScriptedFlow(book)), "v").lock("L", timeout=1.0, run_wait=0.05)
+    clock.now += 1.0
+    assert not flow_env.Env(cast(flow_env.FlowBook, ScriptedFlow(book)), "v").lock("L", timeout=1.0, run_wait=0.05)
+
+
 # -- BokiFlow on the whole simulated system ----------------------------------------------------------
 #: seeds and what each is there for (its counters say it happened): workers killed in the
 #: middle of workflows, a duplicate run at once with another, transactions aborted, lock
 #: tries refused, runs the log failed (run again), and the log's own faults (replica
 #: crashes, the MMS or failure handler leader killed)
 SEEDS = {
-    12: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "replica_crashes"),
+    37: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "replica_crashes"),
     9: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
     50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills"),
-    284: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
-    288: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
+    116: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
+    235: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
     # a run again on a new worker took the counter's lock again for a holder that had
     # given it back, before the lock step read its record again after the chain
     190: ("worker_kills", "duplicates_overlapping", "lock_refusals", "leader_kills"),

@@ -351,15 +351,26 @@ class SimEnv:
         return taken
 
     def lock(self, name: str, timeout_ns: int) -> Steps:
-        """``Env.lock``: try; while another holds the lock, decide (a remembered step)
-        whether ``timeout_ns`` of simulated time is up, else pause (2 ms, doubling up to
-        50 ms) and try again."""
-        deadline = self.run.sim.now + timeout_ns
+        """``Env.lock``: remember the deadline (a step), try; while another holds the
+        lock, decide (a remembered step) whether it passed, else pause (2 ms, doubling up
+        to 50 ms; not when the decision was an earlier run's) and try again. (A run that
+        gives its worker back after a while,
+        ``fc.Suspended``, ends as a killed run does after the decision's record: the
+        kills drawn here cover it.)"""
+        deadline = yield from self.remember(lambda: self.run.sim.now + timeout_ns)
         pause = LOCK_PAUSE_FIRST_NS
+        live = [False]
+
+        def decide() -> bool:
+            live[0] = True
+            return bool(self.run.sim.now < deadline)
+
         while not (yield from self.try_lock(name)):
-            if not (yield from self.remember(lambda: self.run.sim.now < deadline)):
+            live[0] = False
+            if not (yield from self.remember(decide)):
                 return False
-            yield Pause(pause)
+            if live[0]:  # an earlier run's tries are replayed without their pauses
+                yield Pause(pause)
             pause = min(pause * 2, LOCK_PAUSE_MOST_NS)
         return True
 

@@ -82,6 +82,12 @@ class WorkflowFailed(Exception):
     """A workflow (or a callee) ended with an exception; its text is the message."""
 
 
+class Suspended(Exception):
+    """A run gave its worker back in the middle (a lock wait past its share, ``Env.lock``):
+    it recorded nothing more, and the workflow runs again from its records when it is
+    pushed again (the sweeper pushes every workflow with no done record)."""
+
+
 class NondeterministicWorkflow(Exception):
     """A run of a workflow asked for another operation at a step than its first run did
     (its function depends on something it did not ask of its environment)."""

@@ -41,6 +41,10 @@ Hook = Callable[[Any, str], None]
 Function = Callable[["Env", Any], Any]
 #: how long env.lock waits for a lock held elsewhere before it gives up, by default
 LOCK_WAIT_S = 10.0
+#: how long one run waits for a lock held elsewhere before it gives its worker back
+#: (``fc.Suspended``): a worker pool is bounded, and the holder may need a worker to end
+#: (a holder killed mid-run holds the lock until its run again)
+RUN_LOCK_WAIT_S = 1.0
 
 
 def pauses(timeout: float | None, first: float = 0.001, most: float = 0.02) -> Iterator[None]:
@@ -153,18 +157,36 @@ class Env:
             self.held[name] = holder_of(self.workflow, step)
         return taken
 
-    def lock(self, name: str, timeout: float = LOCK_WAIT_S) -> bool:
+    def lock(self, name: str, timeout: float = LOCK_WAIT_S, run_wait: float = RUN_LOCK_WAIT_S) -> bool:
         """Take lock ``name``, trying again while another holds it, for up to ``timeout``
         seconds; False if it could not. Each try is a step, and so is each decision to try
         again (remembered): a re-run takes the first run's path whatever its own clock
         says (one on an engine behind may run out of time sooner, where the first run's
-        next try took the lock that no later step would give back then)."""
-        deadline = time.monotonic() + timeout
+        next try took the lock that no later step would give back then).
+
+        The deadline is a remembered step too (wall-clock time), so it holds across runs:
+        after ``run_wait`` seconds of trying, a run that decided to try again gives its
+        worker back (``fc.Suspended``, after the decision's record) and a later run goes
+        on from there, to the same deadline, replaying the earlier runs' tries without
+        their pauses. A waiter never holds a worker of a bounded pool for long, so the
+        holder's run finds one."""
+        deadline = self.remember(lambda: time.time() + timeout)
+        run_until = time.monotonic() + run_wait
         pause = 0.002
+        live = [False]
+
+        def decide() -> bool:
+            live[0] = True  # made here, not read back from an earlier run's record
+            return time.time() < deadline
+
         while not self.try_lock(name):
-            if not self.remember(lambda: time.monotonic() < deadline):
+            live[0] = False
+            if not self.remember(decide):
                 return False
-            time.sleep(pause)
+            if live[0]:  # an earlier run's tries are replayed without their pauses
+                if time.monotonic() >= run_until:
+                    raise fc.Suspended(f"workflow {self.workflow!r} waits for lock {name!r}: it runs again later")
+                time.sleep(pause)
             pause = min(pause * 2, 0.05)
         return True
 
@@ -252,6 +274,8 @@ def run_workflow(flow: FlowBook, workflow: str, lookup: Callable[[str], Function
             outcome = fc.pack_outcome(False, str(exc))
         except fc.NondeterministicWorkflow:
             raise  # recorded as nothing: the function must be mended
+        except fc.Suspended:
+            raise  # recorded as nothing: it runs again from its records
         except Exception as exc:  # the function's own failure is its outcome, recorded once
             if _is_infrastructure(exc):
                 raise

@@ -154,6 +154,8 @@ class Worker:
         flow.call = self._call
         self.ran = 0
         self.collected = 0
+        #: runs that gave the worker back mid-way (``fc.Suspended``)
+        self.suspended = 0
 
     def _call(self, function: str, workflow: str, input: bytes) -> bytes:
         """A nested call: the callee's intent, then its run, here."""
@@ -170,6 +172,10 @@ class Worker:
         except TrimmedError:
             # a duplicate of a workflow that ended and was collected: nothing to run
             self.collected += 1
+            return True
+        except fc.Suspended:
+            # it gave the worker back (a lock wait): the sweeper pushes it again
+            self.suspended += 1
             return True
         self.ran += 1
         return True
