@@ -74,7 +74,7 @@ def test_a_query_stopped_in_the_middle_of_foreach_batch_ends_quietly(tmp_path: P
 def test_the_spark_demo_passes_and_prints_no_stack_trace_and_no_error(shared_zookeeper: str) -> None:
     # its local cluster under a root of this worker's ensemble rather than three JVMs more
     env = {**os.environ, "ZIPLOG_LOCAL_ZOOKEEPER": shared_zookeeper}
-    out = _run([sys.executable, "-m", "ziplog.tools.spark_demo", "--seconds", "3"], env)
+    out = _run([sys.executable, "-m", "ziplog.tools.spark_demo", "--seconds", "1"], env)
     assert "Spark demo: all checks passed" in out, out
     _no_trace(out)
     # nor an ERROR line of Spark's (log4j's "yy/MM/dd HH:mm:ss ERROR Logger: ..."): its
