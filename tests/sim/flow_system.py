@@ -31,7 +31,8 @@ write); lock holders taking and giving back one named lock to add to a counter.
 Faults add to the system's: workers killed (SIGKILL) in the middle of their workflows,
 each of those run again from the start on a new worker process; some workflows run twice
 at once on two workers; a run that the log fails (an insert no shard took) ends there and
-the workflow is run again a while later. Once everything settles,
+the workflow is run again a while later, and so is a run that waited for a lock long
+enough to give its worker back (``fc.Suspended``). Once everything settles,
 :meth:`FlowSim.check_flow` reads the log one subscriber delivered and checks:
 
 * **exactly once**: the database's audit applied every write of a step's first record (a
@@ -93,6 +94,9 @@ RETRY_AFTER_NS = 10 * MS
 #: ``Env.lock``'s pauses between tries: the first, doubling up to the longest
 LOCK_PAUSE_FIRST_NS = 2 * MS
 LOCK_PAUSE_MOST_NS = 50 * MS
+#: ``Env.lock``'s ``RUN_LOCK_WAIT_S``, scaled to the sim's lock waits (5-150 ms): a run
+#: that has tried this long gives its worker back (``fc.Suspended``) and runs again
+LOCK_RUN_WAIT_NS = 20 * MS
 #: lock chains a run keeps replayed (a FlowBook keeps up to 4096 for its thread)
 MAX_CHAINS = 64
 #: a worker kill finds no workflow running: it looks again this often, this many times
@@ -302,6 +306,8 @@ def run_workflow_steps(run: "FlowRun", workflow: str) -> Steps:
             outcome = fc.pack_outcome(False, str(exc))
         except fc.NondeterministicWorkflow:
             raise
+        except fc.Suspended:
+            raise  # recorded as nothing: it runs again from its records
         except Exception as exc:  # the function's own failure is its outcome, recorded once
             if _is_infrastructure(exc):
                 raise
@@ -353,11 +359,11 @@ class SimEnv:
     def lock(self, name: str, timeout_ns: int) -> Steps:
         """``Env.lock``: remember the deadline (a step), try; while another holds the
         lock, decide (a remembered step) whether it passed, else pause (2 ms, doubling up
-        to 50 ms; not when the decision was an earlier run's) and try again. (A run that
-        gives its worker back after a while,
-        ``fc.Suspended``, ends as a killed run does after the decision's record: the
-        kills drawn here cover it.)"""
+        to 50 ms; not when the decision was an earlier run's) and try again; after
+        ``LOCK_RUN_WAIT_NS`` of trying, stop after a decision (``fc.Suspended``: the sim
+        runs the workflow again, as the sweeper's push does)."""
         deadline = yield from self.remember(lambda: self.run.sim.now + timeout_ns)
+        run_until = self.run.sim.now + LOCK_RUN_WAIT_NS
         pause = LOCK_PAUSE_FIRST_NS
         live = [False]
 
@@ -370,6 +376,8 @@ class SimEnv:
             if not (yield from self.remember(decide)):
                 return False
             if live[0]:  # an earlier run's tries are replayed without their pauses
+                if self.run.sim.now >= run_until:
+                    raise fc.Suspended(f"workflow {self.workflow!r} waits for lock {name!r}")
                 yield Pause(pause)
             pause = min(pause * 2, LOCK_PAUSE_MOST_NS)
         return True
@@ -667,7 +675,7 @@ class FlowSim(SystemSim):
         self.started = False
         #: runs scheduled to start again (after a failure of the log) and not started yet
         self.retries_pending = 0
-        self.stats = {"workflows": len(self.workflows), "runs": 0, "run_errors": 0, "worker_kills": 0,
+        self.stats = {"workflows": len(self.workflows), "runs": 0, "run_errors": 0, "worker_kills": 0, "suspended": 0,
                       "killed_runs": 0, "duplicates": 0, "duplicates_overlapping": 0, "moved": 0, "refused": 0,
                       "aborted": 0, "tx_aborts": 0, "audits": 0, "trips": 0, "lock_taken": 0,
                       "lock_refusals": 0, "holders_gave_up": 0, "db_applied": 0, "db_repeats": 0}
@@ -727,6 +735,13 @@ class FlowSim(SystemSim):
             if wf is self.setup and not self.started:
                 self.started = True
                 self.start_workload()
+            return
+        if isinstance(error, fc.Suspended):
+            # it gave its worker back waiting for a lock: pushed again, as the sweeper does
+            self.stats["suspended"] += 1
+            self.tr(f"flow: {run.kind} run of {wf.wid} on {worker.proc.name} suspended")
+            self.retries_pending += 1
+            self.at(self.now + RETRY_AFTER_NS, self._retry, wf)
             return
         if not isinstance(error, ZiplogError):
             # a protocol's assertion, a nondeterministic workflow, a bug of the sim: the
