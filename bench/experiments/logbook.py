@@ -10,6 +10,8 @@ On 2 shards x 2 replicas with 4 KiB records, in one run:
   cache cannot answer); the same with the engine **asking the index nodes** itself
   (``index="nodes"``); a plain ziplog ``Client.read_record`` of the record (the floor: every
   LogBook read ends with one); and the engine's **complete local index** (``index="local"``);
+  for the two tier kinds also their **parts**, timed apart: the index round, and the
+  record read after it (section "read parts");
 * **read-after-append**: an append, then ``read_next`` of its seqnum by a session holding
   the appender's position: a child on the same engine, or a session on another engine;
 * the tier with **1 and 2 index nodes** (a fresh cluster each), through the aggregator
@@ -52,6 +54,8 @@ MEMORY_COLUMNS = ["process", "first_mib", "last_mib", "max_mib", "slope_kib_per_
 HIT, TIER, NODES, FLOOR, LOCAL = ("cache hit", "tier (aggregator)", "tier (nodes direct)", "read_record",
                                   "local index")
 SAME, OTHER = "same engine (child)", "other engine"
+#: the two parts of a tier read (section "read parts")
+PART_INDEX, PART_READ = "index round", "record read"
 MIB = 1024 * 1024
 
 
@@ -157,6 +161,7 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
         samples: dict[str, list[int]] = {k: [] for k in reads}
         counters = {k: (sessions[k]._engine.cache.hits, sessions[k]._engine.cache.misses)
                     for k in (HIT, TIER, NODES)}
+        parts = {k: _time_parts(sessions[k]._engine) for k in (TIER, NODES)}
         rng = random.Random(nodes)
         kinds = list(reads)
         for rnd in range(p["rounds"]):
@@ -185,7 +190,32 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
             rows.append({"section": "read", "kind": kind, "index_nodes": nodes, **s,
                          "vs_read_record": s["p50_us"] / floor["p50_us"] if floor["p50_us"] else None,
                          "cache_hits": hits, "cache_misses": misses, "histogram": histogram(samples[kind])})
+        for kind, (lookups, record_reads) in parts.items():
+            for part, got in ((PART_INDEX, lookups), (PART_READ, record_reads)):
+                got = got[-reads_made:]  # the timed reads' (the warm-up's went before)
+                s = summarize(got)
+                rows.append({"section": "read parts", "kind": f"{kind}: {part}", "index_nodes": nodes, **s,
+                             "vs_read_record": s["p50_us"] / floor["p50_us"] if floor["p50_us"] else None,
+                             "histogram": histogram(got)})
     return rows
+
+
+def _time_parts(engine: Any) -> tuple[list[int], list[int]]:
+    """Time each of ``engine``'s lookups (the index round) and record reads apart, from
+    here on: what one tier read is made of, beside ``read_record``."""
+    from ziplog.logbook.core import session as ls
+    lookups: list[int] = []
+    record_reads: list[int] = []
+    perform, clock = engine.perform, time.perf_counter_ns
+
+    def timed(op: Any) -> Any:
+        t0 = clock()
+        out = perform(op)
+        (lookups if type(op) is ls.Lookup else record_reads).append(clock() - t0)
+        return out
+
+    engine.perform = timed
+    return lookups, record_reads
 
 
 # -- read-after-append ---------------------------------------------------------------------------------
