@@ -19,6 +19,7 @@ from tests.sim import logbook
 from ziplog.logbook.core import feeder as feeder_core
 from ziplog.logbook.core import frames as tf
 from ziplog.logbook.core.aggregator import AggregatorCore
+from ziplog.logbook.core.kept import KeptRecords
 from ziplog.logbook.core.node import NodeCore
 
 SEEDS = range(30)
@@ -42,6 +43,27 @@ def test_the_seeds_exercise_the_faults() -> None:
     runs = [_run(seed) for seed in range(10)]
     assert sum(r.node_restarts for r in runs) >= 10 and sum(r.feeder_restarts for r in runs) >= 5
     assert sum(r.rewinds for r in runs) >= 50  # restarted nodes are fed again from the start
+
+
+def test_the_seeds_answer_records_and_evict_them() -> None:
+    runs = [_run(seed) for seed in SEEDS]
+    assert sum(r.records for r in runs) >= 500, [r.records for r in runs]  # answers came with their records
+    # and some answers that asked came without one: nodes that keep few bytes, or none
+    assert any(r.records == 0 for r in runs) and sum(r.records > 0 for r in runs) >= 5
+
+
+def test_the_checker_notices_an_answer_with_another_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the bug: a node keeps a record under the gsn of the entry fed before it
+    original = KeptRecords.add
+
+    def shifted(self: KeptRecords, gsn: int, data: bytes) -> None:
+        last = getattr(self, "_last_data", None)
+        self._last_data = data  # type: ignore[attr-defined]
+        if last is not None:
+            original(self, gsn, last)
+
+    monkeypatch.setattr(KeptRecords, "add", shifted)
+    assert any("came with" in f for seed in range(10) for f in logbook.run_seed(seed).failures)
 
 
 def test_the_checker_notices_a_node_added_where_records_were_routed_already(monkeypatch: pytest.MonkeyPatch) -> None:

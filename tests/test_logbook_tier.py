@@ -109,6 +109,39 @@ def test_auto_asks_a_few_nodes_itself_and_many_through_the_aggregator(tier: Any,
     assert client.choose_mode("local", tier.zk_hosts, TIMEOUT) == "local"
 
 
+@pytest.mark.parametrize("index", ["tier", "nodes"])
+def test_a_tier_read_comes_with_its_record_unless_it_is_big(tier: Any, index: str) -> None:
+    big = bytes(range(256)) * (tf.RECORD_IN_ANSWER_MAX // 256 + 1)  # over what a node keeps
+    with LogBook(tier.zk_hosts, 11, index=index) as writer:
+        small_s = writer.append(b"small", tags=[f"small-{index}"])
+        big_s = writer.append(big, tags=[f"big-{index}"])
+        _wait_fed(tier, writer.position)
+    engine = Engine(tier.zk_hosts, TIMEOUT, index=index)  # its cache starts past both: it asks the tier
+    reads: list[Any] = []
+    read_record = engine.client.read_record
+
+    def counted(rid: Any) -> bytes:
+        reads.append(rid)
+        return read_record(rid)
+
+    engine.client.read_record = counted  # type: ignore[method-assign]
+    try:
+        lb = LogBook("", 11, _engine=engine)
+        got = lb.read_next(0, tag=f"small-{index}")
+        assert got is not None and (got.seqnum, got.data) == (small_s, b"small")
+        assert reads == []  # one round: the node answered with the record
+        got = lb.read_next(0, tag=f"big-{index}")
+        assert got is not None and (got.seqnum, got.data) == (big_s, big)
+        assert [rid.gsn for rid in reads] == [big_s]  # not kept at the node: read from the log
+        engine.records_with_lookups = False
+        got = lb.read_prev(MAX_SEQNUM, tag=f"small-{index}")
+        assert got is not None and (got.seqnum, got.data) == (small_s, b"small")
+        assert [rid.gsn for rid in reads] == [big_s, small_s]
+        assert sum((tier.node_state(i) or (0, 0, 0, 0))[3] for i in range(2)) >= 1
+    finally:
+        engine.close()
+
+
 def test_a_node_drops_what_a_trim_hides(tier: Any) -> None:
     with LogBook(tier.zk_hosts, 7, index="tier") as lb:
         seqnums = [lb.append(b"r", tags=[i % 3]) for i in range(120)]

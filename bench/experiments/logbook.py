@@ -8,14 +8,23 @@ On 2 shards x 2 replicas with 4 KiB records, in one run:
   with the cache's hit counter); a **tier lookup through the aggregator** (``index="tier"``,
   an engine started after the records were appended, ``read_next`` from seqnum 0, so its
   cache cannot answer); the same with the engine **asking the index nodes** itself
-  (``index="nodes"``); a plain ziplog ``Client.read_record`` of the record (the floor: every
-  LogBook read ends with one); and the engine's **complete local index** (``index="local"``);
-  for the two tier kinds also their **parts**, timed apart: the index round, and the
-  record read after it (section "read parts");
+  (``index="nodes"``); the same again with the record **read from the log after the
+  lookup** (the engine does not ask the nodes for it: two rounds, as before nodes kept
+  records); a plain ziplog ``Client.read_record`` of the record (the floor: a read whose
+  record did not come with its lookup ends with one); and the engine's **complete local
+  index** (``index="local"``); for the two-round kind also its **parts**, timed apart:
+  the index round, and the record read after it (section "read parts"). The one-round
+  kinds are checked to read nothing from the log;
 * **read-after-append**: an append, then ``read_next`` of its seqnum by a session holding
   the appender's position: a child on the same engine, or a session on another engine;
 * the tier with **1 and 2 index nodes** (a fresh cluster each), through the aggregator
   and asking the nodes;
+* **feed cost**: what feeding the nodes the records costs, on the 2-node cluster: one
+  session appends 4 KiB records, the feeder sending the records with the entries or not
+  (started again with ``--record-max-bytes 0``), the two arms alternating over
+  ``feed_pairs`` pairs; per arm the append p50 and the feeder's and the index nodes' CPU
+  per append (from /proc, over the appends and until the nodes were fed them), and the
+  median over the pairs of each pair's ratio;
 * **memory**: appends with a new tag each (and a tier lookup every few appends) for a
   fixed period, sampling every second the engine's RSS (it lives in this process), the
   tier processes' RSS and each index node's size.
@@ -45,6 +54,9 @@ from ..report import Results, _json_default, histogram, progress
 
 COLUMNS = ["section", "kind", "index_nodes", "count", "p50_us", "p99_us", "mean_us", "vs_read_record",
            "cache_hits", "cache_misses"]
+FEED_COLUMNS = ["records fed", "pairs", "append p50_us (median)", "feeder cpu_us per append (median)",
+                "index nodes cpu_us per append (median)", "on / off: feeder", "on / off: nodes", "on / off: append p50"]
+#: (the ratio columns: the median over the pairs of each pair's ratio)
 RATIO_COLUMNS = ["ratio", "p50", "p99", "of"]
 NODES_COLUMNS = ["kind", "p50_us N=1", "p50_us N=2", "N=2 / N=1 (p50)", "p99_us N=1", "p99_us N=2"]
 MEMORY_COLUMNS = ["process", "first_mib", "last_mib", "max_mib", "slope_kib_per_s", "kib_per_1000_appends",
@@ -53,6 +65,8 @@ MEMORY_COLUMNS = ["process", "first_mib", "last_mib", "max_mib", "slope_kib_per_
 #: the read kinds, in the order of the tables
 HIT, TIER, NODES, FLOOR, LOCAL = ("cache hit", "tier (aggregator)", "tier (nodes direct)", "read_record",
                                   "local index")
+#: asking the nodes for the entry only, then reading its record from the log (two rounds)
+TWO_ROUNDS = "tier (nodes direct), then read_record"
 SAME, OTHER = "same engine (child)", "other engine"
 #: the two parts of a tier read (section "read parts")
 PART_INDEX, PART_READ = "index round", "record read"
@@ -64,6 +78,7 @@ def params_for(quick: bool) -> dict[str, Any]:
             "records": 1000 if quick else 5000, "rounds": 4 if quick else 8,
             "reads_per_round": 250 if quick else 1000,
             "read_after_append": 300 if quick else 2000,
+            "feed_pairs": 5 if quick else 9, "feed_appends": 2000 if quick else 5000,
             "memory_seconds": 15.0 if quick else 60.0, "memory_read_every": 50,
             "memory_cache_entries": 2000 if quick else 10000}
 
@@ -133,12 +148,13 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
         tier.wait_ready(at_least=seqnums[-1])
 
         sessions: dict[str, Any] = {HIT: writer}
-        for kind, index in ((TIER, "tier"), (NODES, "nodes"), (LOCAL, "local")):
+        for kind, index in ((TIER, "tier"), (NODES, "nodes"), (TWO_ROUNDS, "nodes"), (LOCAL, "local")):
             sessions[kind] = LogBook(zk, book, index=index)
             stack.callback(sessions[kind].close)
+        sessions[TWO_ROUNDS]._engine.records_with_lookups = False
         reader = sessions[TIER]
         # warm up: connections to the tier, the local index's catch-up from the log's start
-        for kind in (TIER, NODES, LOCAL):
+        for kind in (TIER, NODES, TWO_ROUNDS, LOCAL):
             got = sessions[kind].read_next(0, tag=tags[0])
             assert got is not None and got.seqnum == seqnums[0], (kind, got, seqnums[0])
         writer.read_prev(seqnums[0], tag=tags[0])
@@ -157,11 +173,12 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
 
         client = reader._engine.client
         reads: dict[str, Callable[[int], Any]] = {HIT: via(HIT), TIER: via(TIER), NODES: via(NODES),
+                                                  TWO_ROUNDS: via(TWO_ROUNDS),
                                                   FLOOR: lambda i: client.read_record(rids[i]), LOCAL: via(LOCAL)}
         samples: dict[str, list[int]] = {k: [] for k in reads}
-        counters = {k: (sessions[k]._engine.cache.hits, sessions[k]._engine.cache.misses)
-                    for k in (HIT, TIER, NODES)}
-        parts = {k: _time_parts(sessions[k]._engine) for k in (TIER, NODES)}
+        tiered = (TIER, NODES, TWO_ROUNDS)
+        counters = {k: (sessions[k]._engine.cache.hits, sessions[k]._engine.cache.misses) for k in (HIT, *tiered)}
+        parts = {k: _time_parts(sessions[k]._engine) for k in tiered}
         rng = random.Random(nodes)
         kinds = list(reads)
         for rnd in range(p["rounds"]):
@@ -181,8 +198,10 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
                 for k, (h, m) in counters.items()}
         reads_made = p["rounds"] * p["reads_per_round"]
         assert done[HIT] == (reads_made, 0), ("the cache-hit reads were not all hits", done[HIT])
-        for kind in (TIER, NODES):
+        for kind in tiered:
             assert done[kind] == (0, reads_made), (f"{kind} reads did not all go to the tier", done[kind])
+            made = len(parts[kind][1])
+            assert made == (reads_made if kind == TWO_ROUNDS else 0), (f"{kind}: {made} records read from the log")
         floor = summarize(samples[FLOOR])
         for kind in kinds:
             s = summarize(samples[kind])
@@ -190,7 +209,8 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
             rows.append({"section": "read", "kind": kind, "index_nodes": nodes, **s,
                          "vs_read_record": s["p50_us"] / floor["p50_us"] if floor["p50_us"] else None,
                          "cache_hits": hits, "cache_misses": misses, "histogram": histogram(samples[kind])})
-        for kind, (lookups, record_reads) in parts.items():
+        for kind in (TWO_ROUNDS,):
+            lookups, record_reads = parts[kind]
             for part, got in ((PART_INDEX, lookups), (PART_READ, record_reads)):
                 got = got[-reads_made:]  # the timed reads' (the warm-up's went before)
                 s = summarize(got)
@@ -216,6 +236,49 @@ def _time_parts(engine: Any) -> tuple[list[int], list[int]]:
 
     engine.perform = timed
     return lookups, record_reads
+
+
+# -- what feeding the records costs ---------------------------------------------------------------------
+def measure_feed_cost(tier: Any, p: dict[str, Any], book: int) -> list[dict[str, Any]]:
+    """The feed-cost arms (see the module's docstring), alternating; one row per arm."""
+    from ziplog.logbook import LogBook
+
+    from ..cpu import cpu_seconds
+    payload = os.urandom(p["record_bytes"])
+    clock = time.perf_counter_ns
+    arms = {"yes": (), "no": ("--record-max-bytes", "0")}
+    got: dict[str, list[tuple[float, float, float]]] = {arm: [] for arm in arms}
+    with LogBook(tier.zk_hosts, book, index="tier") as lb:
+        for pair in range(p["feed_pairs"]):
+            for arm in (list(arms) if pair % 2 == 0 else list(arms)[::-1]):
+                tier.restart_feeder(*arms[arm])
+                lb.append(payload, tags=["feed-warm-up"])
+                tier.wait_ready(at_least=lb.position)  # the new feeder is up and feeding
+                feeder = [tier.feeder.pid]
+                nodes = [tier.node_pid(i) for i in tier.nodes]
+                f0, n0 = cpu_seconds(feeder), cpu_seconds(nodes)
+                times = []
+                for k in range(p["feed_appends"]):
+                    t0 = clock()
+                    lb.append(payload, tags=[f"feed-{k % 100}"])
+                    times.append(clock() - t0)
+                tier.wait_ready(at_least=lb.position)
+                per = 1e6 / p["feed_appends"]
+                got[arm].append((float(np.median(times)) / 1000, (cpu_seconds(feeder) - f0) * per,
+                                 (cpu_seconds(nodes) - n0) * per))
+    med = {arm: [float(np.median([x[i] for x in got[arm]])) for i in range(3)] for arm in arms}
+    # each pair's on / off, then their median: the machine's drift over the pairs cancels
+    paired = [float(np.median([on[i] / off[i] for on, off in zip(got["yes"], got["no"]) if off[i]]))
+              for i in range(3)]
+    rows = []
+    for arm in arms:
+        a = med[arm]
+        ratios = paired if arm == "yes" else [1.0, 1.0, 1.0]
+        rows.append({"records fed": arm, "pairs": p["feed_pairs"], "append p50_us (median)": a[0],
+                     "feeder cpu_us per append (median)": a[1], "index nodes cpu_us per append (median)": a[2],
+                     "on / off: feeder": ratios[1], "on / off: nodes": ratios[2], "on / off: append p50": ratios[0],
+                     "runs": got[arm]})
+    return rows
 
 
 # -- read-after-append ---------------------------------------------------------------------------------
@@ -362,6 +425,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     res = Results("logbook", out, p)
     rows: list[dict[str, Any]] = []
     mem: dict[str, Any] = {}
+    feed: list[dict[str, Any]] = []
     main_n = max(p["index_nodes"])
     for nodes in progress("logbook", p["index_nodes"], lambda n: f"a fresh cluster, {n} index node(s)"):
         with _tier(p, nodes, res) as tier:
@@ -370,6 +434,8 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             if nodes == main_n:
                 res.log(f"N={nodes}: {p['read_after_append']} x 2 reads after appends")
                 rows += measure_read_after_append(tier, p, nodes, book=2)
+                res.log(f"N={nodes}: feed cost, {p['feed_pairs']} x 2 x {p['feed_appends']} appends")
+                feed = measure_feed_cost(tier, p, book=4)
                 res.log(f"N={nodes}: memory, {p['memory_seconds']:.0f} s of appends with a new tag each")
                 mem = measure_memory(tier, p, nodes, book=3, res=res)
     lookups = mem.get("lookups_ns") or []
@@ -381,9 +447,11 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     memory = memory_summary(mem) if mem else []
     _plots(res, rows, mem, main_n)
     res.note("cache hit: read_prev(seqnum, tag) on the engine that appended the records (its suffix cache, "
-             "which learned the book's trim point from one tier answer first); tier and nodes-direct: read_next(0, "
-             "tag) on an engine started after the appends, so below its cache's start; every LogBook read ends "
-             "with one read_record of the record it found. vs_read_record: p50 over read_record's p50 on the same "
+             "which learned the book's trim point from one tier answer first), then a read_record of the record; "
+             "tier and nodes-direct: read_next(0, tag) on an engine started after the appends, so below its "
+             "cache's start, the record coming with the lookup's answer from the index node that keeps it (one "
+             "round; checked: no record read from the log); 'then read_record': the same lookup without the "
+             "record, then a read_record (two rounds). vs_read_record: p50 over read_record's p50 on the same "
              "cluster.")
     res.note("read after append: the time of read_next(seqnum, tag) right after the append returned, by a child "
              "of the appending session (same engine) or by a session on another engine given the appender's "
@@ -402,10 +470,12 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                     f"index tier of 1 and 2 index nodes (a fresh cluster each) and one aggregator.",
               extra_tables=[("Ratios (this run)", ratios, RATIO_COLUMNS),
                             ("Index nodes: 1 vs 2", by_n, NODES_COLUMNS),
+                            (f"Feeding the nodes the records: cost (N={main_n}, alternating arms)", feed,
+                             FEED_COLUMNS),
                             ("Memory while appending a new tag per record", memory, MEMORY_COLUMNS)])
     # the JSON: every row, plus the ratios and the memory run (summary and samples)
     full = rows + [{"section": "ratio", **r} for r in ratios] + [{"section": "index nodes", **r} for r in by_n] \
-        + [{"section": "memory", **r} for r in memory] \
+        + [{"section": "memory", **r} for r in memory] + [{"section": "feed cost", **r} for r in feed] \
         + ([{"section": "memory samples", "samples": mem["samples"], "appends": mem["appends"]}] if mem else [])
     (res.dir / "logbook.json").write_text(json.dumps(full, indent=1, default=_json_default) + "\n")
     return rows
@@ -431,6 +501,8 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
 
     ratio("tier lookup / read_record", r(TIER), r(FLOOR), f"N={n}")
     ratio("nodes-direct lookup (the default) / read_record", r(NODES), r(FLOOR), f"N={n}")
+    ratio("nodes-direct lookup, record read after it / read_record", r(TWO_ROUNDS), r(FLOOR), f"N={n}")
+    ratio("nodes-direct: record with the lookup / read after it", r(NODES), r(TWO_ROUNDS), f"N={n}")
     ratio("nodes-direct / aggregator", r(NODES), r(TIER), f"N={n}")
     ratio("cache hit / read_record", r(HIT), r(FLOOR), f"N={n}")
     ratio("local index / read_record", r(LOCAL), r(FLOOR), f"N={n}")
@@ -439,6 +511,7 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
               r(TIER, lo), "tier lookups")
         ratio("N=2 / N=1, nodes direct" if (lo, n) == (1, 2) else f"N={n} / N={lo}, nodes direct", r(NODES),
               r(NODES, lo), "tier lookups")
+        ratio(f"nodes-direct lookup (the default) / read_record, N={lo}", r(NODES, lo), r(FLOOR, lo), f"N={lo}")
     ratio("read after append: other / same engine", r(OTHER, n, "read after append"),
           r(SAME, n, "read after append"), f"N={n}")
     ratio("read after append (same engine) / cache hit", r(SAME, n, "read after append"), r(HIT), f"N={n}")
@@ -448,7 +521,7 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
 def nodes_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, Any]]:
     lo, hi = min(p["index_nodes"]), max(p["index_nodes"])
     out = []
-    for kind in (TIER, NODES, FLOOR, HIT, LOCAL):
+    for kind in (TIER, NODES, TWO_ROUNDS, FLOOR, HIT, LOCAL):
         a, b = _find(rows, "read", kind, lo), _find(rows, "read", kind, hi)
         if a is None or b is None:
             continue
@@ -465,7 +538,7 @@ def _plots(res: Results, rows: list[dict[str, Any]], mem: dict[str, Any], n: int
                        "Read latency by kind: cache hit, index tier via the aggregator and direct, read_record, "
                        "local index", suffix="_reads")
     tiers = [dict(r, label=f"{r['kind']}, N={r['index_nodes']}") for r in rows
-             if r["section"] == "read" and r["kind"] in (TIER, NODES)]
+             if r["section"] == "read" and r["kind"] in (TIER, NODES, TWO_ROUNDS)]
     if tiers:
         res.cdf_figure(tiers, "label", "tier lookup + read (us), 4 KiB records",
                        "Tier lookups through the aggregator and asking the nodes, 1 and 2 index nodes",

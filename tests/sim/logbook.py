@@ -14,7 +14,9 @@ added through the wanted count. Lookups at session positions run all along.
 Checked on every answer: it is computed at one cut ``C`` at or above the asking
 session's position and at or below the stable position, and equals what a full replay
 of the log up to ``C`` answers (an oracle over the script). At the end, with the faults
-over, every lookup has been answered.
+over, every lookup has been answered. A lookup that asks for its hit's record (some
+do; nodes keep few bytes in some seeds, and some seeds' feeders send no records) must
+get the record the log holds at the hit, or none.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class Oracle:
 class Stats:
     answered: int = 0
     found: int = 0
+    #: answers that came with their hit's record
+    records: int = 0
     errors: int = 0
     node_restarts: int = 0
     feeder_restarts: int = 0
@@ -102,6 +106,11 @@ class TierSim:
         self.stats = Stats()
         self.sessions = [0] * 4  # session positions
         self.pending: dict[int, tuple[int, int, int, int | None, int, int]] = {}
+        #: the bytes an index node keeps, and the largest record the feeder sends with its entry
+        #: (its own draws, so the seeds' faults and lookups are those drawn without records)
+        self.records_rng = random.Random(seed ^ 0x5EED)
+        self.keep_bytes = self.records_rng.choice([0, 400, 4_000, 1 << 20])
+        self.record_max = self.records_rng.choice([0, 40, tf.RECORD_IN_ANSWER_MAX])
         self._key = 0
         self.agg_proc = SimProcess(self.world, "aggregator")
         self.ask = AskDriver(self.agg_proc, self.agg_proc, AggregatorCore(60_000 * MS, retry_ns=50 * MS),
@@ -114,7 +123,7 @@ class TierSim:
     def start_node(self, i: int) -> None:
         self.incarnation += 1
         proc = SimProcess(self.world, f"node{i}-{self.incarnation}")
-        driver = IndexNodeDriver(NodeCore(i, park_ns=200 * MS), KEY, lambda route, frame: router.send_to(route, frame),
+        driver = IndexNodeDriver(NodeCore(i, park_ns=200 * MS, keep_bytes=self.keep_bytes), KEY, lambda route, frame: router.send_to(route, frame),
                                  proc.now)
         router = proc.router(driver.on_frame, driver.on_multipart, max_bytes=tf.REQUEST_LIMIT)
         self.node_procs[i], self.node_drivers[i] = proc, driver
@@ -137,7 +146,8 @@ class TierSim:
         self.incarnation += 1
         proc = SimProcess(self.world, f"feeder-{self.incarnation}")
         self.feeder_proc = proc
-        self.feeder = FeederDriver(FeederCore(list(self.history), self.history_version), KEY, proc, proc.now)
+        self.feeder = FeederDriver(FeederCore(list(self.history), self.history_version, record_max=self.record_max),
+                                   KEY, proc, proc.now)
         self.directory_changed()
         proc.call_at(proc.now() + MS, lambda: self.feeder_turn(proc))
 
@@ -199,7 +209,7 @@ class TierSim:
         if roll < 0.85:
             tags = tuple(sorted(set(self.rng.sample(range(TAGS), self.rng.randrange(0, 3)))))
             shard = self.rng.randrange(2)
-            data = r.encode(r.entry(book, b"x", tags))
+            data = r.encode(r.entry(book, b"x" * self.records_rng.randrange(1, 30) + str(gsn).encode(), tags))
             self.oracle.entries.append((gsn, shard, book, tags))
         elif roll < 0.95:
             mine = [g for g, _, b, _ in self.oracle.entries if b == book]
@@ -227,7 +237,8 @@ class TierSim:
         self._key += 1
         self.pending[self._key] = (s, how, book, tag, seqnum, self.sessions[s])
         key = self._key
-        self.agg_proc.run(lambda: self.ask.lookup(key, how, book, tag, seqnum, self.sessions[s]))
+        record = self.records_rng.random() < 0.5
+        self.agg_proc.run(lambda: self.ask.lookup(key, how, book, tag, seqnum, self.sessions[s], record=record))
 
     def on_result(self, res: Result) -> None:
         s, how, book, tag, seqnum, min_cut = self.pending.pop(res.key)  # type: ignore[call-overload]
@@ -241,6 +252,11 @@ class TierSim:
         if res.hit != want:
             self.stats.failures.append(f"{'next' if how == tf.NEXT else 'prev'}(book {book}, tag {tag}, {seqnum}) at "
                                        f"cut {res.cut}: got {res.hit}, a replay says {want}")
+        if res.record is not None:
+            held = [data for gsn, _, data in self.log if res.hit is not None and gsn == res.hit.gsn]
+            if held != [res.record]:
+                self.stats.failures.append(f"the answer at gsn {res.hit} came with {res.record!r}, the log holds {held}")
+            self.stats.records += 1
         self.stats.answered += 1
         self.stats.found += res.hit is not None
         self.sessions[s] = max(self.sessions[s], res.cut)

@@ -47,7 +47,7 @@ class AggregatorFrontend:
             if forbidden(self.refuse, route, req, self._failed):
                 return
         if type(req) is f.Lookup:
-            self.ask.lookup((route, req.req), req.how, req.book, req.tag, req.seqnum, req.cut, req.exact)
+            self.ask.lookup((route, req.req), req.how, req.book, req.tag, req.seqnum, req.cut, req.exact, req.record)
         elif type(req) is f.Status:
             core = self.ask.core
             self.send(route, f.encode(f.NodeState(req=req.req, node=0, watermark=min(core.watermarks, default=0),
@@ -69,7 +69,7 @@ class AggregatorFrontend:
         hit = res.hit
         self.send(route, f.encode(f.Found(req=req, cut=res.cut, found=hit is not None, gsn=hit.gsn if hit else 0,
                                           shard=hit.shard if hit else 0, trim_point=res.trim_point,
-                                          watermark=res.cut, trimmed_top=res.trimmed_top)))
+                                          watermark=res.cut, trimmed_top=res.trimmed_top, record=res.record)))
 
 
 async def serve(args: argparse.Namespace) -> int:

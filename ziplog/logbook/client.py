@@ -30,7 +30,7 @@ from ziplog.logbook.core import session as s
 from ziplog.logbook.core.aggregator import Result
 from ziplog.logbook.core.cache import CAPACITY as CACHE_ENTRIES
 from ziplog.logbook.core.cache import SuffixCache
-from ziplog.logbook.core.index import Assignment, IndexNode
+from ziplog.logbook.core.index import Assignment, Hit, HitRecord, IndexNode
 from ziplog.logbook.tier import TierLink
 from ziplog.protocol.errors import ForbiddenError, ZiplogError, ZiplogTimeoutError
 from ziplog.protocol.types import RecordId
@@ -84,6 +84,9 @@ class EngineState:
         #: tier results by lookup key, until the waiting call takes them
         self.results: dict[int, Result] = {}
         self._key = 0
+        #: ask the tier for a hit's record with its lookup (one round instead of two
+        #: where an index node keeps it)
+        self.records_with_lookups = True
 
     def start_at(self, floor: int, mode: str, cache_entries: int) -> int:
         """Set the engine up at the log's watermark ``floor``; the gsn its subscription
@@ -150,7 +153,8 @@ class EngineState:
     def ask_tier(self, tier: TierLink, op: s.Lookup) -> int:
         """Send the lookup the engine could not answer to the tier; its result's key."""
         self._key += 1
-        tier.lookup(self._key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor))
+        tier.lookup(self._key, op.how, op.book, op.tag, op.seqnum, max(op.min_cut, self.floor),
+                    record=self.records_with_lookups)
         return self._key
 
     def on_result(self, res: Result) -> None:
@@ -168,7 +172,10 @@ class EngineState:
         assert res.cut >= op.min_cut, ("the tier answered below the asked cut", res.cut, op.min_cut)
         assert self.cache is not None
         self.cache.learn(op.book, op.tag, op.how, op.seqnum, res.cut, res.hit, res.trim_point)
-        return (res.cut, res.hit, res.trimmed_top) if op.gapless else (res.cut, res.hit)
+        hit: Hit | HitRecord | None = res.hit
+        if hit is not None and res.record is not None:
+            hit = HitRecord(hit.gsn, hit.shard, res.record)
+        return (res.cut, hit, res.trimmed_top) if op.gapless else (res.cut, hit)
 
     def set_aux(self, seqnum: int, aux: bytes) -> None:
         self.aux[seqnum] = aux

@@ -118,7 +118,7 @@ async def serve(args: argparse.Namespace) -> int:
         now = time.monotonic_ns
         try:
             history, version = read_assignment(session.zk)
-            core = FeederCore(history, version)
+            core = FeederCore(history, version, record_max=args.record_max_bytes)
             driver = FeederDriver(core, key, rt, now)
             changed = asyncio.Event()
             directory = TierDirectory(session.zk, lambda: _set_soon(loop, changed))
@@ -181,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     from ziplog.shell.logs import configure_logging
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.feeder", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
+    ap.add_argument("--record-max-bytes", type=int, default=f.RECORD_IN_ANSWER_MAX,
+                    help=("an entry's record of at most this many bytes goes to its index node with it, which "
+                          f"answers lookups with it (0: none; at most {f.RECORD_IN_ANSWER_MAX})"))
     args = parse_tier_args(ap, argv, "feeder", serves=False)
+    if not 0 <= args.record_max_bytes <= f.RECORD_IN_ANSWER_MAX:
+        ap.error(f"--record-max-bytes is in 0..{f.RECORD_IN_ANSWER_MAX}")
     configure_logging(args, "feeder")
     from ziplog.client.aio import run
     return run(serve(args))

@@ -18,6 +18,7 @@ from typing import Callable
 
 from ziplog.cores.effects import Messages
 from ziplog.logbook.core import frames as f
+from ziplog.logbook.core.kept import KEEP_BYTES
 from ziplog.logbook.core.node import NodeCore
 from ziplog.protocol.auth import ClusterKey
 from ziplog.shell.rights import Refusal
@@ -112,7 +113,7 @@ async def serve(args: argparse.Namespace) -> int:
     from ziplog.protocol.addresses import advertised
 
     async with tier_process(args) as (key, session, stop, rt):
-        core = NodeCore(args.node)
+        core = NodeCore(args.node, keep_bytes=args.keep_record_bytes)
         rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns,
                                  None if rights is None else rights.refusal)
@@ -139,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.index_node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--zk", required=True, help="ZooKeeper hosts")
     ap.add_argument("--node", type=int, required=True, help="this index node's number, 0..N-1")
+    ap.add_argument("--keep-record-bytes", type=int, default=KEEP_BYTES,
+                    help="the bytes of its newest entries' records the node keeps to answer lookups with (0: none)")
     args = parse_tier_args(ap, argv, "index_node", serves=True)
     if args.node < 0:
         ap.error("--node must be 0 or more")
+    if args.keep_record_bytes < 0:
+        ap.error("--keep-record-bytes must be 0 or more")
     configure_logging(args, f"index-node{args.node}")
     from ziplog.client.aio import run
     return run(serve(args))

@@ -40,9 +40,9 @@ class AskDriver:
         self._perform(self.core.set_sources(addrs, self.rt.now()), [])
 
     def lookup(self, key: Hashable, how: int, book: int, tag: int | None, seqnum: int, min_cut: int,
-               exact: bool = False) -> None:
+               exact: bool = False, record: bool = False) -> None:
         """Start a lookup; its :class:`Result` comes to ``on_result``."""
-        self._perform(*self.core.lookup(key, how, book, tag, seqnum, min_cut, self.rt.now(), exact))
+        self._perform(*self.core.lookup(key, how, book, tag, seqnum, min_cut, self.rt.now(), exact, record))
         self._arm()
 
     def close(self) -> None:
@@ -129,8 +129,9 @@ class TierLink:
         if not self.ask.closed:
             self.ask.set_sources(self._sources())
 
-    def lookup(self, key: Hashable, how: str, book: int, tag: int | None, seqnum: int, min_cut: int) -> None:
-        self.ask.lookup(key, f.NEXT if how == "next" else f.PREV, book, tag, seqnum, min_cut)
+    def lookup(self, key: Hashable, how: str, book: int, tag: int | None, seqnum: int, min_cut: int,
+               record: bool = False) -> None:
+        self.ask.lookup(key, f.NEXT if how == "next" else f.PREV, book, tag, seqnum, min_cut, record=record)
 
     def close(self) -> None:
         self.ask.close()

@@ -43,8 +43,8 @@ class LocalLogBook:
     def _spawn_node(self, i: int) -> None:
         self.nodes[i] = self._spawn("ziplog.logbook.index_node", f"logbook-index{i}", "--node", str(i))
 
-    def _spawn_feeder(self) -> None:
-        self.feeder = self._spawn("ziplog.logbook.feeder", "logbook-feeder")
+    def _spawn_feeder(self, *extra: str) -> None:
+        self.feeder = self._spawn("ziplog.logbook.feeder", "logbook-feeder", *extra)
 
     def _spawn_aggregator(self, i: int) -> None:
         self.aggregators[i] = self._spawn("ziplog.logbook.aggregator", f"logbook-aggregator{i}")
@@ -101,8 +101,9 @@ class LocalLogBook:
             time.sleep(0.05)
         raise RuntimeError(f"the LogBook index tier was not ready within {timeout}s")
 
-    def node_state(self, i: int) -> tuple[int, int, int] | None:
-        """Index node ``i``'s (watermark, floor, size), or None when it does not answer."""
+    def node_state(self, i: int) -> tuple[int, int, int, int] | None:
+        """Index node ``i``'s (watermark, floor, size, records kept), or None when it does
+        not answer."""
         p = self.nodes.get(i)
         addr = self._registered(NODES).get(p.pid) if p is not None else None
         if addr is None:
@@ -114,7 +115,7 @@ class LocalLogBook:
             ans = f.decode_answer(got)
         except f.BadFrame:
             return None
-        return (ans.watermark, ans.floor, ans.size) if type(ans) is f.NodeState else None
+        return (ans.watermark, ans.floor, ans.size, ans.kept) if type(ans) is f.NodeState else None
 
     def node_pid(self, i: int) -> int:
         return self.nodes[i].pid
@@ -134,10 +135,12 @@ class LocalLogBook:
         if self.feeder is not None:
             procs.kill(self.feeder)
 
-    def restart_feeder(self) -> None:
+    def restart_feeder(self, *extra: str) -> None:
+        """SIGKILL the feeder and start it again (with ``extra`` arguments: e.g.
+        ``--record-max-bytes 0``)."""
         if self.feeder is not None and self.feeder.poll() is None:
             procs.kill(self.feeder)
-        self._spawn_feeder()
+        self._spawn_feeder(*extra)
 
     def add_index_node(self) -> int:
         """Start one more index node and want it in the assignment; its number."""

@@ -9,7 +9,8 @@ cut all of them are known to have reached, and never below the session's positio
 with Boki's rule that an answer is computed on one prefix of the log). A node that no
 longer answers at ``C`` (TOO_OLD: it dropped rows under a trim) makes the round start
 again at its floor; a node that does not answer (BEHIND, BUSY, silence) is asked again
-every ``retry_ns``; the lookup fails after ``timeout_ns``.
+every ``retry_ns``; the lookup fails after ``timeout_ns``. A lookup that asks for its
+hit's record has it in its result when the source that gave the hit kept it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ MAX_PENDING = 10_000
 @dataclass(frozen=True, slots=True)
 class Result:
     """A lookup's outcome: ``(cut, hit, trim_point, trimmed_top)``, or ``error`` (a
-    frames' code); ``trimmed_top``: see ``Found``."""
+    frames' code); ``trimmed_top``: see ``Found``; ``record``: the hit's record, if
+    asked for and kept where the hit came from."""
     key: Hashable
     cut: int = 0
     hit: Hit | None = None
@@ -38,6 +40,7 @@ class Result:
     trimmed_top: int = 0
     error: str | None = None
     message: str = ""
+    record: bytes | None = None
 
 
 class _Pending:
@@ -89,13 +92,14 @@ class AggregatorCore:
         return len(self._pending)
 
     def lookup(self, key: Hashable, how: int, book: int, tag: int | None, seqnum: int, min_cut: int, now: int,
-               exact: bool = False) -> tuple[Messages, list[Result]]:
-        """Start a lookup at a cut at or above ``min_cut`` (exactly there if ``exact``)."""
+               exact: bool = False, record: bool = False) -> tuple[Messages, list[Result]]:
+        """Start a lookup at a cut at or above ``min_cut`` (exactly there if ``exact``),
+        asking for the hit's record with it if ``record``."""
         if key in self._keys:
             return [], []  # a resend of a lookup in flight: its answer comes once
         if len(self._pending) >= self.max_pending:
             return [], [Result(key, error=f.BUSY, message=f"{self.max_pending} lookups in flight")]
-        q = f.Lookup(req=0, how=how, book=book, tag=tag, seqnum=seqnum, cut=min_cut, exact=exact)
+        q = f.Lookup(req=0, how=how, book=book, tag=tag, seqnum=seqnum, cut=min_cut, exact=exact, record=record)
         p = _Pending(key, q, now + self.timeout_ns)
         self._keys.add(key)
         if not exact and len(self.sources) > 1:
@@ -122,7 +126,7 @@ class AggregatorCore:
             return []
         single = len(self.sources) == 1
         q = f.Lookup(req=p.round, how=p.q.how, book=p.q.book, tag=p.q.tag, seqnum=p.q.seqnum, cut=p.cut,
-                     exact=p.q.exact or not single)
+                     exact=p.q.exact or not single, record=p.q.record)
         return [((addr,), q)]
 
     def on_answer(self, source: int, ans: f.Answer, now: int) -> tuple[Messages, list[Result]]:
@@ -150,7 +154,8 @@ class AggregatorCore:
             return [], []
         if len(self.sources) == 1:
             hit = Hit(ans.gsn, ans.shard) if ans.found else None
-            return [], [self._end(p, Result(p.key, ans.cut, hit, ans.trim_point, ans.trimmed_top))]
+            return [], [self._end(p, Result(p.key, ans.cut, hit, ans.trim_point, ans.trimmed_top,
+                                            record=ans.record if hit is not None else None))]
         if ans.cut != p.cut:
             return [], []  # not this round's cut (cannot happen with exact lookups): ignore
         p.answers[source] = ans
@@ -168,7 +173,9 @@ class AggregatorCore:
         hit = first(hits) if p.q.how == f.NEXT else last(hits)
         point = max(a.trim_point for a in p.answers.values())
         top = max(a.trimmed_top for a in p.answers.values())  # each entry is on one node
-        return [self._end(p, Result(p.key, p.cut, hit, point, top))]
+        record = None if hit is None else next(
+            (a.record for a in p.answers.values() if a.found and a.gsn == hit.gsn), None)
+        return [self._end(p, Result(p.key, p.cut, hit, point, top, record=record))]
 
     def _end(self, p: _Pending, result: Result) -> Result:
         self._pending.pop(p.round, None)

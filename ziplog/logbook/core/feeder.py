@@ -21,13 +21,16 @@ below it was delivered) as the nodes' watermark.
   not enough: records past it were routed already, and a node ahead skips them when they
   come again, so they must stay where the old assignment put them). It waits until every
   node of the assignment has said where it is.
+* **Records**: an entry's record of at most ``record_max`` bytes goes with it
+  (``Feed.records``), for the node to answer lookups with; a Feed carries at most
+  FEED_RECORD_BYTES of them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from ziplog.cores.effects import Messages
 from ziplog.logbook.core import frames as f
@@ -63,7 +66,11 @@ class _Link:
 
 
 class FeederCore:
-    def __init__(self, history: list[tuple[int, int]], version: int, window: int = WINDOW, ack_ns: int = ACK_NS) -> None:
+    def __init__(self, history: list[tuple[int, int]], version: int, window: int = WINDOW, ack_ns: int = ACK_NS,
+                 record_max: int = f.RECORD_IN_ANSWER_MAX) -> None:
+        assert 0 <= record_max <= f.RECORD_IN_ANSWER_MAX
+        #: entries' records up to this size go with them (0: none)
+        self.record_max = record_max
         self.history = history
         self.version = version
         self.assignment = Assignment(history)
@@ -161,11 +168,15 @@ class FeederCore:
             return []
         n = self.assignment.nodes
         entries: list[list[f.FedEntry]] = [[] for _ in range(n)]
+        kept: list[dict[int, bytes]] = [{} for _ in range(n)]
         trims: list[f.FedTrim] = []
         for gsn, shard, data in records:
             rec = r.decode(data)
             if type(rec) is r.Entry:
-                entries[self.assignment.node_of(gsn)].append((gsn, shard, rec.book, rec.tags))
+                node = self.assignment.node_of(gsn)
+                entries[node].append((gsn, shard, rec.book, rec.tags))
+                if len(data) <= self.record_max:
+                    kept[node][gsn] = data
             elif type(rec) is r.Trim:
                 trims.append((gsn, rec.book, rec.seqnum))
         out: Messages = []
@@ -173,23 +184,23 @@ class FeederCore:
         position = max(position, start)
         for node, link in self.links.items():
             if node < n:
-                out.extend(self._feeds(link, start, position, entries[node], trims, now))
+                out.extend(self._feeds(link, start, position, entries[node], trims, kept[node], now))
         self.position = position
         self.high = max(self.high, position)
         return out
 
     def _feeds(self, link: _Link, start: int, end: int, entries: list[f.FedEntry], trims: list[f.FedTrim],
-               now: int) -> Messages:
-        """Feeds covering ``(start, end]`` with at most MAX_FEED_ITEMS items each."""
-        items = sorted([(e[0], 0, e) for e in entries] + [(t[0], 1, t) for t in trims])
+               kept: dict[int, bytes], now: int) -> Messages:
+        """Feeds covering ``(start, end]`` with at most MAX_FEED_ITEMS items and
+        FEED_RECORD_BYTES of records each."""
+        items: list[tuple[int, int, object]] = sorted([(e[0], 0, e) for e in entries] + [(t[0], 1, t) for t in trims])
         out: Messages = []
-        step = f.MAX_FEED_ITEMS
-        for i in range(0, max(len(items), 1), step):
-            chunk = items[i:i + step]
-            last = end if i + step >= len(items) else chunk[-1][0]
+        for chunk, more in _chunks(items, kept):
+            last = chunk[-1][0] if more else end
             feed = f.Feed(gen=self.gen, from_gsn=start, watermark=last, history=list(self.history),
                           entries=[it for _, k, it in chunk if k == 0],  # type: ignore[misc]
-                          trims=[it for _, k, it in chunk if k == 1])  # type: ignore[misc]
+                          trims=[it for _, k, it in chunk if k == 1],  # type: ignore[misc]
+                          records=[(g, kept[g]) for g, k, _ in chunk if k == 0 and g in kept])
             out.append(((link.addr,), feed))
             link.inflight.append(now)
             start = last
@@ -244,3 +255,18 @@ class FeederCore:
                 link.inflight.clear()
                 out.append(self._probe(link, now))
         return out
+
+
+def _chunks(items: list[tuple[int, int, object]], kept: dict[int, bytes]) -> Iterator[tuple[list[tuple[int, int, object]], bool]]:
+    """``items`` cut into Feeds' worth (MAX_FEED_ITEMS items, FEED_RECORD_BYTES of kept
+    records at most), each with whether more follow; at least one, maybe empty."""
+    chunk: list[tuple[int, int, object]] = []
+    size = 0
+    for item in items:
+        n = len(kept.get(item[0], b"")) if item[1] == 0 else 0
+        if chunk and (len(chunk) == f.MAX_FEED_ITEMS or size + n > f.FEED_RECORD_BYTES):
+            yield chunk, True
+            chunk, size = [], 0
+        chunk.append(item)
+        size += n
+    yield chunk, False

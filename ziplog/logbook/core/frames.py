@@ -8,7 +8,10 @@ feeder and the engines talk from DEALERs.
 * ``Feed`` (feeder -> index node) carries authority (it decides what a node's answers
   are): a node takes it only inside a ``Signed`` envelope whose MAC the cluster key
   checks (:mod:`ziplog.protocol.auth`); a bare one is answered UNAUTHENTICATED.
-* ``Lookup`` and ``Status`` (anyone -> index node or aggregator) read only.
+* ``Lookup`` and ``Status`` (anyone -> index node or aggregator) read only. A Lookup
+  may ask for the hit's record with the answer (``record``): an index node keeps the
+  bytes of its recent entries that the feeder sent with them (``Feed.records``), so a
+  read by tag costs one round instead of a round to the index and one to the log.
 
 Every decoder is total: a frame that does not decode gets ``Failed(code=BAD_REQUEST)``
 and the server keeps serving.
@@ -30,12 +33,17 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]
 MAX_FEED_ITEMS = 4096
 #: a node's assignment history is at most this long (one step per node added)
 MAX_HISTORY = 1024
+#: the largest record an index node keeps to answer a lookup with (a bigger one is not
+#: fed: its reader reads it from the log)
+RECORD_IN_ANSWER_MAX = 32 << 10
+#: the record bytes one Feed carries at most (the feeder splits a batch that has more)
+FEED_RECORD_BYTES = 1 << 20
 #: the largest frame an index node reads (a full Feed, every item an entry at MAX_TAGS
-#: tags, fits; a Feed of more items is refused BAD_FEED)
-REQUEST_LIMIT = 2 * MAX_FEED_ITEMS * (MAX_TAGS + 4) * 9 + (64 << 10)
+#: tags, with its records, fits; a Feed of more items is refused BAD_FEED)
+REQUEST_LIMIT = 2 * MAX_FEED_ITEMS * (MAX_TAGS + 4) * 9 + FEED_RECORD_BYTES + MAX_FEED_ITEMS * 16 + (64 << 10)
 #: the largest frame an aggregator reads (Lookup and Status), and the largest answer an
-#: engine, the aggregator or the feeder reads
-ANSWER_LIMIT = 64 << 10
+#: engine, the aggregator or the feeder reads (a Found with its record fits)
+ANSWER_LIMIT = (64 << 10) + RECORD_IN_ANSWER_MAX
 
 #: ``Lookup.how``
 NEXT = 0
@@ -50,6 +58,8 @@ class _Frame(msgspec.Struct, array_like=True, tag_field="kind", forbid_unknown_f
 FedEntry = tuple[U64, U64, U64, Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_TAGS)]]
 #: (gsn, book, seqnum) of a trim record
 FedTrim = tuple[U64, U64, U64]
+#: (gsn, the record's bytes as the log holds them) of an entry the node may answer with
+FedRecord = tuple[U64, Annotated[bytes, msgspec.Meta(max_length=RECORD_IN_ANSWER_MAX)]]
 
 
 # -- feeder -> index node ----------------------------------------------------------------------
@@ -60,13 +70,16 @@ class Feed(_Frame, tag=1):
     with its watermark, and the feeder goes back there); records it already has are
     skipped, so a feed sent twice, or by two feeders, changes nothing. ``history`` is the
     assignment the feeder routed by (``[(first_epoch, nodes), ...]``); ``gen`` counts the
-    feeder's rewinds (its answer repeats it)."""
+    feeder's rewinds (its answer repeats it). ``records`` (optional): the bytes of some
+    of the feed's entries (gsns increasing, each an entry's of this feed, at most
+    FEED_RECORD_BYTES in all), which the node keeps to answer lookups with."""
     gen: U64
     from_gsn: U64
     watermark: U64
     history: Annotated[list[tuple[U64, U64]], msgspec.Meta(min_length=1, max_length=MAX_HISTORY)]
     entries: Annotated[list[FedEntry], msgspec.Meta(max_length=MAX_FEED_ITEMS)]
     trims: Annotated[list[FedTrim], msgspec.Meta(max_length=MAX_FEED_ITEMS)]
+    records: Annotated[list[FedRecord], msgspec.Meta(max_length=MAX_FEED_ITEMS)] = []
 
 
 class Signed(_Frame, tag=2):
@@ -82,7 +95,8 @@ class Lookup(_Frame, tag=3):
     entry of ``book`` with ``tag`` (None: any). ``exact``: at exactly ``cut`` (an
     aggregator asking every node at one cut; the node waits until it reached it);
     otherwise at a cut at or above ``cut`` of the server's choosing (an engine's
-    session position)."""
+    session position). ``record``: answer the hit's record with it, if the server
+    keeps it."""
     req: U64
     how: Annotated[int, msgspec.Meta(ge=0, le=1)]
     book: U64
@@ -90,6 +104,7 @@ class Lookup(_Frame, tag=3):
     seqnum: U64
     cut: U64
     exact: bool = False
+    record: bool = False
 
 
 class Status(_Frame, tag=4):
@@ -115,7 +130,9 @@ class Found(_Frame, tag=17):
     at the cut (an aggregate at that cut needs that many nodes' answers; 0 from an
     aggregator); ``trimmed_top`` (optional): the highest seqnum of an entry of the
     lookup's (book, tag) that a trim in force at the cut took (0: none), so that a
-    replay can tell it lost records."""
+    replay can tell it lost records; ``record`` (optional): the hit's record as the log
+    holds it, when the lookup asked for it and the server keeps it (None: read it from
+    the log)."""
     req: U64
     cut: U64
     found: bool
@@ -125,17 +142,19 @@ class Found(_Frame, tag=17):
     watermark: U64
     nodes: U64 = 0
     trimmed_top: U64 = 0
+    record: Annotated[bytes, msgspec.Meta(max_length=RECORD_IN_ANSWER_MAX)] | None = None
 
 
 class NodeState(_Frame, tag=18):
     """``node``: the index node's number (an aggregator says ``nodes``, its count, and
-    ``node`` 0); ``size``: seqnums it holds."""
+    ``node`` 0); ``size``: seqnums it holds; ``kept``: records it keeps to answer with."""
     req: U64
     node: U64
     watermark: U64
     floor: U64
     size: U64
     nodes: U64 = 1
+    kept: U64 = 0
 
 
 class Failed(_Frame, tag=19):
@@ -218,4 +237,11 @@ def check_feed(feed: Feed) -> str | None:
             last = gsn
     if {e[0] for e in feed.entries} & {t[0] for t in feed.trims}:
         return "an entry and a trim at one gsn"
+    if feed.records:
+        entries = {e[0] for e in feed.entries}
+        gsns = [g for g, _ in feed.records]
+        if any(a >= b for a, b in zip(gsns, gsns[1:])) or not entries.issuperset(gsns):
+            return "records must be of the feed's entries, gsns increasing"
+        if sum(len(data) for _, data in feed.records) > FEED_RECORD_BYTES:
+            return f"more than {FEED_RECORD_BYTES} record bytes"
     return None

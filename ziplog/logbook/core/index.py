@@ -47,6 +47,14 @@ class Hit(NamedTuple):
     shard: int
 
 
+class HitRecord(NamedTuple):
+    """A hit that came with its record's bytes (an index node keeps its newest
+    entries' records): the reader need not read it from the log."""
+    gsn: int
+    shard: int
+    record: bytes
+
+
 class Assignment:
     """Which node indexes each epoch: ``history`` is ``[(first_epoch, nodes), ...]``,
     first epochs increasing (the versioned assignment in ZooKeeper)."""

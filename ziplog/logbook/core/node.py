@@ -9,6 +9,10 @@ so a Feed sent again after a rewind, or by a second feeder, changes nothing. A r
 node starts empty at watermark 0, answers ``Fed(accepted=False)`` to the next Feed, and
 the feeder goes back to feed it from the start: the same records in the same order give
 the same answers.
+
+A node also keeps the bytes of its newest entries that the feeder sent with them
+(:class:`~ziplog.logbook.core.kept.KeptRecords`) and answers a lookup that asks for it
+with its hit's record, if it still keeps it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Iterator, cast
 from ziplog.cores.effects import Messages
 from ziplog.logbook.core import frames as f
 from ziplog.logbook.core.index import Assignment, IndexNode
+from ziplog.logbook.core.kept import KEEP_BYTES, KeptRecords
 from ziplog.protocol.gsna import epoch_of
 
 #: a parked lookup is answered BEHIND after this long (its asker asks again)
@@ -28,9 +33,12 @@ MAX_PARKED = 4096
 
 
 class NodeCore:
-    def __init__(self, node: int, park_ns: int = PARK_NS, max_parked: int = MAX_PARKED) -> None:
+    def __init__(self, node: int, park_ns: int = PARK_NS, max_parked: int = MAX_PARKED,
+                 keep_bytes: int = KEEP_BYTES) -> None:
         self.node = node
         self.index = IndexNode(node, Assignment([(0, node + 1)]))
+        #: the records of the newest entries, to answer lookups with
+        self.kept = KeptRecords(keep_bytes)
         #: the assignment history the feeds so far routed by (empty: none came yet)
         self.history: list[tuple[int, int]] = []
         self.park_ns = park_ns
@@ -62,6 +70,7 @@ class NodeCore:
             # fed again (the feeder goes back when it refuses the feed below); answers
             # wait meanwhile, as after a restart.
             self.index = IndexNode(self.node, Assignment(feed.history))
+            self.kept.clear()
             self.history = []
             self.resets += 1
         index = self.index
@@ -71,10 +80,14 @@ class NodeCore:
         if len(feed.history) > len(self.history):
             self.history = [(int(a), int(b)) for a, b in feed.history]
             index.assignment = Assignment(self.history)
+        records = dict(feed.records) if feed.records else None
         for kind, item in _merged(feed, index.watermark):
             if kind == 0:
                 e = cast(tuple[int, int, int, tuple[int, ...]], item)
                 index.on_entry(e[0], e[1], e[2], e[3])
+                data = None if records is None else records.get(e[0])
+                if data is not None:
+                    self.kept.add(e[0], data)
             else:
                 t = cast(tuple[int, int, int], item)
                 index.on_trim(t[0], t[1], t[2])
@@ -133,7 +146,8 @@ class NodeCore:
                        shard=hit.shard if hit else 0, trim_point=index.trim_point(q.book, cut),
                        watermark=index.watermark,
                        nodes=index.assignment.nodes_at(epoch_of(cut)) if self.history else 0,
-                       trimmed_top=index.trimmed_top(q.book, q.tag, cut))
+                       trimmed_top=index.trimmed_top(q.book, q.tag, cut),
+                       record=self.kept.get(hit.gsn) if q.record and hit is not None else None)
 
     def _release(self, now: int) -> Messages:
         out: Messages = []
@@ -163,7 +177,7 @@ class NodeCore:
     def status(self, req: int) -> f.NodeState:
         index = self.index
         return f.NodeState(req=req, node=self.node, watermark=index.watermark, floor=index.floor, size=index.size,
-                           nodes=self.history[-1][1] if self.history else 0)
+                           nodes=self.history[-1][1] if self.history else 0, kept=len(self.kept))
 
 
 def _merged(feed: f.Feed, above: int) -> Iterator[tuple[int, object]]:

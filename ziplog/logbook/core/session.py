@@ -21,6 +21,7 @@ from typing import Any, Generator
 
 from ziplog.cores.app_session import Insert, ReadRecord, drive
 from ziplog.logbook.core import records as r
+from ziplog.logbook.core.index import HitRecord
 from ziplog.protocol.errors import TrimmedError, ZiplogError
 
 #: the largest seqnum (check_tail reads back from it)
@@ -33,7 +34,8 @@ class Lookup:
     at or above ``seqnum``) or last (``"prev"``: at or below) entry of ``book`` with
     ``tag`` (None: any); ``(cut, Hit | None)`` is sent back, or with ``gapless``
     ``(cut, Hit | None, trimmed_top)``: the highest seqnum of an entry of the (book,
-    tag) a trim in force at the cut took (0: none)."""
+    tag) a trim in force at the cut took (0: none). The hit may be a ``HitRecord``: it
+    came with its record, which then is not read from the log."""
     how: str
     book: int
     tag: int | None
@@ -113,7 +115,10 @@ def read(pos: Position, how: str, book: int, tag: int | str | None, seqnum: int,
                            f"{seqnum} needs: what was built from the records before it cannot be rebuilt")
     if hit is None:
         return None
-    data = yield ReadRecord(hit)
+    if type(hit) is HitRecord:
+        data = hit.record
+    else:
+        data = yield ReadRecord(hit)
     rec = r.decode(data)
     if type(rec) is not r.Entry or rec.book != book:
         # what came over the network contradicts the index: fail the call, loudly (an
