@@ -171,12 +171,13 @@ def test_env_lock_gives_the_worker_back_and_a_run_again_waits_on_to_the_same_dea
 #: seeds and what each is there for (its counters say it happened): workers killed in the
 #: middle of workflows, a duplicate run at once with another, transactions aborted, lock
 #: tries refused, runs the log failed (run again), lock waiters that gave their workers
-#: back, and the log's own faults (replica crashes, the MMS or failure handler leader
+#: back, reads answered with records an engine kept, and the log's own faults (replica crashes, the MMS or failure handler leader
 #: killed)
 SEEDS = {
     37: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "replica_crashes"),
     9: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
-    50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills"),
+    # (its engines keep the records their subscriptions delivered: reads answered with them)
+    50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills", "kept_reads"),
     116: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
     235: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
     # lock waiters gave their workers back (Env.lock's Suspended) and ran again

@@ -51,6 +51,31 @@ def test_append_then_read_at_once_with_tags_trim_and_aux(cluster: ziplog.LocalCl
         assert other.check_tail() is None
 
 
+@pytest.mark.parametrize("record_bytes", [1 << 20, 0])
+def test_an_engine_answers_with_the_records_its_subscription_delivered(cluster: ziplog.LocalCluster,
+                                                                        record_bytes: int) -> None:
+    from ziplog.logbook.client import Engine
+    engine = Engine(cluster.zk_hosts, record_bytes=record_bytes)
+    reads: list[object] = []
+    read_record = engine.client.read_record
+
+    def counted(rid: object) -> bytes:
+        reads.append(rid)
+        return read_record(rid)  # type: ignore[arg-type]
+
+    engine.client.read_record = counted  # type: ignore[method-assign]
+    try:
+        lb = LogBook("", 9, _engine=engine)
+        s = [lb.append(bytes([i]) * 100, tags=["kept"]) for i in range(3)]
+        got = [lb.read_next(s[i], tag="kept") for i in range(3)] + [lb.read_prev(s[1])]
+        assert [(g.seqnum, g.data) for g in got if g is not None] == [
+            (s[0], bytes([0]) * 100), (s[1], bytes([1]) * 100), (s[2], bytes([2]) * 100), (s[1], bytes([1]) * 100)]
+        # kept: nothing read from the log; not kept: each read ends with a read_record
+        assert len(reads) == (0 if record_bytes else 4)
+    finally:
+        engine.close()
+
+
 def test_a_child_on_another_engine_reads_its_parents_append_at_once(cluster: ziplog.LocalCluster) -> None:
     with LogBook(cluster.zk_hosts, 3) as parent, LogBook(cluster.zk_hosts, 3) as elsewhere:
         s = parent.append(b"x", tags=[1])

@@ -104,3 +104,22 @@ def test_a_node_that_forgets_its_index_forgets_its_records() -> None:
     grown = f.Feed(gen=0, from_gsn=E + 1, watermark=E + 1, history=[(0, 1), (1, 2)], entries=[], trims=[])
     node.on_feed(b"feeder", grown, 0)
     assert node.resets == 1 and len(node.kept) == 0
+
+
+def test_an_engine_answers_from_its_kept_records_in_every_mode() -> None:
+    from ziplog.logbook.client import EngineState
+    from ziplog.logbook.core import session as s
+    from ziplog.logbook.core.index import Hit, HitRecord
+    for mode in ("local", "tier"):
+        for record_bytes in (1 << 20, 0):
+            engine = EngineState(1.0, 10, record_bytes=record_bytes)
+            start = engine.start_at(E, mode, 100)
+            gsn, _, data = _entry(E + 1, b"one")
+            assert gsn >= start
+            engine.feed(gsn, 0, data)
+            engine.on_watermark(gsn)
+            if engine.cache is not None:  # a tier answer taught the cache the book's trim point
+                engine.cache.learn(1, 5, "next", 0, E, None, 0)
+            got = engine.answer(s.Lookup("next", 1, 5, E + 1, E))
+            assert got is not None
+            assert got[1] == (HitRecord(gsn, 0, data) if record_bytes else Hit(gsn, 0)), (mode, record_bytes)

@@ -3,9 +3,10 @@
 On 2 shards x 2 replicas with 4 KiB records, in one run:
 
 * **append** latency: one session, each append after the previous one;
-* **read** latency of the same old records by tag, five ways: an engine **cache hit**
+* **read** latency of the same old records by tag: an engine **cache hit**
   (``read_prev`` of a tag the engine appended, answered by its suffix cache, checked
-  with the cache's hit counter); a **tier lookup through the aggregator** (``index="tier"``,
+  with the cache's hit counter, the record from those its subscription delivered), and
+  the same with those records set aside (then a ``read_record``); a **tier lookup through the aggregator** (``index="tier"``,
   an engine started after the records were appended, ``read_next`` from seqnum 0, so its
   cache cannot answer); the same with the engine **asking the index nodes** itself
   (``index="nodes"``); the same again with the record **read from the log after the
@@ -67,6 +68,8 @@ HIT, TIER, NODES, FLOOR, LOCAL = ("cache hit", "tier (aggregator)", "tier (nodes
                                   "local index")
 #: asking the nodes for the entry only, then reading its record from the log (two rounds)
 TWO_ROUNDS = "tier (nodes direct), then read_record"
+#: the cache hit's engine without the records its subscription delivered (a read_record after)
+HIT_READ = "cache hit, then read_record"
 SAME, OTHER = "same engine (child)", "other engine"
 #: the two parts of a tier read (section "read parts")
 PART_INDEX, PART_READ = "index round", "record read"
@@ -125,6 +128,7 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
     """Append ``records`` tagged records (timed) and read them back the five ways."""
     from ziplog.logbook import LogBook
     from ziplog.logbook.core import records as r
+    from ziplog.logbook.core.kept import KeptRecords
     from ziplog.protocol.types import RecordId
     zk = tier.zk_hosts
     payload = os.urandom(p["record_bytes"])
@@ -171,12 +175,23 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
                 return lambda i: lb.read_prev(seqnums[i], tag=tags[i])
             return lambda i: lb.read_next(0, tag=tags[i])
 
+        def without_kept(i: int) -> Any:
+            """A cache hit on the writer's engine with its kept records set aside."""
+            engine = writer._engine
+            kept, engine.kept = engine.kept, KeptRecords(0)
+            try:
+                return writer.read_prev(seqnums[i], tag=tags[i])
+            finally:
+                engine.kept = kept
+
         client = reader._engine.client
-        reads: dict[str, Callable[[int], Any]] = {HIT: via(HIT), TIER: via(TIER), NODES: via(NODES),
+        reads: dict[str, Callable[[int], Any]] = {HIT: via(HIT), HIT_READ: without_kept, TIER: via(TIER),
+                                                  NODES: via(NODES),
                                                   TWO_ROUNDS: via(TWO_ROUNDS),
                                                   FLOOR: lambda i: client.read_record(rids[i]), LOCAL: via(LOCAL)}
         samples: dict[str, list[int]] = {k: [] for k in reads}
         tiered = (TIER, NODES, TWO_ROUNDS)
+        sessions[HIT_READ] = writer
         counters = {k: (sessions[k]._engine.cache.hits, sessions[k]._engine.cache.misses) for k in (HIT, *tiered)}
         parts = {k: _time_parts(sessions[k]._engine) for k in tiered}
         rng = random.Random(nodes)
@@ -197,7 +212,7 @@ def measure_reads(tier: Any, p: dict[str, Any], nodes: int, book: int) -> list[d
         done = {k: (sessions[k]._engine.cache.hits - h, sessions[k]._engine.cache.misses - m)
                 for k, (h, m) in counters.items()}
         reads_made = p["rounds"] * p["reads_per_round"]
-        assert done[HIT] == (reads_made, 0), ("the cache-hit reads were not all hits", done[HIT])
+        assert done[HIT] == (2 * reads_made, 0), ("the cache-hit reads were not all hits", done[HIT])
         for kind in tiered:
             assert done[kind] == (0, reads_made), (f"{kind} reads did not all go to the tier", done[kind])
             made = len(parts[kind][1])
@@ -447,7 +462,8 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
     memory = memory_summary(mem) if mem else []
     _plots(res, rows, mem, main_n)
     res.note("cache hit: read_prev(seqnum, tag) on the engine that appended the records (its suffix cache, "
-             "which learned the book's trim point from one tier answer first), then a read_record of the record; "
+             "which learned the book's trim point from one tier answer first), the record from those the engine's "
+             "subscription delivered; 'cache hit, then read_record': the same with those set aside; "
              "tier and nodes-direct: read_next(0, tag) on an engine started after the appends, so below its "
              "cache's start, the record coming with the lookup's answer from the index node that keeps it (one "
              "round; checked: no record read from the log); 'then read_record': the same lookup without the "
@@ -505,6 +521,7 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
     ratio("nodes-direct: record with the lookup / read after it", r(NODES), r(TWO_ROUNDS), f"N={n}")
     ratio("nodes-direct / aggregator", r(NODES), r(TIER), f"N={n}")
     ratio("cache hit / read_record", r(HIT), r(FLOOR), f"N={n}")
+    ratio("cache hit, then read_record / read_record", r(HIT_READ), r(FLOOR), f"N={n}")
     ratio("local index / read_record", r(LOCAL), r(FLOOR), f"N={n}")
     if lo != n:
         ratio("N=2 / N=1, aggregator" if (lo, n) == (1, 2) else f"N={n} / N={lo}, aggregator", r(TIER),
@@ -521,7 +538,7 @@ def ratio_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, 
 def nodes_rows(rows: list[dict[str, Any]], p: dict[str, Any]) -> list[dict[str, Any]]:
     lo, hi = min(p["index_nodes"]), max(p["index_nodes"])
     out = []
-    for kind in (TIER, NODES, TWO_ROUNDS, FLOOR, HIT, LOCAL):
+    for kind in (TIER, NODES, TWO_ROUNDS, FLOOR, HIT, HIT_READ, LOCAL):
         a, b = _find(rows, "read", kind, lo), _find(rows, "read", kind, hi)
         if a is None or b is None:
             continue

@@ -68,13 +68,14 @@ from tests.sim.world import MS, SimProcess, SimTopology
 from ziplog.client.driver import ClientDriver
 from ziplog.cores.app_session import CallbackRun, Insert, ReadRecord
 from ziplog.cores.client.state import ClientState
-from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState
+from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, RECORD_BYTES, EngineState
 from ziplog.logbook.core import flow as fc
 from ziplog.logbook.core import flow_records as fr
 from ziplog.logbook.core import records as lr
 from ziplog.logbook.core import session as ls
 from ziplog.logbook.core.book_ops import Append, ReadNext, ReadTail
 from ziplog.logbook.core.flow_lock import LockChain
+from ziplog.logbook.core.index import HitRecord
 from ziplog.logbook.flow.db import SqliteDatabase
 from ziplog.logbook.flow.env import TransactionAborted, _is_infrastructure, lock_name
 from ziplog.logdb.driver import ClientLog
@@ -139,9 +140,11 @@ class SimEngine:
     watermark once it reached their ``min_cut`` (``Engine.perform``), looked at again on
     each change of the subscription."""
 
-    def __init__(self, proc: SimProcess, client: ClientDriver) -> None:
+    def __init__(self, proc: SimProcess, client: ClientDriver, record_bytes: int, stats: dict[str, int]) -> None:
         self.proc = proc
-        self.state = EngineState(ENGINE_TIMEOUT_S, AUX_ENTRIES)
+        self.state = EngineState(ENGINE_TIMEOUT_S, AUX_ENTRIES, record_bytes)
+        #: the sim's counters (reads answered with a record the engine kept: ``kept_reads``)
+        self.stats = stats
         # The production engine takes the log's watermark at its start (a status round
         # trip) as its floor; here the floor is 0, so a new worker's engine answers at
         # cuts far behind the log while it catches up: any cut at or above a session's
@@ -169,14 +172,19 @@ class SimEngine:
         ready = [w for w in self.waiting if w[0] <= mark]
         self.waiting = [w for w in self.waiting if w[0] > mark]
         for _, op, on_result in ready:
-            on_result(self.state.answer(op), None)
+            on_result(self._answer(op), None)
 
     def lookup(self, op: ls.Lookup, on_result: OnResult) -> None:
         need = max(op.min_cut, self.state.floor)
         if self.state.watermark >= need:
-            on_result(self.state.answer(op), None)
+            on_result(self._answer(op), None)
         else:
             self.waiting.append((need, op, on_result))
+
+    def _answer(self, op: ls.Lookup) -> Any:
+        got = self.state.answer(op)
+        self.stats["kept_reads"] += got is not None and type(got[1]) is HitRecord
+        return got
 
 
 class StepRun(CallbackRun):
@@ -603,7 +611,7 @@ class FlowWorker:
         self.proc.run(self._begin)
 
     def _begin(self) -> None:
-        self.engine = SimEngine(self.proc, self.client)
+        self.engine = SimEngine(self.proc, self.client, self.sim.engine_record_bytes, self.sim.stats)
 
     @property
     def alive(self) -> bool:
@@ -632,6 +640,9 @@ class FlowSim(SystemSim):
         super().__init__(seed, trace, **kw)
         #: the sim's choices while it runs (which worker, which run to kill, pauses)
         self.flow_rng = random.Random(seed * 130_363 + 12)
+        #: the records an engine keeps from its subscription (half the seeds: none, so each
+        #: read ends with a ReadRecord as it did before engines kept them)
+        self.engine_record_bytes = random.Random(seed * 130_363 + 13).choice([0, RECORD_BYTES])
         # the SQLite file in memory-backed storage where there is one
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.tmp = Path(tempfile.mkdtemp(prefix=f"flow-sim-{seed}-", dir=shm))
@@ -678,7 +689,7 @@ class FlowSim(SystemSim):
         self.stats = {"workflows": len(self.workflows), "runs": 0, "run_errors": 0, "worker_kills": 0, "suspended": 0,
                       "killed_runs": 0, "duplicates": 0, "duplicates_overlapping": 0, "moved": 0, "refused": 0,
                       "aborted": 0, "tx_aborts": 0, "audits": 0, "trips": 0, "lock_taken": 0,
-                      "lock_refusals": 0, "holders_gave_up": 0, "db_applied": 0, "db_repeats": 0}
+                      "lock_refusals": 0, "holders_gave_up": 0, "db_applied": 0, "db_repeats": 0, "kept_reads": 0}
 
     # -- workers and runs -----------------------------------------------------------------------
     def _run(self) -> Outcome:

@@ -16,7 +16,7 @@ import asyncio
 from typing import Any, cast
 
 from ziplog.client.aio import AsyncClient
-from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, EngineState, LogRecord, SessionBase, choose_mode
+from ziplog.logbook.client import AUX_ENTRIES, CACHE_ENTRIES, RECORD_BYTES, EngineState, LogRecord, SessionBase, choose_mode
 from ziplog.cores.app_session import drive_async
 from ziplog.logbook.core import session as s
 from ziplog.logbook.core.aggregator import Result
@@ -28,8 +28,9 @@ __all__ = ["AsyncLogBook", "AsyncEngine", "LogRecord"]
 
 class AsyncEngine(EngineState):
     def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
-                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None) -> None:
-        super().__init__(timeout, aux_entries)
+                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None,
+                 record_bytes: int = RECORD_BYTES) -> None:
+        super().__init__(timeout, aux_entries, record_bytes)
         self.zk_hosts = zk_hosts
         self.key_file = key_file
         self.index_mode = index

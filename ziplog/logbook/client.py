@@ -31,6 +31,7 @@ from ziplog.logbook.core.aggregator import Result
 from ziplog.logbook.core.cache import CAPACITY as CACHE_ENTRIES
 from ziplog.logbook.core.cache import SuffixCache
 from ziplog.logbook.core.index import Assignment, Hit, HitRecord, IndexNode
+from ziplog.logbook.core.kept import KeptRecords
 from ziplog.logbook.tier import TierLink
 from ziplog.protocol.errors import ForbiddenError, ZiplogError, ZiplogTimeoutError
 from ziplog.protocol.types import RecordId
@@ -41,6 +42,9 @@ LogRecord = s.LogRecord
 
 #: aux data entries an engine keeps (least recently used dropped first)
 AUX_ENTRIES = 100_000
+#: bytes of the newest entries' records an engine keeps from its subscription, to answer
+#: a read whose hit it keeps without reading the record from the log (0: none)
+RECORD_BYTES = 16 << 20
 #: A lookup takes in what arrived (one runtime turn that does not wait) when the last
 #: such turn is older than this: a session that only reads never moves its position, so
 #: nothing else would turn the runtime, and a poller (a consumer at an empty queue) would
@@ -68,11 +72,18 @@ class EngineState:
     answers through an aggregator, and the engine keeps only a bounded cache (the log's
     recent suffix from its start on, and the tails the tier told it) that answers when it
     can; ``"nodes"``: the same, the engine asking the index nodes itself. ``"auto"``:
-    ``"tier"`` when the cluster has an index tier, else ``"local"``."""
+    ``"tier"`` when the cluster has an index tier, else ``"local"``.
 
-    def __init__(self, timeout: float, aux_entries: int) -> None:
+    Every mode also keeps the newest entries' records its subscription delivered (at
+    most ``record_bytes``, records of at most 32 KiB; the lowest gsns go first): a read
+    whose hit it keeps is answered with that record, not read from the log again (they
+    are the log's stable records: the same bytes ``read_record`` returns)."""
+
+    def __init__(self, timeout: float, aux_entries: int, record_bytes: int = RECORD_BYTES) -> None:
         self.timeout = timeout
         self.mode = "local"
+        #: the newest entries' records, as the subscription delivered them
+        self.kept = KeptRecords(record_bytes)
         self.index = IndexNode(0, Assignment([(0, 1)]))
         self.cache: SuffixCache | None = None
         self.aux: OrderedDict[int, bytes] = OrderedDict()
@@ -103,10 +114,12 @@ class EngineState:
         return self.index.watermark if self.cache is None else self.cache.watermark
 
     def feed(self, gsn: int, shard: int, data: bytes) -> None:
-        if self.cache is not None:
-            self.cache.on_record(gsn, shard, data)
-            return
         rec = r.decode(data)
+        if type(rec) is r.Entry and len(data) <= tf.RECORD_IN_ANSWER_MAX:
+            self.kept.add(gsn, data)
+        if self.cache is not None:
+            self.cache.on_decoded(gsn, shard, rec)
+            return
         if type(rec) is r.Entry:
             self.index.on_entry(gsn, shard, rec.book, rec.tags)
         elif type(rec) is r.Trim:
@@ -125,18 +138,26 @@ class EngineState:
         cache = self.cache
         if cache is not None:
             if not op.gapless:
-                return cache.answer(op.how, op.book, op.tag, op.seqnum)
+                got = cache.answer(op.how, op.book, op.tag, op.seqnum)
+                return None if got is None else (got[0], self._with_record(got[1]))
             # A trim point at or below the replay's start took nothing it needs (0: no
             # gap); above it, only the index nodes know what the trim took of the tag.
             point = cache.trim_point(op.book)
             if point is None or point > op.seqnum:
                 return None
             got = cache.answer(op.how, op.book, op.tag, op.seqnum)
-            return None if got is None else (*got, 0)
+            return None if got is None else (got[0], self._with_record(got[1]), 0)
         cut = self.index.watermark
         find = self.index.next if op.how == "next" else self.index.prev
-        hit = find(op.book, op.tag, op.seqnum, cut)
+        hit = self._with_record(find(op.book, op.tag, op.seqnum, cut))
         return (cut, hit, self.index.trimmed_top(op.book, op.tag, cut)) if op.gapless else (cut, hit)
+
+    def _with_record(self, hit: Hit | None) -> Hit | HitRecord | None:
+        """The hit with its record, if the engine keeps it."""
+        data = None if hit is None else self.kept.get(hit.gsn)
+        if hit is None or data is None:
+            return hit
+        return HitRecord(hit.gsn, hit.shard, data)
 
     def caught_up(self, rec: Any, sub_position: int, position: int) -> bool:
         """One step of catching the index up to ``position`` from the engine's
@@ -173,8 +194,10 @@ class EngineState:
         assert self.cache is not None
         self.cache.learn(op.book, op.tag, op.how, op.seqnum, res.cut, res.hit, res.trim_point)
         hit: Hit | HitRecord | None = res.hit
-        if hit is not None and res.record is not None:
-            hit = HitRecord(hit.gsn, hit.shard, res.record)
+        if res.hit is not None and res.record is not None:
+            hit = HitRecord(res.hit.gsn, res.hit.shard, res.record)
+        else:
+            hit = self._with_record(res.hit)
         return (res.cut, hit, res.trimmed_top) if op.gapless else (res.cut, hit)
 
     def set_aux(self, seqnum: int, aux: bytes) -> None:
@@ -218,8 +241,9 @@ class Engine(EngineState):
     subscription, and the aux-data cache; shared by the sessions of one thread."""
 
     def __init__(self, zk_hosts: str, timeout: float = 30.0, aux_entries: int = AUX_ENTRIES, index: str = "auto",
-                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None) -> None:
-        super().__init__(timeout, aux_entries)
+                 cache_entries: int = CACHE_ENTRIES, key_file: str | None = None,
+                 record_bytes: int = RECORD_BYTES) -> None:
+        super().__init__(timeout, aux_entries, record_bytes)
         mode = choose_mode(index, zk_hosts, timeout)
         self.client = Client(zk_hosts, timeout=timeout, key_file=key_file)
         self.tier: TierLink | None = None

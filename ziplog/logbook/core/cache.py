@@ -78,8 +78,11 @@ class SuffixCache:
 
     # -- the feed ---------------------------------------------------------------------------------
     def on_record(self, gsn: int, shard: int, data: bytes) -> None:
+        self.on_decoded(gsn, shard, r.decode(data))
+
+    def on_decoded(self, gsn: int, shard: int, rec: r.Record | None) -> None:
+        """:meth:`on_record` of a record already decoded (None: not LogBook's)."""
         assert gsn > self.watermark, ("the cache's feed went back", gsn, self.watermark)
-        rec = r.decode(data)
         if type(rec) is r.Entry:
             tags = tuple(dict.fromkeys(rec.tags))  # a tag twice (not written by entry()) counts once
             for tag in (ALL, *tags):
