@@ -16,6 +16,7 @@ import ziplog
 from ziplog.logbook import LogBook, local_logbook
 from ziplog.logdb import LogDB
 from ziplog.protocol.errors import ForbiddenError
+from ziplog.tools import cli
 from ziplog.tools.logdb_local import local_logdb
 
 TIMEOUT = 15.0
@@ -71,13 +72,17 @@ def _registered_addrs(cluster: ziplog.LocalCluster, path: str) -> list[str]:
     return [dec(zkc.get(f"{path}/{kid}")[0])["addr"] for kid in sorted(zkc.get_children(path))]
 
 
-def test_every_app_server_refuses_a_read_to_a_key_without_the_right(cluster: ziplog.LocalCluster) -> None:
+def test_every_app_server_refuses_a_read_to_a_key_without_the_right(cluster: ziplog.LocalCluster,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Every app server a client reaches judges each request by the registry, as a storage
     replica does: a key without ``read``, and a removed one, are answered FORBIDDEN by
     LogDB's coordinator (Latest: where a key's last write is) and KV shard (KvGet: its
     value), and by LogBook's index node and aggregator (Lookup: which gsns hold a tag);
     a key with ``read`` is answered. Raw frames over CURVE, so no storage replica's check
-    comes first."""
+    comes first. ``ziplog client remove`` returns once every app server confirmed the
+    removal (the key is refused by each at once), and fails naming a stopped one."""
+    import os
+    import signal
     import time
 
     from ziplog.io.keys import client_credentials
@@ -87,7 +92,7 @@ def test_every_app_server_refuses_a_read_to_a_key_without_the_right(cluster: zip
     from ziplog.logbook.core import frames as bf
     from ziplog.logdb.core import frames as df
 
-    with local_logdb(cluster, coordinators=1, kv_shards=1), local_logbook(cluster, index_nodes=1):
+    with local_logdb(cluster, coordinators=1, kv_shards=1), local_logbook(cluster, index_nodes=1) as tier:
         writer = cluster.add_client("writes-only", "append")
         removed = cluster.add_client("removed", "read")
         cluster.remove_client("removed")
@@ -107,16 +112,66 @@ def test_every_app_server_refuses_a_read_to_a_key_without_the_right(cluster: zip
             assert got is not None, f"{addr} did not answer"
             return decode(got)
 
+        def until_answered(key: Path) -> None:
+            for addr, frame, decode, answered in asks:
+                deadline = time.monotonic() + 30
+                while True:  # until this server's table has the registry's last change
+                    got = ask(addr, frame, decode, key)
+                    if type(got) is answered:
+                        break
+                    assert getattr(got, "code", None) == "FORBIDDEN" and time.monotonic() < deadline, (addr, got)
+                    time.sleep(0.05)
+
+        until_answered(reader)
         for addr, frame, decode, answered in asks:
-            deadline = time.monotonic() + 30
-            while True:  # until this server's table has the registry's last change
-                got = ask(addr, frame, decode, reader)
-                if type(got) is answered:
-                    break
-                assert getattr(got, "code", None) == "FORBIDDEN" and time.monotonic() < deadline, (addr, got)
-                time.sleep(0.05)
             for key, who in ((writer, "writes-only"), (removed, None)):
                 got = ask(addr, frame, decode, key)
                 assert getattr(got, "code", None) == "FORBIDDEN" and getattr(got, "req", None) == 5, (addr, got)
                 wanted = "lacks the 'read' right" if who else "not registered"
                 assert wanted in got.message, (addr, got)
+
+        # the command line's remove waits for every app server's confirmation
+        remove = ["client", "remove", "--zk", cluster.zk_hosts, "--cluster-key-file", str(cluster.key_file)]
+        late = cluster.add_client("late", "read")
+        until_answered(late)
+        node = tier.node_pid(0)
+        os.kill(node, signal.SIGSTOP)
+        try:
+            assert cli.main([*remove, "late", "--timeout", "2"]) == 1
+        finally:
+            os.kill(node, signal.SIGCONT)
+        err = capsys.readouterr().err
+        assert "did not confirm it" in err and "logbook-index0" in err, err
+        later = cluster.add_client("later", "read")
+        until_answered(later)
+        assert cli.main([*remove, "later"]) == 0
+        for addr, frame, decode, _ in asks:  # at once: no server still takes the key
+            got = ask(addr, frame, decode, later)
+            assert getattr(got, "code", None) == "FORBIDDEN" and "not registered" in got.message, (addr, got)
+
+
+def test_a_server_confirms_the_latest_registry_version_and_again_on_a_new_session() -> None:
+    import queue
+
+    from ziplog.shell.rights import LoadConfirmer
+
+    writes: "queue.Queue[tuple[str, int]]" = queue.Queue()
+
+    class Registry:
+        fail = True
+
+        def confirm_loaded(self, server: str, version: int) -> None:
+            if self.fail:  # ZooKeeper away once: tried again
+                self.fail = False
+                raise ConnectionError("no session")
+            writes.put((server, version))
+
+    confirmer = LoadConfirmer(Registry(), "kv-0")
+    confirmer.loaded(3)
+    assert writes.get(timeout=TIMEOUT) == ("kv-0", 3)
+    confirmer.loaded(2)  # an older load: nothing to say
+    confirmer.loaded(5)
+    assert writes.get(timeout=TIMEOUT) == ("kv-0", 5)
+    confirmer.again()  # a new session lost the node: the latest version again
+    assert writes.get(timeout=TIMEOUT) == ("kv-0", 5)
+    assert writes.empty()

@@ -4,6 +4,11 @@ under an ACL that lets only the cluster's digest read or write it (a client lear
 nothing of the others' keys). One node, so a change is one versioned write and a
 replica's table is always one whole registry (its ZooKeeper version numbers it); the
 servers watch it, and ``ziplog client add/remove`` compare-and-set it.
+
+Each app server (LogDB's coordinators and KV shards, LogBook's index nodes and
+aggregators) says which version its table holds in an ephemeral node of its own under
+``/ziplog/clients-loaded`` (same ACL), so that ``ziplog client remove`` can wait for
+them as it waits for the storage replicas' STATUS.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from kazoo.security import make_acl
 
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.keys import KEY_BYTES, ClientEntry, Right
-from ziplog.protocol.layout import CLIENTS, dec, enc
+from ziplog.protocol.layout import CLIENTS, CLIENTS_LOADED, dec, enc
 
 log = logging.getLogger("ziplog.zk")
 
 #: registry size bound: a ZooKeeper node holds at most 1 MiB, about 15,000 entries
 MAX_CLIENTS = 10_000
+#: the app servers' confirmations: ``LOADED/<server>`` = ``{"version": v}``, ephemeral
+LOADED = CLIENTS_LOADED
 
 OnRegistry = Callable[[list[ClientEntry], int], None]
 
@@ -132,6 +139,55 @@ class ClientRegistry:
             doc[name] = {"public": public, "rights": sorted(r.value for r in rights)}
 
         return self._update(change)
+
+    def on_connected(self, call: Callable[[], None]) -> None:
+        """Call ``call`` (on kazoo's thread: it must not block) whenever the session
+        connects again: a new session has lost its ephemeral nodes."""
+        from kazoo.client import KazooState
+
+        def on_state(state: Any) -> None:
+            if state == KazooState.CONNECTED:
+                call()
+
+        self.zk.add_listener(on_state)
+
+    def confirm_loaded(self, server: str, version: int) -> None:
+        """Say, in ``server``'s ephemeral node (gone with its session), that its table
+        holds registry ``version``."""
+        if not server or "/" in server:
+            raise ValueError(f"a server's name has no '/': {server!r}")
+        path, data = f"{LOADED}/{server}", enc({"version": version})
+        try:
+            try:
+                self.zk.set(path, data)
+            except NoNodeError:
+                try:
+                    self.zk.create(path, data, acl=self.acl, ephemeral=True, makepath=True)
+                except NodeExistsError:
+                    self.zk.set(path, data)
+        except NoAuthError:
+            raise RegistryError(_NOT_MEMBER) from None
+
+    def loaded(self) -> dict[str, int]:
+        """The registry version each app server's table holds, as it last said (a server
+        whose node is gone, or unreadable, is not there)."""
+        try:
+            names = self.zk.get_children(LOADED)
+        except NoNodeError:
+            return {}
+        except NoAuthError:
+            raise RegistryError(_NOT_MEMBER) from None
+        out: dict[str, int] = {}
+        for name in names:
+            try:
+                doc = dec(self.zk.get(f"{LOADED}/{name}")[0])
+            except (NoNodeError, NoAuthError):
+                continue
+            except Exception:  # msgpack raises several types on junk
+                continue
+            if isinstance(doc, dict) and type(doc.get("version")) is int:
+                out[name] = doc["version"]
+        return out
 
     def remove(self, name: str) -> int:
         """Remove ``name``; the registry's new version (RegistryError if it is unknown)."""

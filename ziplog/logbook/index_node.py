@@ -114,7 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     async with tier_process(args) as (key, session, stop, rt):
         core = NodeCore(args.node, keep_bytes=args.keep_record_bytes)
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logbook-index{args.node}")
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns,
                                  None if rights is None else rights.refusal)
         guard = InboundGuard(log, rt)

@@ -175,7 +175,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
         who = f"coordinator-{args.id}"
         guard = InboundGuard(log, rt)
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}")
         router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard, args.bind, args.port,
                                 rights)
 

@@ -171,7 +171,7 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         def answer(route: bytes, frame: bytes) -> None:
             router.send_to(route, driver.answer(frame))
 
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS)
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}")
         router = serve_requests(rt, answer, InboundGuard(log, rt), args.bind, args.port, rights)
         session.keep_registered(f"{db_path(args.name)}/kv/{args.index}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})

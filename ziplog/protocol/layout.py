@@ -34,6 +34,9 @@ FH_REPLICAS = f"{FH_ROOT}/replicas"
 #: the client key registry: {name: {"public": 32 bytes, "rights": [str]}}, readable
 #: and writable by members only (``io.zk_clients``)
 CLIENTS = f"{ROOT}/clients"
+#: each app server's confirmation of the registry version its table holds:
+#: ``<role>-<pid>@<host>`` = {"version": int}, ephemeral, members only
+CLIENTS_LOADED = f"{ROOT}/clients-loaded"
 
 
 def fh_election_path(group: int = 0) -> str:

@@ -3,8 +3,9 @@ managed with the cluster key (only members may read or write it).
 
 ``add`` makes a key pair and writes the client's key file (``--out``), or registers a
 public key the client made itself (``--public-key``); ``remove`` waits until every live
-storage replica has loaded the change (STATUS ``access_version``), so the removed key's
-next request is refused once the command returns.
+storage replica has loaded the change (STATUS ``access_version``), and every app server
+has confirmed it (its node under ``/ziplog/clients-loaded``), so the removed key's next
+request is refused once the command returns.
 """
 
 from __future__ import annotations
@@ -84,14 +85,27 @@ def cmd_client_remove(args: argparse.Namespace, hosts: str, out: Callable[[str],
             version = registry.remove(args.name)
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
+        lagging = _wait_applied(hosts, key, version, args.timeout)
+        lagging += _wait_apps(registry, version, args.timeout)
     finally:
         stop(session)
-    lagging = _wait_applied(hosts, key, version, args.timeout)
     if lagging:
-        raise CommandError(f"removed {args.name!r} (registry version {version}), but these replicas did not "
+        raise CommandError(f"removed {args.name!r} (registry version {version}), but these servers did not "
                            f"confirm it within {args.timeout:g} s: {', '.join(lagging)}")
-    out(f"removed client {args.name!r} (registry version {version}); every live replica refuses its key now")
+    out(f"removed client {args.name!r} (registry version {version}); every live replica and app server refuses "
+        "its key now")
     return 0
+
+
+def _wait_apps(registry: Any, version: int, timeout: float) -> list[str]:
+    """Until every app server that says which registry version it holds says ``version``
+    or later (a server whose session ended is no longer there); those that did not."""
+    deadline = time.monotonic() + min(timeout, APPLY_TIMEOUT_S)
+    while True:
+        lagging = sorted(name for name, held in registry.loaded().items() if held < version)
+        if not lagging or time.monotonic() > deadline:
+            return lagging
+        time.sleep(0.05)
 
 
 def cmd_client_list(args: argparse.Namespace, hosts: str, out: Callable[[str], None]) -> int:
