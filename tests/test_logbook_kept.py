@@ -25,10 +25,10 @@ def _fed(feeder: FeederCore, batch: list[tuple[int, int, bytes]], position: int)
     return [frame for _, frame in feeder.on_batch(batch, position, 0) if type(frame) is f.Feed]
 
 
-def _started_feeder(record_max: int = f.RECORD_IN_ANSWER_MAX) -> FeederCore:
+def _started_feeder(record_max: int = f.RECORD_IN_ANSWER_MAX, keeps: int = 1 << 20) -> FeederCore:
     feeder = FeederCore([(0, 1)], 0, record_max=record_max)
     feeder.on_nodes({0: "n0"}, 0)
-    feeder.on_state(f.NodeState(req=0, node=0, watermark=0, floor=0, size=0), 0)
+    feeder.on_state(f.NodeState(req=0, node=0, watermark=0, floor=0, size=0, keeps=keeps), 0)
     assert feeder.start() == 0
     return feeder
 
@@ -69,6 +69,14 @@ def test_big_records_stay_in_the_log_and_a_feed_holds_at_most_its_record_bytes()
         assert type(fed) is f.Fed and fed.accepted
     assert _lookup(node, E + n + 1).record is None and _lookup(node, E + n).record is not None
     assert _started_feeder(record_max=0).on_batch(batch[:3], E + 3, 0)[0][1].records == []  # type: ignore[union-attr]
+
+
+def test_a_node_that_keeps_no_records_is_sent_none() -> None:
+    batch = [_entry(E + 1, b"one"), _entry(E + 2, b"two")]
+    node = NodeCore(0, keep_bytes=0)
+    assert node.status(0).keeps == 0 and NodeCore(0).status(0).keeps > 0
+    feeds = _fed(_started_feeder(keeps=node.status(0).keeps), batch, E + 2)
+    assert [len(feed.entries) for feed in feeds] == [2] and feeds[0].records == []
 
 
 def test_a_node_keeps_its_bytes_and_drops_the_lowest_gsns_first() -> None:

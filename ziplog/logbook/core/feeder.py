@@ -22,8 +22,8 @@ below it was delivered) as the nodes' watermark.
   come again, so they must stay where the old assignment put them). It waits until every
   node of the assignment has said where it is.
 * **Records**: an entry's record of at most ``record_max`` bytes goes with it
-  (``Feed.records``), for the node to answer lookups with; a Feed carries at most
-  FEED_RECORD_BYTES of them.
+  (``Feed.records``), for the node to answer lookups with, unless the node said it keeps
+  none (``NodeState.keeps`` 0); a Feed carries at most FEED_RECORD_BYTES of them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class WriteAssignment:
 
 
 class _Link:
-    __slots__ = ("addr", "inflight", "watermark", "asked_at")
+    __slots__ = ("addr", "inflight", "watermark", "asked_at", "keeps")
 
     def __init__(self, addr: str, now: int) -> None:
         self.addr = addr
@@ -63,6 +63,8 @@ class _Link:
         self.inflight: deque[int] = deque()
         #: the node's watermark as it last said (-1: not heard from)
         self.watermark = -1
+        #: whether the node keeps records (it said so in its state): none are sent it if not
+        self.keeps = True
 
 
 class FeederCore:
@@ -108,6 +110,7 @@ class FeederCore:
         if link is None or state.node >= self.assignment.nodes:
             return []
         link.watermark = state.watermark
+        link.keeps = state.keeps > 0
         self.high = max(self.high, state.watermark)
         if self.position is None:
             return []
@@ -184,7 +187,8 @@ class FeederCore:
         position = max(position, start)
         for node, link in self.links.items():
             if node < n:
-                out.extend(self._feeds(link, start, position, entries[node], trims, kept[node], now))
+                out.extend(self._feeds(link, start, position, entries[node], trims, kept[node] if link.keeps else {},
+                                       now))
         self.position = position
         self.high = max(self.high, position)
         return out

@@ -147,7 +147,9 @@ class Found(_Frame, tag=17):
 
 class NodeState(_Frame, tag=18):
     """``node``: the index node's number (an aggregator says ``nodes``, its count, and
-    ``node`` 0); ``size``: seqnums it holds; ``kept``: records it keeps to answer with."""
+    ``node`` 0); ``size``: seqnums it holds; ``kept``: records it keeps to answer with;
+    ``keeps``: the record bytes it may keep (0: it keeps none, so the feeder sends it
+    none)."""
     req: U64
     node: U64
     watermark: U64
@@ -155,6 +157,7 @@ class NodeState(_Frame, tag=18):
     size: U64
     nodes: U64 = 1
     kept: U64 = 0
+    keeps: U64 = 0
 
 
 class Failed(_Frame, tag=19):

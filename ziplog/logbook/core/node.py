@@ -177,7 +177,8 @@ class NodeCore:
     def status(self, req: int) -> f.NodeState:
         index = self.index
         return f.NodeState(req=req, node=self.node, watermark=index.watermark, floor=index.floor, size=index.size,
-                           nodes=self.history[-1][1] if self.history else 0, kept=len(self.kept))
+                           nodes=self.history[-1][1] if self.history else 0, kept=len(self.kept),
+                           keeps=self.kept.max_bytes)
 
 
 def _merged(feed: f.Feed, above: int) -> Iterator[tuple[int, object]]:
