@@ -74,7 +74,10 @@ def test_swarm_shards_are_members_and_their_rates_reach_the_planner(ensemble: Zo
         rates: list[int] = []
         feed = EpochFeed()  # EPOCH_SAME frames whose base came before we connected resolve to None
         deadline = time.monotonic() + 20
-        while not (members == list(range(100, 100 + SHARDS)) and rates and min(rates) > 0.9 * REPORTED_RATE):
+        # above 3/4 of the reported rate (so more than twice the default): on a busy machine the
+        # broadcast rates have settled some 10 % low (5,387 of 6,000 once, in a fresh clone's
+        # suite)
+        while not (members == list(range(100, 100 + SHARDS)) and rates and min(rates) > 0.75 * REPORTED_RATE):
             assert time.monotonic() < deadline, f"last epoch: members {members}, rates {rates}"
             if sub.poll(100) and isinstance(cfg := feed.on_message(wire.decode_epoch(sub.recv())), EpochConfig):
                 members, rates = list(cfg.shards), list(cfg.rates)
