@@ -28,8 +28,6 @@ log = logging.getLogger("ziplog.zk")
 
 #: registry size bound: a ZooKeeper node holds at most 1 MiB, about 15,000 entries
 MAX_CLIENTS = 10_000
-#: the app servers' confirmations: ``LOADED/<server>`` = ``{"version": v}``, ephemeral
-LOADED = CLIENTS_LOADED
 
 OnRegistry = Callable[[list[ClientEntry], int], None]
 
@@ -156,7 +154,7 @@ class ClientRegistry:
         holds registry ``version``."""
         if not server or "/" in server:
             raise ValueError(f"a server's name has no '/': {server!r}")
-        path, data = f"{LOADED}/{server}", enc({"version": version})
+        path, data = f"{CLIENTS_LOADED}/{server}", enc({"version": version})
         try:
             try:
                 self.zk.set(path, data)
@@ -172,7 +170,7 @@ class ClientRegistry:
         """The registry version each app server's table holds, as it last said (a server
         whose node is gone, or unreadable, is not there)."""
         try:
-            names = self.zk.get_children(LOADED)
+            names = self.zk.get_children(CLIENTS_LOADED)
         except NoNodeError:
             return {}
         except NoAuthError:
@@ -180,10 +178,8 @@ class ClientRegistry:
         out: dict[str, int] = {}
         for name in names:
             try:
-                doc = dec(self.zk.get(f"{LOADED}/{name}")[0])
-            except (NoNodeError, NoAuthError):
-                continue
-            except Exception:  # msgpack raises several types on junk
+                doc = dec(self.zk.get(f"{CLIENTS_LOADED}/{name}")[0])
+            except Exception:  # gone since listed, unreadable, or not msgpack (several types): not there
                 continue
             if isinstance(doc, dict) and type(doc.get("version")) is int:
                 out[name] = doc["version"]

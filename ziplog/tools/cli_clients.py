@@ -100,11 +100,18 @@ def cmd_client_remove(args: argparse.Namespace, hosts: str, out: Callable[[str],
 def _wait_apps(registry: Any, version: int, timeout: float) -> list[str]:
     """Until every app server that says which registry version it holds says ``version``
     or later (a server whose session ended is no longer there); those that did not."""
+    return _until_none_lag(lambda: sorted(name for name, held in registry.loaded().items() if held < version),
+                           timeout)
+
+
+def _until_none_lag(lagging: Callable[[], list[str]], timeout: float) -> list[str]:
+    """Ask ``lagging`` every 50 ms until it names nobody, or for at most
+    ``min(timeout, APPLY_TIMEOUT_S)``; who lagged at the last asking."""
     deadline = time.monotonic() + min(timeout, APPLY_TIMEOUT_S)
     while True:
-        lagging = sorted(name for name, held in registry.loaded().items() if held < version)
-        if not lagging or time.monotonic() > deadline:
-            return lagging
+        late = lagging()
+        if not late or time.monotonic() > deadline:
+            return late
         time.sleep(0.05)
 
 
@@ -137,22 +144,21 @@ def _wait_applied(hosts: str, key: Any, version: int, timeout: float) -> list[st
     from ziplog.protocol.errors import UnauthenticatedError
     from ziplog.protocol.keys import Credentials
 
-    deadline = time.monotonic() + min(timeout, APPLY_TIMEOUT_S)
     try:
         client = Client(hosts, timeout=timeout, credentials=Credentials.member(key.curve_server()))
     except UnauthenticatedError:
         return []
+
+    def lagging() -> list[str]:
+        try:
+            status = client.status(wait=1.0)
+        except UnauthenticatedError:
+            return []  # a NULL cluster: no table to load
+        return [f"{s}.{r['replica']}" for s, rows in sorted(status.items()) for r in rows
+                if r.get("answer") == "ok" and r.get("access_version", -1) < version]
+
     try:
-        while True:
-            try:
-                status = client.status(wait=1.0)
-            except UnauthenticatedError:
-                return []  # a NULL cluster: no table to load
-            lagging = [f"{s}.{r['replica']}" for s, rows in sorted(status.items()) for r in rows
-                       if r.get("answer") == "ok" and r.get("access_version", -1) < version]
-            if not lagging or time.monotonic() > deadline:
-                return lagging
-            time.sleep(0.05)
+        return _until_none_lag(lagging, timeout)
     finally:
         client.close()
 

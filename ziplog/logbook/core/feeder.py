@@ -171,7 +171,7 @@ class FeederCore:
             return []
         n = self.assignment.nodes
         entries: list[list[f.FedEntry]] = [[] for _ in range(n)]
-        kept: list[dict[int, bytes]] = [{} for _ in range(n)]
+        sent: list[dict[int, bytes]] = [{} for _ in range(n)]
         trims: list[f.FedTrim] = []
         for gsn, shard, data in records:
             rec = r.decode(data)
@@ -179,7 +179,7 @@ class FeederCore:
                 node = self.assignment.node_of(gsn)
                 entries[node].append((gsn, shard, rec.book, rec.tags))
                 if len(data) <= self.record_max:
-                    kept[node][gsn] = data
+                    sent[node][gsn] = data
             elif type(rec) is r.Trim:
                 trims.append((gsn, rec.book, rec.seqnum))
         out: Messages = []
@@ -187,24 +187,24 @@ class FeederCore:
         position = max(position, start)
         for node, link in self.links.items():
             if node < n:
-                out.extend(self._feeds(link, start, position, entries[node], trims, kept[node] if link.keeps else {},
+                out.extend(self._feeds(link, start, position, entries[node], trims, sent[node] if link.keeps else {},
                                        now))
         self.position = position
         self.high = max(self.high, position)
         return out
 
     def _feeds(self, link: _Link, start: int, end: int, entries: list[f.FedEntry], trims: list[f.FedTrim],
-               kept: dict[int, bytes], now: int) -> Messages:
+               records: dict[int, bytes], now: int) -> Messages:
         """Feeds covering ``(start, end]`` with at most MAX_FEED_ITEMS items and
         FEED_RECORD_BYTES of records each."""
         items: list[tuple[int, int, object]] = sorted([(e[0], 0, e) for e in entries] + [(t[0], 1, t) for t in trims])
         out: Messages = []
-        for chunk, more in _chunks(items, kept):
+        for chunk, more in _chunks(items, records):
             last = chunk[-1][0] if more else end
             feed = f.Feed(gen=self.gen, from_gsn=start, watermark=last, history=list(self.history),
                           entries=[it for _, k, it in chunk if k == 0],  # type: ignore[misc]
                           trims=[it for _, k, it in chunk if k == 1],  # type: ignore[misc]
-                          records=[(g, kept[g]) for g, k, _ in chunk if k == 0 and g in kept])
+                          records=[(g, records[g]) for g, k, _ in chunk if k == 0 and g in records])
             out.append(((link.addr,), feed))
             link.inflight.append(now)
             start = last
@@ -261,13 +261,13 @@ class FeederCore:
         return out
 
 
-def _chunks(items: list[tuple[int, int, object]], kept: dict[int, bytes]) -> Iterator[tuple[list[tuple[int, int, object]], bool]]:
-    """``items`` cut into Feeds' worth (MAX_FEED_ITEMS items, FEED_RECORD_BYTES of kept
-    records at most), each with whether more follow; at least one, maybe empty."""
+def _chunks(items: list[tuple[int, int, object]], records: dict[int, bytes]) -> Iterator[tuple[list[tuple[int, int, object]], bool]]:
+    """``items`` cut into Feeds' worth (MAX_FEED_ITEMS items, FEED_RECORD_BYTES of
+    ``records`` at most), each with whether more follow; at least one, maybe empty."""
     chunk: list[tuple[int, int, object]] = []
     size = 0
     for item in items:
-        n = len(kept.get(item[0], b"")) if item[1] == 0 else 0
+        n = len(records.get(item[0], b"")) if item[1] == 0 else 0
         if chunk and (len(chunk) == f.MAX_FEED_ITEMS or size + n > f.FEED_RECORD_BYTES):
             yield chunk, True
             chunk, size = [], 0

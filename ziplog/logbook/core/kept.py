@@ -10,11 +10,9 @@ carries are the bytes ``read_record`` of the hit would return.
 
 from __future__ import annotations
 
-from collections import deque
-
 #: record bytes a node keeps at most by default
 KEEP_BYTES = 64 << 20
-#: what one kept record costs beyond its bytes (the map's and the queue's entries)
+#: what one kept record costs beyond its bytes (its map entry)
 PER_RECORD = 128
 
 
@@ -22,9 +20,8 @@ class KeptRecords:
     def __init__(self, max_bytes: int = KEEP_BYTES) -> None:
         assert max_bytes >= 0
         self.max_bytes = max_bytes
+        #: gsn -> record; they come in gsn order, so the map's order is the lowest first
         self._data: dict[int, bytes] = {}
-        #: kept gsns, lowest first (they come in gsn order)
-        self._order: deque[int] = deque()
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -34,18 +31,16 @@ class KeptRecords:
         cost = len(data) + PER_RECORD
         if cost > self.max_bytes:
             return
-        assert not self._order or gsn > self._order[-1], ("records are kept in gsn order", gsn, self._order[-1])
+        last = next(reversed(self._data), None)
+        assert last is None or gsn > last, ("records are kept in gsn order", gsn, last)
         self._data[gsn] = data
-        self._order.append(gsn)
         self.bytes += cost
         while self.bytes > self.max_bytes:
-            old = self._order.popleft()
-            self.bytes -= len(self._data.pop(old)) + PER_RECORD
+            self.bytes -= len(self._data.pop(next(iter(self._data)))) + PER_RECORD
 
     def get(self, gsn: int) -> bytes | None:
         return self._data.get(gsn)
 
     def clear(self) -> None:
         self._data.clear()
-        self._order.clear()
         self.bytes = 0

@@ -80,12 +80,12 @@ class NodeCore:
         if len(feed.history) > len(self.history):
             self.history = [(int(a), int(b)) for a, b in feed.history]
             index.assignment = Assignment(self.history)
-        records = dict(feed.records) if feed.records else None
+        records = dict(feed.records)
         for kind, item in _merged(feed, index.watermark):
             if kind == 0:
                 e = cast(tuple[int, int, int, tuple[int, ...]], item)
                 index.on_entry(e[0], e[1], e[2], e[3])
-                data = None if records is None else records.get(e[0])
+                data = records.get(e[0])
                 if data is not None:
                     self.kept.add(e[0], data)
             else:
