@@ -111,11 +111,17 @@ def test_no_record_crosses_the_bridge_in_clear(bed: netns.NetnsBed, cluster: zip
             with c.subscribe(ziplog.RID_GENESIS, end=max(r.gsn for r in rids)) as sub:
                 assert sum(1 for rec in sub if rec.data.startswith(marker)) == len(rids)
         from ziplog.io import zk
-        session = zk.connect(cluster.zk_hosts)
-        try:
-            session.create(f"/capture-control-{os.getpid()}", control, ephemeral=True)
-        finally:
-            zk.stop(session)
+        # a session goes to a ZooKeeper server its client picks at random, and not every
+        # path to one crosses the bridge: a new session each time, until the capture (written
+        # packet by packet) holds the write, 20 at most
+        for attempt in range(20):
+            session = zk.connect(cluster.zk_hosts)
+            try:
+                session.create(f"/capture-control-{os.getpid()}-{attempt}", control, ephemeral=True)
+            finally:
+                zk.stop(session)
+            if control in pcap.read_bytes():
+                break
     finally:
         dump.send_signal(2)
         dump.wait(30)
