@@ -32,6 +32,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "curve": ("bench.experiments.curve", "what CURVE costs: one-client latency and one-shard throughput, "
                                           "CURVE vs NULL, paired rounds"),
     "idle": ("bench.experiments.idle", "CPU an idle cluster uses, shipped settings vs the clock-driven ones of before"),
+    "shardcost": ("bench.experiments.shardcost", "what shards add to one another: an N-shard cluster vs N one-shard "
+                                                  "clusters (the control) vs one shard, same load per shard; rounds"),
     "reference": ("bench.experiments.reference", "forward by reference on vs off: servers' CPU per 4 KiB append, "
                                                   "FORWARD bytes, catch-ups; paired rounds"),
 }

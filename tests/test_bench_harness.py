@@ -162,3 +162,56 @@ def test_the_next_epoch_is_heard_when_its_first_broadcast_was() -> None:
     got = log.next_heard(np.asarray([epoch_base(5), epoch_end(5), epoch_base(6), epoch_base(4)], dtype=np.int64))
     never = np.iinfo(np.int64).max
     assert got.tolist() == [250, 250, never, 100]
+
+
+def test_shardcost_runs_the_control_beside_the_cluster(tmp_path: Path) -> None:
+    """``bench shardcost`` on real clusters, two shards, one short round: the cluster's
+    replicas tell one another of their records (NOTICEs), the independent clusters and the
+    one shard alone tell nobody, and each configuration's costs are its own servers'."""
+    from bench.experiments import shardcost
+    from bench.report import Results
+    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
+    p = {**shardcost.params_for(True), "shard_counts": [2], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2,
+         "workers_per_shard": 1, "loads": [("100/s open loop", 1, "open", 100.0)]}
+    with ZooKeeperEnsemble(tmp_path / "zookeeper", size=3) as ensemble:
+        runs = shardcost._one_count(2, p, Results("shardcost", tmp_path / "out", p), ensemble.hosts, tmp_path)
+    rows = {r["config"]: r for r in shardcost.summarize_runs(2, runs, shardcost.load_names(p))}
+    assert set(rows) == set(shardcost.CONFIGS)
+    assert rows[shardcost.CLUSTER]["notices"] > 0, rows
+    assert rows[shardcost.INDEPENDENT]["notices"] == 0 and rows[shardcost.ONE]["notices"] == 0, rows
+    for r in rows.values():
+        assert r["total_rate"] > 0 and r["server_cpu_us"] > 0 and r["server_msgs"] > 0, r
+        assert r["runs"][0]["errors"] == 0, r
+
+
+def test_shardcost_takes_each_ratio_within_its_round() -> None:
+    from bench.experiments import shardcost
+
+    def m(cpu: float) -> dict[str, Any]:
+        return {"total_rate": 1000.0, "p50_us": 900.0, "server_cpu_us": cpu, "ctx_switches": 1.0,
+                "server_msgs": 2.0, "notices": 0.0}
+    runs = {"L|cluster": [m(110), m(220), m(300)], "L|independent": [m(100), m(200), m(200)],
+            "L|one shard": [m(50), m(100), m(100)]}
+    rows = {r["config"]: r for r in shardcost.summarize_runs(4, runs, ["L"])}
+    cluster = rows[shardcost.CLUSTER]
+    assert cluster["vs_independent_rounds"] == [1.1, 1.1, 1.5] and cluster["vs_independent"] == 1.1
+    assert cluster["vs_one_shard"] == 2.2 and cluster["server_cpu_us"] == 220
+    assert rows[shardcost.INDEPENDENT]["vs_independent"] is None
+    assert rows[shardcost.INDEPENDENT]["vs_one_shard"] == 2.0
+    assert (rows[shardcost.ONE]["shards"], rows[shardcost.ONE]["of"]) == (1, 4)
+
+
+def test_shifted_one_shard_clusters_sit_where_the_shards_of_one_cluster_do(tmp_path: Path) -> None:
+    """``LocalCluster(cpu_shift=i)``: its shard takes the CPUs shard i of an unshifted
+    cluster has; ``zookeeper=``: a root in that ensemble, not an ensemble of its own."""
+    import os
+
+    from ziplog.tools.cluster import LocalCluster, ZooKeeperRoot
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: replicas are not spread")
+    whole = LocalCluster(tmp_path / "whole", shards=4, zookeeper="127.0.0.1:1")
+    for i in range(4):
+        alone = LocalCluster(tmp_path / f"alone{i}", shards=1, cpu_shift=i, zookeeper="127.0.0.1:1")
+        assert [alone._cpu(0, r) for r in range(2)] == [whole._cpu(i, r) for r in range(2)]
+        assert isinstance(alone.zk, ZooKeeperRoot) and alone.zk_hosts.startswith("127.0.0.1:1/ziplog-local/")
+    assert whole._cpu(0, 0) != whole._cpu(1, 0)  # the shards' primaries on different CPUs

@@ -72,7 +72,8 @@ class LocalCluster:
                  server_args: list[str] | None = None, mms_args: list[str] | None = None,
                  supervise: bool = True, fh_replicas: int = 3, fh_args: list[str] | None = None,
                  placement: Placement | None = None, spread_cpus: bool = True,
-                 process_per_cpu: bool = False, own_zookeeper: bool = False, curve: bool = False) -> None:
+                 process_per_cpu: bool = False, own_zookeeper: bool = False, curve: bool = False,
+                 cpu_shift: int = 0, zookeeper: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.logs = self.data_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -97,6 +98,10 @@ class LocalCluster:
         #: kills or restarts its process, with every replica in it; shards added later get a
         #: process per replica.
         self.process_per_cpu = process_per_cpu
+        #: With ``spread_cpus``, shard s takes the CPUs shard ``s + cpu_shift`` would: N
+        #: one-shard clusters shifted 0..N-1 sit on the CPUs of one N-shard cluster (the
+        #: bench's control for what shards add to one another).
+        self.cpu_shift = cpu_shift
         self._grouped_shards: set[int] = set()
         #: Restart a storage replica that died, as an operator (or systemd) would.
         self.supervise = supervise
@@ -111,8 +116,9 @@ class LocalCluster:
         #: the cluster's ZooKeeper: an ensemble of its own (which a test may kill nodes
         #: of), or a root in the shared one
         self.zk: ZooKeeperEnsemble | ZooKeeperRoot
-        if SHARED_ZOOKEEPER is not None and not own_zookeeper and placement is None:
-            self.zk = ZooKeeperRoot(SHARED_ZOOKEEPER, self.data_dir)
+        shared = zookeeper or SHARED_ZOOKEEPER  # ``zookeeper``: the hosts of a running ensemble to use
+        if shared is not None and not own_zookeeper and placement is None:
+            self.zk = ZooKeeperRoot(shared, self.data_dir)
         else:
             self.zk = ZooKeeperEnsemble(self.data_dir / "zookeeper", size=3, force_sync=zk_force_sync,
                                         hosts=[self.placement.zookeeper(i) for i in range(3)])
@@ -177,7 +183,7 @@ class LocalCluster:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if not self.spread_cpus or len(cpus) < 2:
             return None
-        return cpus[(shard + replica) % len(cpus)]
+        return cpus[(shard + self.cpu_shift + replica) % len(cpus)]
 
     def _cpu_args(self, shard: int, replica: int) -> list[str]:
         cpu = self._cpu(shard, replica)
