@@ -38,13 +38,13 @@ from ziplog.tools.stats import summarize
 
 from ..costs import frames_per_append, replica_frames
 from ..cpu import cpu_seconds
-from ..loadgen import ClientPool, ClientSpec, LoadResult
+from ..loadgen import ClientPool, ClientSpec, LoadResult, fast_path_ratio
 from ..report import Results, progress
 
 CLUSTER, INDEPENDENT, ONE = "cluster", "independent", "one shard"
 CONFIGS = (CLUSTER, INDEPENDENT, ONE)
 COLUMNS = ["of", "shards", "load", "config", "rounds", "total_rate", "p50_us", "server_cpu_us", "ctx_switches",
-           "server_msgs", "notices", "vs_independent", "vs_one_shard"]
+           "server_msgs", "notices", "fast_path", "vs_independent", "vs_one_shard"]
 
 
 def params_for(quick: bool) -> dict[str, Any]:
@@ -127,12 +127,17 @@ def measure(targets: list[tuple[Any, int]], status_clients: list[Any], load: tup
     samples: list[int] = []
     for r in results:
         samples.extend(r.samples_ns)
+    counts: dict[str, int] = {}
+    for r in results:
+        for key, value in r.counters.items():
+            counts[key] = counts.get(key, 0) + value
     inserts = frames1.get("primary", {}).get("inserts", 0) - frames0.get("primary", {}).get("inserts", 0)
     fr = frames_per_append(frames0, frames1, inserts)
     return {"total_rate": round(rate, 1), "p50_us": summarize(samples).get("p50_us"),
             "server_cpu_us": round((cpu1 - cpu0) * 1e6 / appends, 1), "ctx_switches": round((cs1 - cs0) / appends, 2),
             "server_msgs": round(sum(k.get("sent", 0.0) for k in fr.values()), 2),
             "notices": fr.get("primary", {}).get("sent_notice", 0.0), "frames": fr,
+            "fast_path": fast_path_ratio(counts),
             "errors": sum(r.errors for r in results)}
 
 
@@ -176,7 +181,7 @@ def summarize_runs(n: int, runs: dict[str, list[dict[str, Any]]], loads: list[st
                 continue
             row: dict[str, Any] = {"shards": 1 if config == ONE else n, "of": n, "load": load, "config": config,
                                    "rounds": len(mine), "runs": mine}
-            for key in ("total_rate", "p50_us", "server_cpu_us", "ctx_switches", "server_msgs", "notices"):
+            for key in ("total_rate", "p50_us", "server_cpu_us", "ctx_switches", "server_msgs", "notices", "fast_path"):
                 values = [m[key] for m in mine if m.get(key) is not None]
                 row[key] = round(statistics.median(values), 2) if values else None
             for ratio, base in (("vs_independent", INDEPENDENT), ("vs_one_shard", ONE)):
@@ -226,7 +231,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
                      f"rotated), {p['seconds']} s measured after {p['warmup_s']} s of warm-up, "
                      f"{p['record_bytes']}-byte records, {p['replicas']} replicas per shard. Loads are per shard. "
                      "server_cpu_us: the configuration's own storage servers' CPU per append; ctx_switches and "
-                     "server_msgs (messages its replicas sent) per append; vs_*: the CPU ratio within each round, "
+                     "server_msgs (messages its replicas sent) per append; fast_path: the inserts settled in two message delays; vs_*: the CPU ratio within each round, "
                      "then their median. of: the shard count compared; 'one shard' is the first independent "
                      "cluster alone (its shards column is 1)."))
     return rows
