@@ -164,17 +164,15 @@ def test_the_next_epoch_is_heard_when_its_first_broadcast_was() -> None:
     assert got.tolist() == [250, 250, never, 100]
 
 
-def test_shardcost_runs_the_control_beside_the_cluster(tmp_path: Path) -> None:
+def test_shardcost_runs_the_control_beside_the_cluster(tmp_path: Path, shared_zookeeper: str) -> None:
     """``bench shardcost`` on real clusters, two shards, one short round: the cluster's
     replicas tell one another of their records (NOTICEs), the independent clusters and the
     one shard alone tell nobody, and each configuration's costs are its own servers'."""
     from bench.experiments import shardcost
     from bench.report import Results
-    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
     p = {**shardcost.params_for(True), "shard_counts": [2], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2,
          "workers_per_shard": 1, "loads": [("100/s open loop", 1, "open", 100.0)]}
-    with ZooKeeperEnsemble(tmp_path / "zookeeper", size=3) as ensemble:
-        runs = shardcost._one_count(2, p, Results("shardcost", tmp_path / "out", p), ensemble.hosts, tmp_path)
+    runs = shardcost._one_count(2, p, Results("shardcost", tmp_path / "out", p), shared_zookeeper, tmp_path)
     rows = {r["config"]: r for r in shardcost.summarize_runs(2, runs, shardcost.load_names(p))}
     assert set(rows) == set(shardcost.CONFIGS)
     assert rows[shardcost.CLUSTER]["notices"] > 0, rows
