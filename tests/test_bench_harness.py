@@ -213,3 +213,15 @@ def test_shifted_one_shard_clusters_sit_where_the_shards_of_one_cluster_do(tmp_p
         assert [alone._cpu(0, r) for r in range(2)] == [whole._cpu(i, r) for r in range(2)]
         assert isinstance(alone.zk, ZooKeeperRoot) and alone.zk_hosts.startswith("127.0.0.1:1/ziplog-local/")
     assert whole._cpu(0, 0) != whole._cpu(1, 0)  # the shards' primaries on different CPUs
+
+
+def test_a_delivered_record_finds_its_acknowledgement_by_gsn() -> None:
+    """``sequential``'s lead to the close: a delivered gsn's ack time, none for a gsn no
+    writer acknowledged (its lead then counts as none)."""
+    import numpy as np
+    from bench.experiments.sequential_analyse import ack_times
+    acks = np.asarray([[0, 1, 30, 7, 0], [0, 1, 10, 3, 1], [0, 1, 20, 5, 0]], dtype=np.int64)
+    got = ack_times(acks, np.asarray([5, 3, 4, 7, 9], dtype=np.int64))
+    never = np.iinfo(np.int64).max
+    assert got.tolist() == [20, 10, never, 30, never]
+    assert ack_times(acks[:0], np.asarray([3], dtype=np.int64)).tolist() == [never]

@@ -90,6 +90,18 @@ def window(d: PhaseData, warmup_s: float) -> tuple[np.ndarray, np.ndarray, float
     return a, v, max((t_to - t_from) / 1e9, 1e-9)
 
 
+def ack_times(acks: np.ndarray, gsns: np.ndarray) -> np.ndarray:
+    """Per gsn, when its InsertAfter was acknowledged (``t_ack``); the largest int64 for a
+    gsn with no ack in ``acks`` (then no lead to the close is counted for it)."""
+    never = np.iinfo(np.int64).max
+    if not len(acks) or not len(gsns):
+        return np.full(len(gsns), never, dtype=np.int64)
+    order = np.argsort(acks[:, 3], kind="stable")
+    by_gsn, t_ack = acks[order, 3], acks[order, 2]
+    i = np.minimum(np.searchsorted(by_gsn, gsns), len(by_gsn) - 1)
+    return np.where(by_gsn[i] == gsns, t_ack[i], never)
+
+
 def slot_lead(dl: np.ndarray, epochs: EpochLog) -> np.ndarray:
     """Per delivered record: when its slot was *expected* (the epoch's broadcast, as heard
     here, plus the slot's place in the schedule of 4.2.3) minus when InsertAfter was called,
@@ -129,10 +141,16 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
     # was broadcast (as heard here) can have waited for the close.
     next_heard = epochs.next_heard(seen[:, 7]) if epochs is not None and len(seen) else None
     at_close = held & at_end & (seen[:, 9] >= next_heard) if next_heard is not None else None
+    # Of those, the ones acknowledged more than an insert round (this phase's insert p50)
+    # before the close was heard: a NOTICE round had time to release them first, so the
+    # close, not the round's own length, is what they waited for.
+    close_lead = (next_heard - ack_times(acks, seen[:, 7])) if next_heard is not None else None
     per_shard = [int(np.count_nonzero(acks[:, 4] == s)) / span for s in range(p["shards"])] if len(acks) else []
     fast = d.client_stats.get("fast_path", 0)
     slow = d.client_stats.get("slow_path", 0)
     seq50, ins50 = pct(seq, 50), pct(ins, 50)
+    in_time = (at_close & (close_lead > ins50 * 1e3)) if at_close is not None and close_lead is not None \
+        and ins50 is not None else None
     lead = slot_lead(seen, epochs) if epochs is not None and len(seen) else np.empty(0)
     known = np.isfinite(lead)
     ahead = known & (lead > 0)
@@ -156,6 +174,10 @@ def summary(d: PhaseData, p: dict[str, Any], rate: float, epochs: EpochLog | Non
         "released_at_epoch_end_pct": round(100.0 * float(np.mean(at_end)), 1) if at_end.size else None,
         "released_at_close_pct": round(100.0 * float(np.mean(at_close)), 1)
         if at_close is not None and at_close.size else None,
+        "released_at_close_after_round_pct": round(100.0 * float(np.mean(in_time)), 1)
+        if in_time is not None and in_time.size else None,
+        "ack_after_close_p50_us": us(pct(-close_lead[at_close], 50))
+        if at_close is not None and close_lead is not None and at_close.any() else None,
         "seq_p99_over_p50": round(float(np.percentile(seq, 99) / np.percentile(seq, 50)), 2) if seq.size else None,
         "slot_ahead_pct": round(100.0 * float(np.count_nonzero(ahead)) / max(int(np.count_nonzero(known)), 1), 1)
         if known.any() else None,

@@ -33,7 +33,8 @@ STEP_COLUMNS = ["stage", "step", "from_rate", "to_rate", "steps", "base_p50_us",
                 "mms_update_ms"]
 VARIANT_COLUMNS = ["stage", "settings", "T_us", "announced_rate", "seq_p50_us", "seq_p99_us", "insert_p50_us",
                    "seq_over_insert", "own_path_p50_us", "merge_wait_p50_us", "held_by_other_pct",
-                   "released_at_epoch_end_pct", "released_at_close_pct", "seq_p99_over_p50", "late_notices_pct",
+                   "released_at_epoch_end_pct", "released_at_close_pct", "released_at_close_after_round_pct",
+                   "ack_after_close_p50_us", "seq_p99_over_p50", "late_notices_pct",
                    "announcements_closed", "announced_spread_pct", "slot_ahead_pct", "merge_wait_ahead_p50_us",
                    "merge_wait_behind_p50_us", "idle_cpu_cores", "cpu_cores"]
 
@@ -138,7 +139,10 @@ def _conclude(res: Results, p: dict[str, Any], rate: int, probe_rows: list[dict[
                  f"{first['own_path_p50_us']} us; the merge then waited p50 {first['merge_wait_p50_us']} us "
                  f"(p99 {first['merge_wait_p99_us']} us) for the other shards: {first['held_by_other_pct']} % of "
                  f"records waited for another shard's progress, {first['released_at_close_pct']} % were released "
-                 f"only after the next epoch began, at that shard's close of theirs "
+                 f"only after the next epoch began, at that shard's close of theirs ("
+                 f"{first['released_at_close_after_round_pct']} % although acknowledged more than an insert p50 "
+                 f"before the close was heard; they were acknowledged p50 {first['ack_after_close_p50_us']} us "
+                 f"after it, negative: before) "
                  f"({first['released_at_epoch_end_pct']} % by a batch up to an epoch's end, where a NOTICE also takes a "
                  f"shard with no slot left above the record); delivery p99 {first['seq_p99_over_p50']} x its p50. The MMS announced {first['announced_rate']}/s per shard "
                  f"(offered {rate}/s; the planner's floor is {MMS_DEFAULT_MIN_RATE}/s), a slot every "
