@@ -208,7 +208,8 @@ def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
             row = next((r for r in rows if (r["load"], r["of"], r["config"]) == (load, n, config)), None)
             ys.append(row["server_cpu_us"] if row else 0)
         ax.bar([x + (i - 1.5) * width for x in range(len(labels))], ys, width, label=config)
-    ax.set_xticks(range(len(labels)), [f"{n} shards\n{load}" for load, n in labels], fontsize=7)
+    short = {load: load.replace(" open loop", " open").replace("pipelined ", "") for load, _ in labels}
+    ax.set_xticks(range(len(labels)), [f"{n} shards\n{short[load]}" for load, n in labels], fontsize=7)
     ax.set_ylabel("storage servers' CPU per append (us)")
     ax.set_title("N shards in one cluster, as N clusters, and one shard alone (medians)", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
