@@ -35,7 +35,8 @@ def _processes_by_role() -> dict[str, list[Any]]:
     return out
 
 
-def _ctx_switches(procs: list[Any]) -> int:
+def ctx_switches(procs: list[Any]) -> int:
+    """Context switches of ``procs`` (psutil processes) so far; one that is gone counts none."""
     total = 0
     for p in procs:
         try:
@@ -63,7 +64,7 @@ class CostMeter:
 
     def start(self) -> None:
         self.procs = _processes_by_role()
-        self.ctx0 = {role: _ctx_switches(ps) for role, ps in self.procs.items()}
+        self.ctx0 = {role: ctx_switches(ps) for role, ps in self.procs.items()}
         if self.perf_usable():
             for role, ps in self.procs.items():
                 pids = ",".join(str(p.pid) for p in ps)
@@ -74,7 +75,7 @@ class CostMeter:
         """Per role: ``ctx_switches`` and ``syscalls`` (None: perf could not count) in the window."""
         out: dict[str, dict[str, int | None]] = {}
         for role, ps in self.procs.items():
-            out[role] = {"ctx_switches": _ctx_switches(ps) - self.ctx0.get(role, 0), "syscalls": None}
+            out[role] = {"ctx_switches": ctx_switches(ps) - self.ctx0.get(role, 0), "syscalls": None}
         for role, proc in self.perf.items():
             proc.send_signal(signal.SIGINT)
             try:

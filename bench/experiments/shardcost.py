@@ -39,7 +39,7 @@ from typing import Any
 
 from ziplog.tools.stats import summarize
 
-from ..costs import frames_per_append, replica_frames
+from ..costs import ctx_switches, frames_per_append, replica_frames
 from ..cpu import cpu_seconds
 from ..loadgen import ClientPool, ClientSpec, LoadResult, fast_path_ratio
 from ..report import Results, progress
@@ -78,36 +78,22 @@ def _server_pids(clusters: list[Any]) -> list[int]:
     return sorted({proc.pid for c in clusters for proc in c.servers.values()})
 
 
-def _ctx_switches(pids: list[int]) -> int:
-    import psutil
-    total = 0
-    for pid in pids:
-        try:
-            cs = psutil.Process(pid).num_ctx_switches()
-            total += cs.voluntary + cs.involuntary
-        except psutil.Error:
-            continue
-    return total
-
-
 def _frames(clients: list[Any]) -> dict[str, dict[str, int]]:
-    """Every replica's STATUS counters of the configuration's clusters, summed by kind."""
-    out: dict[str, dict[str, int]] = {}
-    for client in clients:
-        for kind, counters in replica_frames(client.status(wait=2.0)).items():
-            into = out.setdefault(kind, {})
-            for key, value in counters.items():
-                into[key] = into.get(key, 0) + value
-    return out
+    """Every replica's STATUS counters of the configuration's clusters, summed by kind
+    (their shards' numbers may repeat: each one-shard cluster has a shard 0)."""
+    return replica_frames(dict(enumerate(replicas for client in clients
+                                         for replicas in client.status(wait=2.0).values())))
 
 
 def measure(targets: list[tuple[Any, int]], status_clients: list[Any], load: tuple[str, int, str, float],
             p: dict[str, Any]) -> dict[str, Any]:
     """``load`` on every (cluster, shard) of ``targets``: the costs of those clusters'
     storage servers over the measured window, per append."""
+    import psutil
     _, clients, kind, arg = load
     clusters = list({id(c): c for c, _ in targets}.values())
     pids = _server_pids(clusters)
+    procs = [psutil.Process(pid) for pid in pids]
     pools = [ClientPool(_spec(c, shard), clients, f"shardcost-{i}", max_workers=p["workers_per_shard"], seed=i + 1)
              for i, (c, shard) in enumerate(targets)]
     try:
@@ -117,31 +103,25 @@ def measure(targets: list[tuple[Any, int]], status_clients: list[Any], load: tup
                        start_wall)
         time.sleep(max(0.0, start_wall - time.time() + p["warmup_s"]))
         frames0 = _frames(status_clients)
-        cpu0, cs0 = cpu_seconds(pids), _ctx_switches(pids)
+        cpu0, cs0 = cpu_seconds(pids), ctx_switches(procs)
         time.sleep(p["seconds"])
-        cpu1, cs1 = cpu_seconds(pids), _ctx_switches(pids)
+        cpu1, cs1 = cpu_seconds(pids), ctx_switches(procs)
         frames1 = _frames(status_clients)
-        results: list[LoadResult] = [pool.finish() for pool in pools]
+        total = LoadResult()  # every pool's clients together
+        for pool in pools:
+            total.add(pool.finish())
     finally:
         for pool in pools:
             pool.close()
-    rate = sum(r.rate for r in results)
+    rate = total.rate
     appends = max(1, round(rate * p["seconds"]))
-    samples: list[int] = []
-    for r in results:
-        samples.extend(r.samples_ns)
-    counts: dict[str, int] = {}
-    for r in results:
-        for key, value in r.counters.items():
-            counts[key] = counts.get(key, 0) + value
     inserts = frames1.get("primary", {}).get("inserts", 0) - frames0.get("primary", {}).get("inserts", 0)
     fr = frames_per_append(frames0, frames1, inserts)
-    return {"total_rate": round(rate, 1), "p50_us": summarize(samples).get("p50_us"),
+    return {"total_rate": round(rate, 1), "p50_us": summarize(list(total.samples_ns)).get("p50_us"),
             "server_cpu_us": round((cpu1 - cpu0) * 1e6 / appends, 1), "ctx_switches": round((cs1 - cs0) / appends, 2),
             "server_msgs": round(sum(k.get("sent", 0.0) for k in fr.values()), 2),
             "notices": fr.get("primary", {}).get("sent_notice", 0.0), "frames": fr,
-            "fast_path": fast_path_ratio(counts),
-            "errors": sum(r.errors for r in results)}
+            "fast_path": fast_path_ratio(total.counters), "errors": total.errors}
 
 
 def _one_count(n: int, p: dict[str, Any], res: Results, zk_hosts: str, base: Path) -> dict[str, list[dict[str, Any]]]:
