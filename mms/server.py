@@ -26,7 +26,7 @@ from mms.planner import PlannerSettings
 from mms.sequencer import EpochSequencer
 from ziplog.shell.inbound import InboundGuard
 from ziplog.shell.throttled_log import ThrottledLog
-from ziplog.io.ports import Network, Runtime, Timer
+from ziplog.io.ports import Network, Runtime, Timer, wall_offset_ns
 from ziplog.cores.effects import CommitBlock
 from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
@@ -76,7 +76,8 @@ class MembershipDriver(ElectedDriver):
     def __init__(self, rt: Runtime, net: Network, coord: MembershipCoordination, election: ElectionPort,
                  replica_id: int, key: ClusterKey, interval_ns: int = 10_000_000,
                  settings: PlannerSettings | None = None, epochs_per_commit: int = 10, host: str = "127.0.0.1",
-                 idle_interval_ns: int = IDLE_INTERVAL_NS, advertise: str | None = None) -> None:
+                 idle_interval_ns: int = IDLE_INTERVAL_NS, advertise: str | None = None,
+                 wall_offset_ns: int = 0) -> None:
         assert epochs_per_commit >= 1
         super().__init__(rt, election, layout.MMS_ELECTION, replica_id)
         self.net = net
@@ -95,6 +96,9 @@ class MembershipDriver(ElectedDriver):
         #: what this replica registers for primaries to dial
         self.addrs = {"pub": advertised(self.pub.addr, advertise), "pull": advertised(self.pull.addr, advertise)}
         self.encoder = wire.EpochEncoder(replica_id)  # each EPOCH names its leader
+        #: the wall clock minus the runtime's (``ports.wall_offset_ns``): each broadcast is
+        #: stamped with when it left, the place both replicas of a shard take it at
+        self.wall_offset_ns = wall_offset_ns
         self.key = key
         self.bad_input = ThrottledLog(log, rt)
         self.seq: EpochSequencer | None = None
@@ -195,8 +199,9 @@ class MembershipDriver(ElectedDriver):
         # named before it leaves: a scrape never shows an epoch older than one a replica began
         self.last_epoch = cfg.epoch
         base = seq.same_as()
-        self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates) if base is None
-                      else self.encoder.encode_same(cfg.epoch, base))
+        stamp = wire.wall_stamp(self.rt.now(), self.wall_offset_ns)
+        self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates, stamp) if base is None
+                      else self.encoder.encode_same(cfg.epoch, base, stamp))
         self.broadcasts += 1
         seq.advance()
         # fell behind (slow commit): do not burst to catch up
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = MembershipDriver(rt, rt, coord, coord.election, args.id, key, int(args.interval_ms * 1_000_000),
                               PlannerSettings(default_rate=args.default_rate, min_rate=args.min_rate),
                               args.epochs_per_commit, args.bind, int(args.idle_interval_ms * 1_000_000),
-                              advertise=args.advertise)
+                              advertise=args.advertise, wall_offset_ns=wall_offset_ns())
     return run_elected(args, rt, driver, coord)
 
 

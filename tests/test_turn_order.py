@@ -156,3 +156,58 @@ def test_an_epoch_broadcast_is_taken_in_stamp_order_with_the_turns_inserts() -> 
         assert any(w.feed(i, m) for i, m in h.replies(w.req_id))
     assert all(w.fast for w in waits)
     assert [epoch_of(w.decided) for w in waits if w.decided is not None] == [old, old + 1]
+
+
+def _epoch_read_a_turn_late(settings: dict[str, bool]) -> tuple[int, list[InsertWait]]:
+    """The membership service sends the next epoch at T; insert ``a`` was sent before T,
+    ``b`` after. The primary reads the broadcast at once, in the turn that brings both
+    inserts; the backup reads all three half a millisecond later (a process serving
+    several replicas may come to the broadcast a turn after its peer does)."""
+    h = ShardHarness(settings)
+    h.B.connect_primary(0)
+    h.pump()
+    h.next_epoch()
+    old = h.epoch
+    nxt = h.config(old + 1, (0,))
+    sent = h.now + 1_000
+    a = wire.Insert(req_id=1, client_id=7, seq=1, after=0, data=b"a", stamp=sent - 100)
+    b = wire.Insert(req_id=2, client_id=8, seq=1, after=0, data=b"b", stamp=sent + 100)
+    for core, read_at in ((h.P, sent + 50), (h.B, sent + 500_000)):
+        core.hold_epoch(nxt, read_at, sent)
+        for ins in (a, b):
+            core.on_request(b"client", wire.decode_request(wire.encode(ins)), read_at)
+        core.end_input(read_at)
+    h.now = sent + 500_000
+    h.pump()
+    waits = [InsertWait(1, 2), InsertWait(2, 2)]
+    for w in waits:
+        assert any(w.feed(i, m) for i, m in h.replies(w.req_id)), "settled"
+    assert [epoch_of(w.decided) for w in waits if w.decided is not None] == [old, old + 1], \
+        "the primary took the epoch between the two inserts"
+    return h.B.stats["wrong_guesses_epoch"], waits
+
+
+def test_an_epoch_read_a_turn_late_is_taken_where_its_sender_stamped_it() -> None:
+    """With the sender's stamp both replicas put ``b`` in the new epoch: both inserts
+    take the fast path, though the backup read the broadcast after its peer."""
+    wrong, waits = _epoch_read_a_turn_late({})
+    assert all(w.fast for w in waits) and wrong == 0
+
+
+def test_an_epoch_taken_where_it_was_read_costs_the_late_reader_a_guess() -> None:
+    """What the sender's stamp fixes (the test above would pass vacuously if reading late
+    did no harm): taken at its arrival, the backup's broadcast sorts after both inserts
+    and it guesses ``b`` in the old epoch, a slow-path insert."""
+    wrong, waits = _epoch_read_a_turn_late({"epoch_stamp_sent": False})
+    assert waits[0].fast and not waits[1].fast and wrong == 1
+
+
+def test_two_broadcasts_read_in_one_turn_keep_their_order_whatever_their_stamps() -> None:
+    """A new leader whose clock runs behind the old one's: its broadcast carries an
+    earlier stamp than the one before it, and is still taken after it."""
+    h = _serving()
+    old = h.epoch
+    first, second = h.config(old + 1, (0,)), h.config(old + 2, (0,))
+    h.P.hold_epoch(first, h.now, 5_000)
+    h.P.hold_epoch(second, h.now, 4_000)
+    assert [item.config.epoch for _, item in h.P.take_ordered()] == [old + 1, old + 2]  # type: ignore[union-attr]

@@ -477,6 +477,14 @@ class SystemSim:
         self.settings["forward_by_reference"] = refs.random() < 0.5
         self.settings["reference_min_bytes"] = refs.choice([0, 16])
         self.settings["max_reference_bytes"] = refs.choice([64 << 20, 64 << 20, 100])
+        # Where a turn takes an epoch among its inserts, drawn apart again: at the stamp
+        # the membership service sent it with (the default, in three seeds of four) or at
+        # its arrival; and the service's clock off the replicas' and clients' by up to
+        # 3 ms either way (its stamps then sort a broadcast before or after every insert
+        # of the turn that reads it, and two leaders' stamps may run backwards).
+        order = random.Random(seed * 15485863 + 5)
+        self.settings["epoch_stamp_sent"] = order.random() < 0.75
+        self.mms_wall_offset_ns = order.choice([0, 0, 3 * MS, -3 * MS])
         self.planner_settings = PlannerSettings(default_rate=rng.choice([500, 2000]))
         self.think_us = rng.choice([500, 3000, 10_000])
         nshards = shards if shards is not None else rng.choice([2, 2, 3])
@@ -671,7 +679,7 @@ class SystemSim:
         if c.kind == "mms":
             mcoord = SimMembershipCoordination(self.zk, proc, c.session)
             c.driver = MembershipDriver(proc, proc, mcoord, election, c.rid, CLUSTER_KEY, self.epoch_ns, self.planner_settings,
-                                        self.epochs_per_commit)
+                                        self.epochs_per_commit, wall_offset_ns=self.mms_wall_offset_ns * (1 + c.rid % 2))
             self.mms_drivers.append(c.driver)
         else:
             hcoord = SimHandlerCoordination(self.zk, proc, c.session)

@@ -445,22 +445,27 @@ class RecoveryOk(Frame, kw_only=True):
 class EpochStart(Frame, kw_only=True):
     """EPOCH: the configuration of ``epoch`` (members sorted, one rate each), and the id
     of the membership service replica that leads (primaries send their rate reports to
-    it alone; None: not said, send to every replica)."""
+    it alone; None: not said, send to every replica). ``stamp`` (0: none) is when the
+    leader sent it, in wall-clock nanoseconds: both replicas of a shard take the epoch at
+    that place among the inserts their turn holds (by the inserts' stamps), however late
+    each read it. It orders nothing else and decides nothing."""
     op: int = EPOCH
     epoch: U64
     shards: Members
     rates: tuple[U64, ...]
     leader: U64 | None = None
+    stamp: U64 = 0
 
 
 class EpochSame(Frame, kw_only=True):
     """EPOCH_SAME: ``epoch`` has the configuration of epoch ``base``, an earlier epoch of
     the same committed block whose EPOCH carried it (``ziplog.protocol.epoch_feed``);
-    ``leader`` as in EPOCH. A few bytes whatever the number of shards."""
+    ``leader`` and ``stamp`` as in EPOCH. A few bytes whatever the number of shards."""
     op: int = EPOCH_SAME
     epoch: U64
     base: U64
     leader: U64 | None = None
+    stamp: U64 = 0
 
 
 class RateEntry(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
@@ -727,19 +732,19 @@ class EpochEncoder:
         #: the broadcasting replica's id, named in every frame (None: not named)
         self.leader = leader
         self._key: tuple[Members, tuple[int, ...]] | None = None
-        self._tail = b""
-        self._head = b"\x96" + encode(PROTOCOL_VERSION) + encode(EPOCH)
+        self._middle = b""
+        self._head = b"\x97" + encode(PROTOCOL_VERSION) + encode(EPOCH)
 
-    def encode(self, epoch: int, shards: Members, rates: tuple[int, ...]) -> bytes:
+    def encode(self, epoch: int, shards: Members, rates: tuple[int, ...], stamp: int = 0) -> bytes:
         key = (shards, rates)
         if self._key is None or self._key[0] is not shards or self._key[1] is not rates:
-            self._tail = encode(shards) + encode(rates) + encode(self.leader)
+            self._middle = encode(shards) + encode(rates) + encode(self.leader)
             self._key = key
-            frame = self._head + encode(epoch) + self._tail
-            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader))
+            frame = self._head + encode(epoch) + self._middle + encode(stamp)
+            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader, stamp=stamp))
             return frame
-        return self._head + encode(epoch) + self._tail
+        return self._head + encode(epoch) + self._middle + encode(stamp)
 
-    def encode_same(self, epoch: int, base: int) -> bytes:
+    def encode_same(self, epoch: int, base: int, stamp: int = 0) -> bytes:
         """The EPOCH_SAME of ``epoch``, whose configuration is that of ``base``."""
-        return encode(EpochSame(epoch=epoch, base=base, leader=self.leader))
+        return encode(EpochSame(epoch=epoch, base=base, leader=self.leader, stamp=stamp))

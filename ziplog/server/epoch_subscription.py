@@ -20,9 +20,10 @@ class EpochSubscription:
         self.trouble_log = trouble_log
         self.feed = EpochFeed()
 
-    def take(self, frame: bytes) -> tuple[EpochConfig, int | None] | None:
-        """The configuration a broadcast frame announces and the leader it names, or None
-        (a bad frame, logged; or an epoch whose configuration cannot be had)."""
+    def take(self, frame: bytes) -> tuple[EpochConfig, int | None, int] | None:
+        """The configuration a broadcast frame announces, the leader it names and its
+        stamp (0: none), or None (a bad frame, logged; or an epoch whose configuration
+        cannot be had)."""
         try:
             msg = f.decode_epoch(frame)
             got = self.feed.on_message(msg)
@@ -39,4 +40,4 @@ class EpochSubscription:
         if got is None:
             return None
         assert isinstance(got, EpochConfig)
-        return got, msg.leader
+        return got, msg.leader, msg.stamp

@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NOTICEs go out at most this often (a burst's records together)")
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
+    ap.add_argument("--epoch-stamp", choices=("sent", "read"), default="sent",
+                    help="take an epoch broadcast among the turn's inserts at the moment the membership service "
+                         "sent it (the same at both replicas of a shard), or at the moment this replica read it")
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
                     help="with --forward-by-reference: the smallest record a FORWARD names by reference")
@@ -363,6 +366,7 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                                wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
+                               epoch_stamp_sent=args.epoch_stamp == "sent",
                                forward_by_reference=args.forward_by_reference,
                                reference_min_bytes=args.reference_min_bytes,
                                forward_interval_ns=args.forward_interval_us * 1000,

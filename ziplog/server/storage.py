@@ -253,8 +253,8 @@ class StorageDriver:
         got = self.epochs.take(frame)  # None: a bad frame, or an epoch that counts as missed
         if got is None:
             return
-        cfg, leader = got
-        self.core.hold_epoch(cfg, self.rt.now())  # the turn's end takes it
+        cfg, leader, stamp = got
+        self.core.hold_epoch(cfg, self.rt.now(), stamp)  # the turn's end takes it
         if leader is not None and leader != self.mms_leader:
             self.mms_leader = leader  # rate reports go to it alone (ReplicaLinks.report_rates)
             role = self.core.role

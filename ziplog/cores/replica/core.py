@@ -44,7 +44,7 @@ Role = Union[PrimarySequencer, BackupFollower]
 
 class HeldEpoch(NamedTuple):
     """An epoch broadcast held for the turn's order, stamped with the wall-clock time
-    it reached this replica (``ReplicaCore.hold_epoch``)."""
+    its sender sent it, or else that it reached this replica (``ReplicaCore.hold_epoch``)."""
 
     config: EpochConfig
     stamp: int
@@ -222,13 +222,23 @@ class ReplicaCore:
         self.held = []
         return held
 
-    def hold_epoch(self, config: EpochConfig, now: int) -> None:
-        """An epoch broadcast that reached this replica at ``now``: taken in stamp order
-        (its arrival on the wall clock) with the turn's inserts (:meth:`take_ordered`). Both replicas of a
-        shard get the broadcast at about the same moment; each then places or guesses
-        the inserts its clients sent before that moment in the epoch that ends, and
-        those sent after in the next, rather than whichever way its sockets were read."""
-        self._hold(b"", HeldEpoch(config, f.wall_stamp(now, self.s.wall_offset_ns)), now)
+    def hold_epoch(self, config: EpochConfig, now: int, sent: int = 0) -> None:
+        """An epoch broadcast that reached this replica at ``now``, which its sender
+        stamped ``sent`` (0: not stamped): taken in stamp order with the turn's inserts
+        (:meth:`take_ordered`). Each replica of a shard then places or guesses the inserts
+        its clients sent before that moment in the epoch that ends, and those sent after
+        in the next, rather than whichever way its sockets were read. The sender's stamp
+        is the same moment at every replica, however late each one read the broadcast (a
+        process serving several replicas may read it a turn later than its peer's);
+        without one (or with ``epoch_stamp_sent`` off) the moment is the arrival here.
+        Two broadcasts held in one turn keep the order they came in, whatever their
+        stamps say (two leaders' clocks may disagree)."""
+        stamp = sent if sent and self.s.epoch_stamp_sent else f.wall_stamp(now, self.s.wall_offset_ns)
+        for _, item in reversed(self.held):
+            if type(item) is HeldEpoch:
+                stamp = max(stamp, item.stamp)
+                break
+        self._hold(b"", HeldEpoch(config, stamp), now)
 
     def on_ordered(self, route: bytes, msg: Ordered, now: int) -> None:
         """Take one INSERT, NOTICE or held epoch (from :meth:`end_input`)."""

@@ -30,6 +30,10 @@ class ReplicaSettings:
     #: The wall clock minus the monotonic clock the core is given (``now``), read by
     #: the driver at start: a NOTICE's stamp is its send time on the wall clock.
     wall_offset_ns: int = 0
+    #: An epoch broadcast is taken, among the turn's inserts, at the moment its sender
+    #: stamped on it, the same at both replicas of a shard (off: at the moment it was
+    #: read here, as before; the benchmarks compare both).
+    epoch_stamp_sent: bool = True
     #: How long an InsertAfter or read may wait for a future epoch/position.
     park_timeout_ns: int = 2_000_000_000
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
