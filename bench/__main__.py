@@ -36,6 +36,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                                                   "clusters (the control) vs one shard, same load per shard; rounds"),
     "reference": ("bench.experiments.reference", "forward by reference on vs off: servers' CPU per 4 KiB append, "
                                                   "FORWARD bytes, catch-ups; paired rounds"),
+    "epochstamp": ("bench.experiments.epochstamp", "where a turn takes an epoch: the leader's stamp vs each "
+                                                    "replica's arrival; fast path, wrong guesses, CPU; rounds"),
 }
 
 

@@ -226,3 +226,37 @@ def test_a_delivered_record_finds_its_acknowledgement_by_gsn() -> None:
     never = np.iinfo(np.int64).max
     assert got.tolist() == [20, 10, never, 30, never]
     assert ack_times(acks[:0], np.asarray([3], dtype=np.int64)).tolist() == [never]
+
+
+def test_epochstamp_runs_both_modes_on_both_layouts(tmp_path: Path, shared_zookeeper: str) -> None:
+    """``bench epochstamp`` on real clusters, two shards, one short round: each layout
+    runs with epochs taken at the leader's stamp and at each replica's arrival, and every
+    run counts its inserts' fast path and the backups' guesses."""
+    from bench.experiments import epochstamp, shardcost
+    from bench.report import Results
+    p = {**epochstamp.params_for(True), "shard_counts": [2], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2,
+         "workers_per_shard": 1, "loads": [("100/s open loop", 1, "open", 100.0)]}
+    runs = epochstamp._count(2, p, Results("epochstamp", tmp_path / "out", p), shared_zookeeper, tmp_path)
+    rows = epochstamp.summarize_runs(2, runs, shardcost.load_names(p))
+    assert {(r["layout"], r["mode"]) for r in rows} == {(lay, m) for lay in epochstamp.LAYOUTS for m in epochstamp.MODES}
+    for r in rows:
+        assert r["total_rate"] > 0 and r["fast_path"] is not None and r["server_cpu_us"] > 0, r
+        assert r["runs"][0]["errors"] == 0 and r["wrong_guesses_epoch"] >= 0, r
+        assert (r["cpu_ratio"] is not None) == (r["mode"] == "sent"), r
+
+
+def test_epochstamp_counts_guesses_per_insert_and_pairs_its_rounds() -> None:
+    from bench.experiments import epochstamp
+    before = {k: 0 for k in (*epochstamp.GUESS_COUNTERS, "inserts")}
+    after = dict(before, inserts=200, wrong_guesses_epoch=10, reacks=12)
+    assert epochstamp.per_insert(before, after)["wrong_guesses_epoch"] == 0.05
+
+    def m(cpu: float, fast: float) -> dict[str, Any]:
+        return {"total_rate": 1000.0, "fast_path": fast, "server_cpu_us": cpu, "wrong_guesses_epoch": 0.0,
+                "wrong_guesses_ahead": 0.01, "wrong_guesses_behind": 0.0, "guesses_displaced": 0.02, "reacks": 0.03}
+    layout = next(iter(epochstamp.LAYOUTS))
+    runs = {f"{layout}|L|sent": [m(90, 0.95), m(100, 0.9)], f"{layout}|L|read": [m(100, 0.8), m(80, 0.7)]}
+    rows = {r["mode"]: r for r in epochstamp.summarize_runs(4, runs, ["L"])}
+    assert rows["sent"]["cpu_ratio_rounds"] == [0.9, 1.25] and rows["sent"]["cpu_ratio"] == 1.075
+    assert rows["read"]["cpu_ratio"] is None and "cpu_ratio_rounds" not in rows["read"]
+    assert rows["sent"]["fast_path"] == 0.925 and rows["sent"]["other_wrong_guesses"] == 0.03
