@@ -120,6 +120,38 @@ def test_a_process_per_cpu_serves_both_shards_and_is_taken_over_or_restarted_wit
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a process per CPU needs at least two CPUs")
+def test_a_notice_goes_once_to_each_process_which_hands_it_to_every_replica_it_serves() -> None:
+    """Four shards on two processes (each serves one replica of every shard), records on
+    shard 0 alone: its primary's NOTICE reaches the three replicas of other shards in a
+    process through one frame, and the replica it reached hands it to the other two. The
+    idle shards' primaries pass their slots on those notices (each heard some only
+    through a replica of its process), and a subscriber gets every record in order."""
+    with ziplog.local_cluster(shards=4, replicas=2, process_per_cpu=True) as cluster:
+        servers = cluster.servers
+        assert len({id(p) for p in servers.values()}) == 2
+        with cluster.client() as c, cluster.client() as reader:
+            sub = reader.subscribe(RID_GENESIS)
+            c.set_policy(Policy.fixed(0))
+            acked: list[ziplog.RecordId] = []
+            rid = RID_GENESIS
+            for i in range(80):
+                rid = c.insert_after(b"r%d" % i, rid)
+                acked.append(rid)
+            delivered_until(sub, acked)
+            sub.close()
+            status = wait_status(c, [0, 1, 2, 3])
+        replicas = [r for s in range(4) for r in status[s]]
+        received = sum(r.get("received_notice", 0) for r in replicas)
+        handed_on = sum(r.get("notices_handed_on", 0) for r in replicas)
+        sent = sum(r.get("sent_notice", 0) for r in replicas if r.get("primary"))
+        assert received > 0 and sent >= received, (sent, received)
+        # each frame reached one of the three replicas of other shards in its process
+        assert handed_on == 2 * received, (handed_on, received)
+        idle = [r for r in replicas if r.get("primary") and r["shard"] != 0]
+        assert all(r.get("passed_on_notice", 0) > 0 for r in idle), idle
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a process per CPU needs at least two CPUs")
 def test_a_rolling_restart_restarts_each_storage_process_once_with_every_replica_in_it() -> None:
     with ziplog.local_cluster(shards=2, replicas=2, process_per_cpu=True) as cluster:
         old = set(cluster.servers.values())

@@ -215,6 +215,7 @@ class Topology(TopologyView):
     def _on_replicas(self, shard: int, kids: list[str]) -> None:
         addrs: dict[int, str] = {}
         owners: dict[int, int] = {}
+        pids: dict[int, int] = {}
         for k in kids:
             got = self._read_owned(f"{SHARDS}/{shard}/{k}")
             if got is None:
@@ -224,12 +225,17 @@ class Topology(TopologyView):
             if "addr" in info:
                 addrs[int(k)] = info["addr"]
                 owners[int(k)] = owner
+                if type(info.get("pid")) is int:
+                    pids[int(k)] = info["pid"]
         reps = dict(self.replicas)
         reps[shard] = addrs
         owned = dict(self.replica_owners)
         owned[shard] = owners
+        by_pid = dict(self.replica_pids)
+        by_pid[shard] = pids
         self.replicas = reps
         self.replica_owners = owned
+        self.replica_pids = by_pid
         self.changed()
 
     def _on_membership(self, data: bytes | None, stat: Any) -> None:

@@ -370,12 +370,16 @@ class Notice(Frame, kw_only=True):
     nothing of its own below it passes ``gsn`` now (its unused slots up to it become
     no-ops) rather than when its schedule's clock says so, and a receiving backup guesses
     past it as its primary will. ``stamp`` (optional): when it was sent, in wall-clock
-    nanoseconds; a replica takes it in stamp order with the turn's inserts."""
+    nanoseconds; a replica takes it in stamp order with the turn's inserts. ``hosted``
+    (optional): it is for every replica the receiving process serves (of a shard other
+    than ``shard``), not only the one it reached: a sender sends one NOTICE to a process
+    that serves several of the replicas it tells."""
     op: int = NOTICE
     shard: U64
     epoch: U64
     gsn: U64
     stamp: U64 = 0
+    hosted: bool = False
 
 
 # -- failure handler <-> storage server ---------------------------------------------------

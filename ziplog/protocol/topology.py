@@ -19,6 +19,9 @@ class TopologyView:
         #: shard -> replica -> the ZooKeeper session that registered it: another one at the
         #: same address is another incarnation (a server restarted on its fixed --port)
         self.replica_owners: dict[int, dict[int, int]] = {}
+        #: shard -> replica -> the pid its registration names: replicas at one host with
+        #: one pid are served by one process (``ziplog.server --serve``)
+        self.replica_pids: dict[int, dict[int, int]] = {}
         self.replica_counts: dict[int, int] = {}
         self.removed: frozenset[int] = frozenset()
         self.recovering: frozenset[int] = frozenset()

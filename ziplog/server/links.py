@@ -6,13 +6,15 @@ holds (docs/ARCHITECTURE.md, Processes):
 * PUSH -> every failure handler replica's PULL: suspicions (only the leader acts)
 * DEALER -> the primary's ROUTER (a backup): HELLO, PREFIX out; FORWARD in
 * DEALER -> each replica of a shard it sends NOTICEs to (a primary), made on the first
+  notice; one NOTICE goes to one replica of each process that serves several of those it
+  tells, which hands it to the others (``StorageDriver._hand_on``)
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from ziplog.cores.effects import Peer, ShardReplicas
+from ziplog.cores.effects import Peer
 from ziplog.cores.replica import ReplicaSettings
 from ziplog.io.ports import Endpoint, Network, StorageCoordination
 from ziplog.protocol import frames as f
@@ -21,6 +23,12 @@ from ziplog.shell.inbound import InboundGuard
 from ziplog.shell.throttled_log import ThrottledLog
 
 FrameHandler = Callable[[bytes], None]
+
+
+def host_of(addr: str) -> str:
+    """The host part of a ``tcp://host:port`` address (the address itself if it has none)."""
+    rest = addr.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0]
 
 
 #: what :meth:`ReplicaLinks.follow_topology` saw of the primary
@@ -116,11 +124,10 @@ class ReplicaLinks:
 
     def endpoints_for(self, dest: object) -> list[Endpoint]:
         """Where a sealed message to ``dest`` goes: the primary's link (none while it is
-        down), every replica of another shard, or every failure handler replica."""
+        down) or every failure handler replica (a NOTICE to other shards' replicas:
+        :meth:`notice_endpoints`)."""
         if dest is Peer.PRIMARY:
             return [] if self.primary is None else [self.primary]
-        if type(dest) is ShardReplicas:
-            return self.replicas_of(dest.shard)
         assert dest is Peer.HANDLER, dest
         return list(self.fh_pushes.values())
 
@@ -128,14 +135,48 @@ class ReplicaLinks:
         """The connections to ``shard``'s replicas at the addresses ZooKeeper holds now
         (a replica it has none for is skipped: its notice is dropped, and the epoch's
         close is the backstop)."""
+        return [ep for _, _, ep in self._replica_links(shard)]
+
+    def notice_endpoints(self, shards: list[int]) -> tuple[list[Endpoint], bool]:
+        """Where one NOTICE to every replica of ``shards`` goes, and whether it goes as
+        ``hosted`` (for every replica the receiving process serves). With
+        ``notice_per_process``, one connection per process: replicas registered at one
+        host with one pid share a process (``ziplog.server --serve``), which hands the
+        NOTICE to each replica it serves. A NOTICE then costs a message per process, not
+        per replica. Without the pid of every replica told (an older registration), one
+        per replica, not hosted (a process would hand on each copy)."""
+        if not self.settings.notice_per_process:
+            return [ep for s in shards for ep in self.replicas_of(s)], False
+        pids = self.coord.topology.replica_pids
+        seen: set[tuple[str, int]] = set()
+        out: list[Endpoint] = []
+        hosted = True
+        for shard in shards:
+            of_shard = pids.get(shard, {})
+            for replica, addr, ep in self._replica_links(shard):
+                pid = of_shard.get(replica)
+                if pid is None:
+                    hosted = False
+                else:
+                    process = (host_of(addr), pid)
+                    if process in seen:
+                        continue
+                    seen.add(process)
+                out.append(ep)
+        return out, hosted
+
+    def _replica_links(self, shard: int) -> list[tuple[int, str, Endpoint]]:
+        """(replica, address, connection) of every replica of ``shard`` ZooKeeper has an
+        address for now; a connection is made on the first notice, and made again when
+        the address moved."""
         addrs = self.coord.topology.replicas.get(shard, {})
         peers = self.peer_replicas
-        out: list[Endpoint] = []
+        out: list[tuple[int, str, Endpoint]] = []
         for replica in range(self.coord.topology.replica_counts.get(shard, len(addrs))):
             addr = addrs.get(replica)
             cur = peers.get((shard, replica))
             if cur is not None and cur[0] == addr:
-                out.append(cur[1])
+                out.append((replica, addr, cur[1]))
                 continue
             if cur is not None:
                 cur[1].close()
@@ -145,7 +186,7 @@ class ReplicaLinks:
             ep = self.net.dealer(addr, self.guard.frames("a peer replica's link", self._on_peer_replica_frame),
                                  "notice", max_bytes=f.CONTROL_FRAME_LIMIT)
             peers[(shard, replica)] = (addr, ep)
-            out.append(ep)
+            out.append((replica, addr, ep))
         return out
 
     def _on_peer_replica_frame(self, frame: bytes) -> None:

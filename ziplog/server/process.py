@@ -219,6 +219,16 @@ def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[in
     return list(serve)
 
 
+def _add_order_arguments(ap: argparse.ArgumentParser) -> None:
+    """How NOTICEs go out and where a turn takes an epoch (both compared by the benches)."""
+    ap.add_argument("--notice-fanout", choices=("process", "replica"), default="process",
+                    help="send a NOTICE once to each process that serves replicas it tells (which hands it to each "
+                         "of them), or once to each replica")
+    ap.add_argument("--epoch-stamp", choices=("sent", "read"), default="sent",
+                    help="take an epoch broadcast among the turn's inserts at the moment the membership service "
+                         "sent it (the same at both replicas of a shard), or at the moment this replica read it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The storage server's flags (every one settable in a config file's ``[storage]``)."""
     ap = argparse.ArgumentParser(prog="ziplog.server",
@@ -244,9 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NOTICEs go out at most this often (a burst's records together)")
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
-    ap.add_argument("--epoch-stamp", choices=("sent", "read"), default="sent",
-                    help="take an epoch broadcast among the turn's inserts at the moment the membership service "
-                         "sent it (the same at both replicas of a shard), or at the moment this replica read it")
+    _add_order_arguments(ap)
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
                     help="with --forward-by-reference: the smallest record a FORWARD names by reference")
@@ -346,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             rt.close()
             return 2
     drivers = [_storage_driver(args, shard, replica, rt, coord, key) for (shard, replica), coord in zip(hosted, coords)]
+    for d in drivers:
+        d.notices.siblings = [other for other in drivers if other is not d]  # a hosted NOTICE is for them too
     if credentials is not None:
         _follow_client_registry(coords[0], key, rt, drivers)
     for driver in drivers:
@@ -367,6 +377,7 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                epoch_stamp_sent=args.epoch_stamp == "sent",
+                               notice_per_process=args.notice_fanout == "process",
                                forward_by_reference=args.forward_by_reference,
                                reference_min_bytes=args.reference_min_bytes,
                                forward_interval_ns=args.forward_interval_us * 1000,

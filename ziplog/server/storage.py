@@ -24,6 +24,7 @@ from ziplog.server.client_rights import ClientRights
 from ziplog.server.epoch_subscription import EpochSubscription
 from ziplog.server.frame_counts import FrameCounts
 from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
+from ziplog.server.notices import NoticeFanout
 from ziplog.server.replica_metrics import replica_metrics
 from ziplog.shell.metrics import Durations
 from ziplog.shell.throttled_log import ThrottledLog
@@ -87,7 +88,7 @@ class StorageDriver:
         self.coord = coord
         self.disk = disk
         self.core = ReplicaCore(settings)
-        self.core.driver_stats["inbound_failures"] = 0
+        self.core.driver_stats.update(inbound_failures=0, notices_handed_on=0)  # the latter: NoticeFanout.hand_on
         self.frames = FrameCounts(self.core.driver_stats)
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
@@ -124,6 +125,7 @@ class StorageDriver:
         self.epochs = EpochSubscription(coord, self.trouble_log)
         self.links = ReplicaLinks(settings, net, coord, self.guard, self.trouble_log, self.on_epoch_frame,
                                   self.on_primary_frame)
+        self.notices = NoticeFanout(self.links, key, self.frames)
         self._dropped_below = 0
         self._next_tick = 0
         self._wakeup: Any = None
@@ -195,6 +197,8 @@ class StorageDriver:
             if type(msg) is f.Insert and not self._turn_first_insert_ns:
                 self._turn_first_insert_ns = now
             core.on_request(route, msg, now)
+            if type(msg) is f.Notice and msg.hosted:
+                self.notices.hand_on(msg, now)
         # Replies leave now (an INSERT's at the turn's end: the core holds inserts until
         # the turn's input is read), before forwards and bookkeeping.
         self._perform(core.ready())
@@ -375,12 +379,15 @@ class StorageDriver:
             elif dest is Peer.MMS:
                 assert type(msg) is f.Rate
                 self._rate_reports.extend(msg.reports)  # one RATE frame at the turn's end
+            elif type(dest) is ShardReplicas:
+                self.notices.add(dest.shard, msg)  # one copy per process, once all its shards are known
             else:
                 peers = self.links.endpoints_for(dest)
                 frame = f.seal(self.key, encode(msg))
                 for ep in peers:
                     ep.send(frame)
                 sent(type(msg), len(peers))
+        self.notices.flush()
 
     def _perform(self, ready: Ready) -> None:
         while True:

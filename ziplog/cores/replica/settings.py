@@ -27,6 +27,9 @@ class ReplicaSettings:
     #: announced at the end of its turn, a burst's records together (each NOTICE costs
     #: every other shard a no-op range and its replication round).
     notice_interval_ns: int = 1_000_000
+    #: ... one NOTICE per process that serves some of the replicas told, which hands it
+    #: to each replica it serves (off: one per replica; the driver reads it).
+    notice_per_process: bool = True
     #: The wall clock minus the monotonic clock the core is given (``now``), read by
     #: the driver at start: a NOTICE's stamp is its send time on the wall clock.
     wall_offset_ns: int = 0
