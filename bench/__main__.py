@@ -38,6 +38,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                                                   "FORWARD bytes, catch-ups; paired rounds"),
     "epochstamp": ("bench.experiments.epochstamp", "where a turn takes an epoch: the leader's stamp vs each "
                                                     "replica's arrival; fast path, wrong guesses, CPU; rounds"),
+    "noticefanout": ("bench.experiments.noticefanout", "a process per CPU: a NOTICE once per process vs once per "
+                                                        "replica; NOTICE frames, messages, CPU per append; rounds"),
 }
 
 

@@ -260,3 +260,20 @@ def test_epochstamp_counts_guesses_per_insert_and_pairs_its_rounds() -> None:
     assert rows["sent"]["cpu_ratio_rounds"] == [0.9, 1.25] and rows["sent"]["cpu_ratio"] == 1.075
     assert rows["read"]["cpu_ratio"] is None and "cpu_ratio_rounds" not in rows["read"]
     assert rows["sent"]["fast_path"] == 0.925 and rows["sent"]["other_wrong_guesses"] == 0.03
+
+
+def test_noticefanout_sends_fewer_notice_frames_per_process(tmp_path: Path, shared_zookeeper: str) -> None:
+    """``bench noticefanout`` on real clusters, four shards on two processes, one short
+    round: a NOTICE sent once per process takes fewer frames per append than one per
+    replica (each round of it reaches three replicas of other shards in each process)."""
+    from bench.experiments import epochstamp, noticefanout, shardcost
+    from bench.report import Results
+    p = {**noticefanout.params_for(True), "shard_counts": [4], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2,
+         "workers_per_shard": 1, "loads": [("100/s open loop", 1, "open", 100.0)]}
+    runs = epochstamp._count(4, p, Results("noticefanout", tmp_path / "out", p), shared_zookeeper, tmp_path)
+    rows = {r["mode"]: r for r in epochstamp.summarize_runs(4, runs, shardcost.load_names(p), list(noticefanout.MODES),
+                                                            list(noticefanout.LAYOUTS))}
+    assert set(rows) == set(noticefanout.MODES)
+    per_process, per_replica = rows["per process"], rows["per replica"]
+    assert 0 < per_process["notices"] < per_replica["notices"], (per_process, per_replica)
+    assert per_process["cpu_ratio"] is not None and per_replica["cpu_ratio"] is None

@@ -39,7 +39,9 @@ COLUMNS = ["shards", "layout", "load", "mode", "rounds", "total_rate", "fast_pat
 def params_for(quick: bool) -> dict[str, Any]:
     return {**shardcost.params_for(quick), "shard_counts": [4] if quick else [2, 4],
             "loads": [("pipelined 4 x 8", 4, "saturate", 8), ("pipelined 8 x 16", 8, "saturate", 16),
-                      ("500/s open loop", 4, "open", 125.0)]}
+                      ("500/s open loop", 4, "open", 125.0)],
+            # the setting compared: the default first, then the way it was before
+            "modes": MODES, "layouts": LAYOUTS}
 
 
 def guess_counters(client: Any) -> dict[str, int]:
@@ -68,8 +70,8 @@ def _count(n: int, p: dict[str, Any], res: Results, zk_hosts: str, base: Path) -
     runs: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         clusters: dict[tuple[str, str], tuple[Any, Any]] = {}
-        for layout, per_cpu in LAYOUTS.items():
-            for mode, args in MODES.items():
+        for layout, per_cpu in p["layouts"].items():
+            for mode, args in p["modes"].items():
                 c = LocalCluster(base / f"n{n}-{'cpu' if per_cpu else 'replica'}-{mode}", shards=n,
                                  replicas=p["replicas"], mms_replicas=1, fh_replicas=1, zookeeper=zk_hosts,
                                  process_per_cpu=per_cpu, server_args=list(args))
@@ -86,31 +88,34 @@ def _count(n: int, p: dict[str, Any], res: Results, zk_hosts: str, base: Path) -
                     m = shardcost.measure([(c, s) for s in c.shard_ids], [client], load, p)
                     m.update(per_insert(before, guess_counters(client)), round=r)
                     runs.setdefault(f"{layout}|{load[0]}|{mode}", []).append(m)
-                    res.log(f"  {n} shards, {layout}, {load[0]}, epochs at the stamp {mode}: fast path "
-                            f"{m['fast_path']:.3f}, {m['wrong_guesses_epoch']} guesses in the wrong epoch per "
-                            f"insert, {m['server_cpu_us']} us of servers' CPU per append")
+                    res.log(f"  {n} shards, {layout}, {load[0]}, {mode}: fast path {m['fast_path']:.3f}, "
+                            f"{m['wrong_guesses_epoch']} guesses in the wrong epoch and {m['notices']} NOTICE "
+                            f"frames per insert, {m['server_cpu_us']} us of servers' CPU per append")
     return runs
 
 
-def summarize_runs(n: int, runs: dict[str, list[dict[str, Any]]], loads: list[str]) -> list[dict[str, Any]]:
-    """Rows: medians over the rounds per (layout, load, mode); ``cpu_ratio`` on the
-    'sent' row: sent / read within each round, then their median."""
+def summarize_runs(n: int, runs: dict[str, list[dict[str, Any]]], loads: list[str],
+                   modes: list[str] | None = None, layouts: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows: medians over the rounds per (layout, load, mode); ``cpu_ratio`` on the first
+    mode's row (the default): it over the second within each round, then their median."""
+    modes = modes or list(MODES)
     rows: list[dict[str, Any]] = []
-    for layout in LAYOUTS:
+    for layout in layouts or LAYOUTS:
         for load in loads:
-            by = {mode: runs.get(f"{layout}|{load}|{mode}", []) for mode in MODES}
+            by = {mode: runs.get(f"{layout}|{load}|{mode}", []) for mode in modes}
             for mode, mine in by.items():
                 if not mine:
                     continue
                 row: dict[str, Any] = {"shards": n, "layout": layout, "load": load, "mode": mode,
                                        "rounds": len(mine), "runs": mine, "cpu_ratio": None}
-                for key in ("total_rate", "fast_path", "wrong_guesses_epoch", "reacks", "server_cpu_us"):
+                for key in ("total_rate", "fast_path", "wrong_guesses_epoch", "reacks", "server_cpu_us", "notices",
+                            "server_msgs"):
                     values = [m[key] for m in mine if m.get(key) is not None]
                     row[key] = round(statistics.median(values), 4) if values else None
                 row["other_wrong_guesses"] = round(statistics.median(
                     m["wrong_guesses_ahead"] + m["wrong_guesses_behind"] + m["guesses_displaced"] for m in mine), 4)
-                if mode == "sent":
-                    pairs = [a["server_cpu_us"] / b["server_cpu_us"] for a, b in zip(mine, by["read"])
+                if mode == modes[0]:
+                    pairs = [a["server_cpu_us"] / b["server_cpu_us"] for a, b in zip(mine, by[modes[1]])
                              if b["server_cpu_us"] > 0]
                     row["cpu_ratio"] = round(statistics.median(pairs), 3) if pairs else None
                     row["cpu_ratio_rounds"] = [round(x, 3) for x in pairs]
