@@ -167,8 +167,8 @@ def test_the_next_epoch_is_heard_when_its_first_broadcast_was() -> None:
 def test_shardcost_runs_the_control_beside_the_cluster(tmp_path: Path, shared_zookeeper: str) -> None:
     """``bench shardcost`` on real clusters, two shards, one short round: the cluster's
     replicas tell one another of their records (NOTICEs), with a process per replica or per
-    CPU; the independent clusters and the one shard alone tell nobody; each
-    configuration's costs are its own servers'."""
+    CPU; the cluster started without them, the independent clusters and the one shard
+    alone tell nobody; each configuration's costs are its own servers'."""
     from bench.experiments import shardcost
     from bench.report import Results
     p = {**shardcost.params_for(True), "shard_counts": [2], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2,
@@ -178,6 +178,7 @@ def test_shardcost_runs_the_control_beside_the_cluster(tmp_path: Path, shared_zo
     assert set(rows) == set(shardcost.CONFIGS)
     assert rows[shardcost.CLUSTER]["notices"] > 0 and rows[shardcost.PER_CPU]["notices"] > 0, rows
     assert rows[shardcost.INDEPENDENT]["notices"] == 0 and rows[shardcost.ONE]["notices"] == 0, rows
+    assert rows[shardcost.NO_NOTICES]["notices"] == 0, rows
     for r in rows.values():
         assert r["total_rate"] > 0 and r["server_cpu_us"] > 0 and r["server_msgs"] > 0, r
         assert r["runs"][0]["errors"] == 0, r

@@ -7,12 +7,15 @@ replicate, a schedule of N shards) and what N times the processes cost any machi
 (more wake-ups and context switches on the same cores, smaller batches per turn). The
 control has every process of the N-shard cluster but none of the first: each of its
 shards is a cluster of its own, so no shard waits for, tells or passes for another. Per
-shard count, four configurations run in turn, their order rotated every round:
+shard count, five configurations run in turn, their order rotated every round:
 
 - **cluster**: one cluster of N shards, a process per replica (as shipped);
 - **cluster, a process per CPU**: the same with the replicas that share a CPU served by
   one process (``LocalCluster(process_per_cpu=True)``, ``ziplog.server --serve``), as a
   machine with more replicas than CPUs runs them: what N shards cost there;
+- **cluster, no NOTICEs**: the first with ``--no-notices`` (slots pass only at epochs'
+  closes, a record waits up to an epoch at a subscriber): what the shards cost one
+  another apart from telling one another of their records;
 - **independent**: N one-shard clusters, shard i's replicas on the CPUs shard i of the
   cluster has (``LocalCluster(cpu_shift=i)``);
 - **one shard**: the first of those alone, at the same load per shard.
@@ -45,7 +48,8 @@ from ..loadgen import ClientPool, ClientSpec, LoadResult, fast_path_ratio
 from ..report import Results, progress
 
 CLUSTER, PER_CPU, INDEPENDENT, ONE = "cluster", "cluster, a process per CPU", "independent", "one shard"
-CONFIGS = (CLUSTER, PER_CPU, INDEPENDENT, ONE)
+NO_NOTICES = "cluster, no NOTICEs"
+CONFIGS = (CLUSTER, PER_CPU, NO_NOTICES, INDEPENDENT, ONE)
 COLUMNS = ["of", "shards", "load", "config", "rounds", "total_rate", "p50_us", "server_cpu_us", "ctx_switches",
            "server_msgs", "notices", "fast_path", "vs_independent", "vs_one_shard"]
 
@@ -137,9 +141,12 @@ def _one_count(n: int, p: dict[str, Any], res: Results, zk_hosts: str, base: Pat
             return c
         cluster = started(LocalCluster(base / f"n{n}-cluster", shards=n, **kw))
         per_cpu = started(LocalCluster(base / f"n{n}-per-cpu", shards=n, process_per_cpu=True, **kw))
+        quiet = started(LocalCluster(base / f"n{n}-no-notices", shards=n, server_args=["--no-notices"], **kw))
         alone = [started(LocalCluster(base / f"n{n}-alone{i}", shards=1, cpu_shift=i, **kw)) for i in range(n)]
-        status = {c: stack.enter_context(ziplog.Client(c.zk_hosts, timeout=10.0)) for c in [cluster, per_cpu, *alone]}
+        status = {c: stack.enter_context(ziplog.Client(c.zk_hosts, timeout=10.0))
+                  for c in [cluster, per_cpu, quiet, *alone]}
         targets = {CLUSTER: [(cluster, s) for s in cluster.shard_ids], PER_CPU: [(per_cpu, s) for s in per_cpu.shard_ids],
+                   NO_NOTICES: [(quiet, s) for s in quiet.shard_ids],
                    INDEPENDENT: [(c, 0) for c in alone], ONE: [(alone[0], 0)]}
         for r in range(p["rounds"]):
             for load in p["loads"]:
@@ -181,13 +188,13 @@ def summarize_runs(n: int, runs: dict[str, list[dict[str, Any]]], loads: list[st
 def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
     fig, path = res.figure()
     ax = fig.add_subplot(1, 1, 1)
-    labels, width = sorted({(r["load"], r["of"]) for r in rows}), 0.2
+    labels, width = sorted({(r["load"], r["of"]) for r in rows}), 0.16
     for i, config in enumerate(CONFIGS):
         ys = []
         for load, n in labels:
             row = next((r for r in rows if (r["load"], r["of"], r["config"]) == (load, n, config)), None)
             ys.append(row["server_cpu_us"] if row else 0)
-        ax.bar([x + (i - 1.5) * width for x in range(len(labels))], ys, width, label=config)
+        ax.bar([x + (i - (len(CONFIGS) - 1) / 2) * width for x in range(len(labels))], ys, width, label=config)
     short = {load: load.replace(" open loop", " open").replace("pipelined ", "") for load, _ in labels}
     ax.set_xticks(range(len(labels)), [f"{n} shards\n{short[load]}" for load, n in labels], fontsize=7)
     ax.set_ylabel("storage servers' CPU per append (us)")
@@ -208,12 +215,12 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             rows += summarize_runs(n, _one_count(n, p, res, ensemble.hosts, Path(tmp)), load_names(p))
     _plot(res, rows)
     for r in rows:
-        if r["config"] in (CLUSTER, PER_CPU):
+        if r["config"] in (CLUSTER, PER_CPU, NO_NOTICES):
             res.note(f"{r['config']}, {r['shards']} shards, {r['load']}: {r['vs_independent']}x the CPU per append of "
                      f"{r['shards']} one-shard clusters (rounds {r['vs_independent_rounds']}), "
                      f"{r['vs_one_shard']}x one shard's")
     res.write(rows, COLUMNS, "What shards add to one another: one cluster of N shards against N one-shard clusters",
-              intro=(f"{p['rounds']} rounds; in each, every load runs on the four configurations in turn (order "
+              intro=(f"{p['rounds']} rounds; in each, every load runs on the five configurations in turn (order "
                      f"rotated), {p['seconds']} s measured after {p['warmup_s']} s of warm-up, "
                      f"{p['record_bytes']}-byte records, {p['replicas']} replicas per shard. Loads are per shard. "
                      "server_cpu_us: the configuration's own storage servers' CPU per append; ctx_switches and "
