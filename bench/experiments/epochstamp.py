@@ -23,7 +23,7 @@ import contextlib
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..report import Results, progress
 from . import shardcost
@@ -123,40 +123,52 @@ def summarize_runs(n: int, runs: dict[str, list[dict[str, Any]]], loads: list[st
     return rows
 
 
-def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
+def bars(res: Results, rows: list[dict[str, Any]], group: tuple[str, ...], value: Callable[[dict[str, Any]], float],
+         label: Callable[[str], str], tick: Callable[..., str], ylabel: str, title: str, caption: str) -> None:
+    """One bar per mode (the row's ``mode``) in each group of rows alike in ``group``."""
     fig, path = res.figure()
     ax = fig.add_subplot(1, 1, 1)
-    groups = sorted({(r["shards"], r["layout"], r["load"]) for r in rows})
-    width = 0.4
-    for i, mode in enumerate(MODES):
+    groups = sorted({tuple(r[k] for k in group) for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
         ys = []
         for g in groups:
-            row = next((r for r in rows if (r["shards"], r["layout"], r["load"], r["mode"]) == (*g, mode)), None)
-            ys.append(100 * row["fast_path"] if row and row["fast_path"] is not None else 0)
-        ax.bar([x + (i - 0.5) * width for x in range(len(groups))], ys, width,
-               label=f"epoch taken at the stamp it was {mode}")
-    ax.set_xticks(range(len(groups)), [f"{n} shards\n{layout.replace('a process ', '')}\n{load.replace('pipelined ', '')}"
-                                       for n, layout, load in groups], fontsize=6)
-    ax.set_ylabel("fast path (% of inserts)")
-    ax.set_ylim(0, 100)
-    ax.set_title("Where a turn takes an epoch: the leader's stamp against each replica's arrival (medians)",
-                 fontsize=9)
+            row = next((r for r in rows if tuple(r[k] for k in group) == g and r["mode"] == mode), None)
+            ys.append(value(row) if row is not None else 0)
+        ax.bar([x + (i - (len(modes) - 1) / 2) * width for x in range(len(groups))], ys, width, label=label(mode))
+    ax.set_xticks(range(len(groups)), [tick(*g) for g in groups], fontsize=6)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    res.save_figure(fig, path, "fast path with epochs taken at the leader's stamp and at each replica's arrival")
+    res.save_figure(fig, path, caption)
+
+
+def paired_run(name: str, p: dict[str, Any], out: Path | None, what: str) -> tuple[Results, list[dict[str, Any]]]:
+    """Every shard count of ``p``: its clusters (one per layout and mode) started on one
+    ZooKeeper ensemble, measured (:func:`_count`) and summarized."""
+    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
+    res = Results(name, out, p)
+    rows: list[dict[str, Any]] = []
+    loads = shardcost.load_names(p)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp, \
+            ZooKeeperEnsemble(Path(tmp) / "zookeeper", size=3) as ensemble:
+        for n in progress(name, p["shard_counts"], lambda n: f"{n} shards, {what}"):
+            runs = _count(n, p, res, ensemble.hosts, Path(tmp))
+            rows += summarize_runs(n, runs, loads, list(p["modes"]), list(p["layouts"]))
+    return res, rows
 
 
 def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
-    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
-    p = params_for(quick)
-    res = Results("epochstamp", out, p)
-    rows: list[dict[str, Any]] = []
-    loads = shardcost.load_names(p)
-    with tempfile.TemporaryDirectory(prefix="epochstamp-") as tmp, \
-            ZooKeeperEnsemble(Path(tmp) / "zookeeper", size=3) as ensemble:
-        for n in progress("epochstamp", p["shard_counts"], lambda n: f"{n} shards, both layouts, both modes"):
-            rows += summarize_runs(n, _count(n, p, res, ensemble.hosts, Path(tmp)), loads)
-    _plot(res, rows)
+    res, rows = paired_run("epochstamp", params_for(quick), out, "both layouts, both modes")
+    p = res.params
+    bars(res, rows, ("shards", "layout", "load"),
+         lambda r: 100 * r["fast_path"] if r["fast_path"] is not None else 0,
+         lambda mode: f"epoch taken at the stamp it was {mode}",
+         lambda n, layout, load: f"{n} shards\n{layout.replace('a process ', '')}\n{load.replace('pipelined ', '')}",
+         "fast path (% of inserts)", "Where a turn takes an epoch: the leader's stamp against each replica's arrival "
+         "(medians)", "fast path with epochs taken at the leader's stamp and at each replica's arrival")
     for r in rows:
         if r["mode"] == "sent":
             res.note(f"{r['shards']} shards, {r['layout']}, {r['load']}: servers' CPU per append {r['cpu_ratio']}x "

@@ -13,12 +13,10 @@ within each round, then their median.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..report import Results, progress
-from . import epochstamp, shardcost
+from . import epochstamp
 
 MODES = {"per process": [], "per replica": ["--notice-fanout", "replica"]}
 LAYOUTS = {"a process per CPU": True}
@@ -32,38 +30,14 @@ def params_for(quick: bool) -> dict[str, Any]:
                       ("250/s open loop", 4, "open", 62.5), ("500/s open loop", 4, "open", 125.0)]}
 
 
-def _plot(res: Results, rows: list[dict[str, Any]]) -> None:
-    fig, path = res.figure()
-    ax = fig.add_subplot(1, 1, 1)
-    groups = sorted({(r["shards"], r["load"]) for r in rows})
-    width = 0.4
-    for i, mode in enumerate(MODES):
-        ys = []
-        for g in groups:
-            row = next((r for r in rows if (r["shards"], r["load"], r["mode"]) == (*g, mode)), None)
-            ys.append(row["server_cpu_us"] if row and row["server_cpu_us"] is not None else 0)
-        ax.bar([x + (i - 0.5) * width for x in range(len(groups))], ys, width, label=f"a NOTICE {mode}")
-    ax.set_xticks(range(len(groups)), [f"{n} shards\n{load.replace('pipelined ', '')}" for n, load in groups],
-                  fontsize=7)
-    ax.set_ylabel("storage servers' CPU per append (us)")
-    ax.set_title("A process per CPU: a NOTICE once per process against once per replica (medians)", fontsize=9)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    res.save_figure(fig, path, "servers' CPU per append with a NOTICE sent once per process and once per replica")
-
-
 def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
-    from ziplog.tools.zk_ensemble import ZooKeeperEnsemble
-    p = params_for(quick)
-    res = Results("noticefanout", out, p)
-    rows: list[dict[str, Any]] = []
-    loads = shardcost.load_names(p)
-    with tempfile.TemporaryDirectory(prefix="noticefanout-") as tmp, \
-            ZooKeeperEnsemble(Path(tmp) / "zookeeper", size=3) as ensemble:
-        for n in progress("noticefanout", p["shard_counts"], lambda n: f"{n} shards, a process per CPU, both modes"):
-            runs = epochstamp._count(n, p, res, ensemble.hosts, Path(tmp))
-            rows += epochstamp.summarize_runs(n, runs, loads, list(MODES), list(LAYOUTS))
-    _plot(res, rows)
+    res, rows = epochstamp.paired_run("noticefanout", params_for(quick), out, "a process per CPU, both modes")
+    p = res.params
+    epochstamp.bars(res, rows, ("shards", "load"), lambda r: r["server_cpu_us"] or 0, lambda mode: f"a NOTICE {mode}",
+                    lambda n, load: f"{n} shards\n{load.replace('pipelined ', '')}",
+                    "storage servers' CPU per append (us)",
+                    "A process per CPU: a NOTICE once per process against once per replica (medians)",
+                    "servers' CPU per append with a NOTICE sent once per process and once per replica")
     for r in rows:
         if r["mode"] == "per process":
             res.note(f"{r['shards']} shards, {r['load']}: servers' CPU per append {r['cpu_ratio']}x with a NOTICE "
