@@ -199,7 +199,10 @@ class MembershipDriver(ElectedDriver):
         # named before it leaves: a scrape never shows an epoch older than one a replica began
         self.last_epoch = cfg.epoch
         base = seq.same_as()
-        stamp = wire.wall_stamp(self.rt.now(), self.wall_offset_ns)
+        # stamped once every storage replica reads a stamp (a server of an earlier build
+        # refuses the longer frame: wire.READS)
+        stamp = wire.wall_stamp(self.rt.now(), self.wall_offset_ns) \
+            if self.coord.topology.every_replica_reads() >= wire.READS else 0
         self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates, stamp) if base is None
                       else self.encoder.encode_same(cfg.epoch, base, stamp))
         self.broadcasts += 1

@@ -37,6 +37,7 @@ from ziplog.cores.effects import CommitBlock
 from ziplog.protocol.membership import EpochState
 from ziplog.protocol import layout
 from ziplog.protocol.auth import ClusterKey
+from ziplog.protocol.frames import READS
 from ziplog.protocol.events import DiskEvent, SnapshotEvent
 from ziplog.protocol.topology import TopologyView
 
@@ -655,6 +656,8 @@ class ZooKeeper:
             owners.setdefault(s, {})[i] = session.id
         view.replicas = reps
         view.replica_owners = owners
+        # every simulated replica runs this build: it reads what this build's senders add
+        view.replica_reads = {s: {i: READS for i in reps[s]} for s in reps}
         view.removed = frozenset(s for s, m in self.meta.items() if m.get("removed"))
         view.recovering = frozenset(s for s, m in self.meta.items() if m.get("recovering") is not None)
         view.history = [list(h) for h in self.history]

@@ -20,6 +20,7 @@ from kazoo.security import ACL, make_acl
 from ziplog.io.election import Election
 from ziplog.io.ports import CoordinationUnavailable
 from ziplog.protocol.auth import ClusterKey
+from ziplog.protocol.frames import READS
 from ziplog.protocol.layout import (
     EPOCH_PATH,
     FH_REPLICAS,
@@ -216,6 +217,7 @@ class Topology(TopologyView):
         addrs: dict[int, str] = {}
         owners: dict[int, int] = {}
         pids: dict[int, int] = {}
+        reads: dict[int, int] = {}
         for k in kids:
             got = self._read_owned(f"{SHARDS}/{shard}/{k}")
             if got is None:
@@ -227,15 +229,20 @@ class Topology(TopologyView):
                 owners[int(k)] = owner
                 if type(info.get("pid")) is int:
                     pids[int(k)] = info["pid"]
+                if type(info.get("reads")) is int:
+                    reads[int(k)] = info["reads"]
         reps = dict(self.replicas)
         reps[shard] = addrs
         owned = dict(self.replica_owners)
         owned[shard] = owners
         by_pid = dict(self.replica_pids)
         by_pid[shard] = pids
+        by_reads = dict(self.replica_reads)
+        by_reads[shard] = reads
         self.replicas = reps
         self.replica_owners = owned
         self.replica_pids = by_pid
+        self.replica_reads = by_reads
         self.changed()
 
     def _on_membership(self, data: bytes | None, stat: Any) -> None:
@@ -369,7 +376,7 @@ class StorageCoordination(Session):
             self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
         except NodeExistsError:
             pass
-        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr})
+        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr, "reads": READS})
 
     def registered_pid(self, shard: int, replica: int) -> int | None:
         """The pid in the replica's registration (None: not registered, or no pid)."""

@@ -727,6 +727,27 @@ def error_frame(req_id: int | None, code: str, message: str) -> bytes:
     return encode(Error(req_id=req_id, code=code, message=message))
 
 
+#: What a storage server of this build reads beyond the frames of the builds before it
+#: (its registration says so, ``"reads"``): 1, an EPOCH's and an EPOCH_SAME's ``stamp``
+#: and a NOTICE's ``hosted``. A sender puts those fields in only for receivers that read
+#: them; without them the frames are byte for byte those of the builds before, so a
+#: rolling upgrade never sends a server a frame it refuses.
+READS = 1
+
+
+def encode_compact(msg: Frame) -> bytes:
+    """``msg`` without its trailing fields that hold their defaults (a receiver takes
+    an optional tail left out): EPOCH, EPOCH_SAME and NOTICE grew fields, and a server
+    of an earlier build refuses a frame longer than it knows."""
+    fields = msg.__struct_fields__
+    defaults = msg.__struct_defaults__
+    values = [getattr(msg, name) for name in fields]
+    n = len(values)
+    while n > 2 and defaults[n - 1] is not msgspec.NODEFAULT and values[n - 1] == defaults[n - 1]:
+        n -= 1
+    return encode(values[:n])
+
+
 class EpochEncoder:
     """EPOCH frames of a sequence of epochs that share one configuration: only the
     epoch number differs, so the rest is encoded once per configuration (a membership
@@ -737,18 +758,25 @@ class EpochEncoder:
         self.leader = leader
         self._key: tuple[Members, tuple[int, ...]] | None = None
         self._middle = b""
-        self._head = b"\x97" + encode(PROTOCOL_VERSION) + encode(EPOCH)
+        #: the array's header and the version and op: six elements, seven with a stamp
+        self._heads = {False: b"\x96" + encode(PROTOCOL_VERSION) + encode(EPOCH),
+                       True: b"\x97" + encode(PROTOCOL_VERSION) + encode(EPOCH)}
 
     def encode(self, epoch: int, shards: Members, rates: tuple[int, ...], stamp: int = 0) -> bytes:
+        """The EPOCH of ``epoch``; ``stamp`` 0 leaves it out (:data:`READS`)."""
         key = (shards, rates)
+        tail = encode(stamp) if stamp else b""
         if self._key is None or self._key[0] is not shards or self._key[1] is not rates:
             self._middle = encode(shards) + encode(rates) + encode(self.leader)
             self._key = key
-            frame = self._head + encode(epoch) + self._middle + encode(stamp)
-            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader, stamp=stamp))
+            frame = self._heads[bool(stamp)] + encode(epoch) + self._middle + tail
+            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader, stamp=stamp)) \
+                if stamp else frame[1:] == encode(EpochStart(epoch=epoch, shards=shards, rates=rates,
+                                                             leader=self.leader))[1:-1]
             return frame
-        return self._head + encode(epoch) + self._middle + encode(stamp)
+        return self._heads[bool(stamp)] + encode(epoch) + self._middle + tail
 
     def encode_same(self, epoch: int, base: int, stamp: int = 0) -> bytes:
-        """The EPOCH_SAME of ``epoch``, whose configuration is that of ``base``."""
-        return encode(EpochSame(epoch=epoch, base=base, leader=self.leader, stamp=stamp))
+        """The EPOCH_SAME of ``epoch``, whose configuration is that of ``base`` (``stamp``
+        0 leaves it out, and so does a nil ``leader`` then)."""
+        return encode_compact(EpochSame(epoch=epoch, base=base, leader=self.leader, stamp=stamp))

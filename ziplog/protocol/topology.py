@@ -22,6 +22,11 @@ class TopologyView:
         #: shard -> replica -> the pid its registration names: replicas at one host with
         #: one pid are served by one process (``ziplog.server --serve``)
         self.replica_pids: dict[int, dict[int, int]] = {}
+        #: shard -> replica -> what its build reads beyond the builds before it
+        #: (``frames.READS``; 0: a registration that does not say)
+        self.replica_reads: dict[int, dict[int, int]] = {}
+        #: (generation, answer) of :meth:`every_replica_reads`, asked at every epoch
+        self._reads_at: tuple[int, int] = (-1, 0)
         self.replica_counts: dict[int, int] = {}
         self.removed: frozenset[int] = frozenset()
         self.recovering: frozenset[int] = frozenset()
@@ -50,6 +55,17 @@ class TopologyView:
             fn()
 
     # -- queries --------------------------------------------------------------------------------
+    def every_replica_reads(self) -> int:
+        """The least that every registered storage replica reads (``frames.READS``; 0
+        while one does not say): a sender of what only newer builds read waits for it.
+        Computed once per change."""
+        generation = self._generation
+        if self._reads_at[0] != generation:
+            least = min((self.replica_reads.get(s, {}).get(r, 0) for s, reps in self.replicas.items() for r in reps),
+                        default=0)
+            self._reads_at = (generation, least)
+        return self._reads_at[1]
+
     @property
     def generation(self) -> int:
         """Counts changes to this view: read it before reading the view, and a later

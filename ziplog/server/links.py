@@ -7,7 +7,7 @@ holds (docs/ARCHITECTURE.md, Processes):
 * DEALER -> the primary's ROUTER (a backup): HELLO, PREFIX out; FORWARD in
 * DEALER -> each replica of a shard it sends NOTICEs to (a primary), made on the first
   notice; one NOTICE goes to one replica of each process that serves several of those it
-  tells, which hands it to the others (``StorageDriver._hand_on``)
+  tells, which hands it to the others (``NoticeFanout.hand_on``)
 """
 
 from __future__ import annotations
@@ -143,27 +143,25 @@ class ReplicaLinks:
         ``notice_per_process``, one connection per process: replicas registered at one
         host with one pid share a process (``ziplog.server --serve``), which hands the
         NOTICE to each replica it serves. A NOTICE then costs a message per process, not
-        per replica. Without the pid of every replica told (an older registration), one
-        per replica, not hosted (a process would hand on each copy)."""
-        if not self.settings.notice_per_process:
+        per replica. Unless every replica told registered its pid and reads ``hosted``
+        (``frames.READS``: a server of an earlier build refuses it), one per replica, not
+        hosted."""
+        topo = self.coord.topology
+        if not self.settings.notice_per_process or any(
+                topo.replica_reads.get(s, {}).get(r, 0) < f.READS or r not in topo.replica_pids.get(s, {})
+                for s in shards for r in topo.replicas.get(s, {})):
             return [ep for s in shards for ep in self.replicas_of(s)], False
-        pids = self.coord.topology.replica_pids
+        pids = topo.replica_pids
         seen: set[tuple[str, int]] = set()
         out: list[Endpoint] = []
-        hosted = True
         for shard in shards:
             of_shard = pids.get(shard, {})
             for replica, addr, ep in self._replica_links(shard):
-                pid = of_shard.get(replica)
-                if pid is None:
-                    hosted = False
-                else:
-                    process = (host_of(addr), pid)
-                    if process in seen:
-                        continue
+                process = (host_of(addr), of_shard.get(replica, -1))
+                if process not in seen:
                     seen.add(process)
-                out.append(ep)
-        return out, hosted
+                    out.append(ep)
+        return out, True
 
     def _replica_links(self, shard: int) -> list[tuple[int, str, Endpoint]]:
         """(replica, address, connection) of every replica of ``shard`` ZooKeeper has an

@@ -47,7 +47,7 @@ class NoticeFanout:
         peers, hosted = self.links.notice_endpoints(shards)
         if hosted:
             msg = f.Notice(shard=msg.shard, epoch=msg.epoch, gsn=msg.gsn, stamp=msg.stamp, hosted=True)
-        frame = f.seal(self.key, f.encode(msg))
+        frame = f.seal(self.key, f.encode_compact(msg))  # not hosted: the frame of the builds before
         for ep in peers:
             ep.send(frame)
         self.frames.sent(f.Notice, len(peers))

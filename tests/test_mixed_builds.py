@@ -1,0 +1,89 @@
+"""A rolling upgrade runs servers of two builds side by side: what this build added to
+EPOCH, EPOCH_SAME and NOTICE (the leader's stamp, ``hosted``) is sent only to servers
+whose registration says they read it (``frames.READS``); without it the frames are those
+of the build before, field for field, which a server of that build takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from ziplog.cores.replica import ReplicaSettings
+from ziplog.protocol import frames as f
+from ziplog.protocol.topology import TopologyView
+from ziplog.server.links import ReplicaLinks
+
+#: how many fields (version and op included) each frame had in the build before
+BEFORE = {f.EPOCH: 6, f.EPOCH_SAME: 5, f.NOTICE: 6}
+
+
+def _fields(frame: bytes) -> list[Any]:
+    msg = msgpack.unpackb(frame, raw=False)
+    assert isinstance(msg, list)
+    return msg
+
+
+def test_without_the_new_fields_each_frame_is_as_long_as_the_build_before_made_it() -> None:
+    enc = f.EpochEncoder(2)
+    plain = [enc.encode(5, (0, 1), (100, 200)), enc.encode(6, (0, 1), (100, 200)), enc.encode_same(7, 5),
+             f.encode_compact(f.Notice(shard=1, epoch=5, gsn=9, stamp=123))]
+    for frame in plain:
+        msg = _fields(frame)
+        assert len(msg) <= BEFORE[msg[1]], msg
+    stamped = [enc.encode(8, (0, 1), (100, 200), stamp=77), enc.encode_same(9, 8, stamp=77)]
+    for frame in stamped:
+        got = f.decode_epoch(frame)
+        assert got.stamp == 77 and len(_fields(frame)) == BEFORE[got.op] + 1
+    hosted = f.encode_compact(f.Notice(shard=1, epoch=5, gsn=9, stamp=123, hosted=True))
+    assert len(_fields(hosted)) == BEFORE[f.NOTICE] + 1
+    assert f.decode_member_request(hosted).hosted is True
+    assert f.decode_epoch(plain[0]).stamp == 0 and f.decode_epoch(plain[2]).leader == 2
+
+
+def _topology(reads: dict[tuple[int, int], int], pids: dict[tuple[int, int], int]) -> TopologyView:
+    topo = TopologyView()
+    topo.replicas = {s: {r: f"tcp://10.0.0.{1 + (s + r) % 2}:{5000 + 10 * s + r}" for r in range(2)} for s in range(3)}
+    topo.replica_counts = {s: 2 for s in range(3)}
+    topo.replica_reads = {s: {r: reads.get((s, r), f.READS) for r in range(2)} for s in range(3)}
+    topo.replica_pids = {s: {r: pids[(s, r)] for r in range(2) if (s, r) in pids} for s in range(3)}
+    topo.changed()
+    return topo
+
+
+def test_the_leader_stamps_epochs_once_every_replica_reads_the_stamp() -> None:
+    topo = _topology({}, {})
+    assert topo.every_replica_reads() == f.READS
+    topo.replica_reads = {**topo.replica_reads, 2: {0: f.READS, 1: 0}}  # one replica of the build before
+    topo.changed()
+    assert topo.every_replica_reads() == 0
+
+
+class _Net:
+    def dealer(self, addr: str, *args: Any, **kwargs: Any) -> str:
+        return addr
+
+
+class _Coord:
+    def __init__(self, topology: TopologyView) -> None:
+        self.topology = topology
+
+
+def _links(topo: TopologyView) -> ReplicaLinks:
+    class _Guard:
+        def frames(self, *args: Any) -> Any:
+            return None
+    return ReplicaLinks(ReplicaSettings(shard=0, replica=0), _Net(), _Coord(topo), _Guard(), None,  # type: ignore[arg-type]
+                        lambda b: None, lambda b: None)
+
+
+def test_a_notice_goes_once_per_process_only_where_every_replica_told_reads_hosted() -> None:
+    # two processes (hosts 10.0.0.1 and .2, one pid each) serve shards 1 and 2
+    pids = {(s, r): 100 + (s + r) % 2 for s in range(3) for r in range(2)}
+    peers, hosted = _links(_topology({}, pids)).notice_endpoints([1, 2])
+    assert hosted and len(peers) == 2, peers
+    peers, hosted = _links(_topology({(2, 1): 0}, pids)).notice_endpoints([1, 2])
+    assert not hosted and len(peers) == 4, "a replica of the build before: one each, not hosted"
+    no_pid = {k: v for k, v in pids.items() if k != (1, 0)}
+    peers, hosted = _links(_topology({}, no_pid)).notice_endpoints([1, 2])
+    assert not hosted and len(peers) == 4
