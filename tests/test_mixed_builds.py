@@ -87,3 +87,27 @@ def test_a_notice_goes_once_per_process_only_where_every_replica_told_reads_host
     no_pid = {k: v for k, v in pids.items() if k != (1, 0)}
     peers, hosted = _links(_topology({}, no_pid)).notice_endpoints([1, 2])
     assert not hosted and len(peers) == 4
+
+
+def test_a_cluster_of_this_build_gets_stamped_epochs() -> None:
+    """Every replica of a local cluster registers what it reads, so the leader stamps
+    its broadcasts (the fast path under load depends on it: README, "An epoch at the
+    same place on both replicas")."""
+    import zmq
+
+    import ziplog
+    with ziplog.local_cluster(shards=1, replicas=2) as cluster, cluster.client() as c:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            for pub in c.topology.mms_pubs():
+                sub.connect(pub)
+            heard = []
+            while len(heard) < 3:
+                assert sub.poll(10_000), "no epoch broadcast"
+                heard.append(f.decode_epoch(sub.recv()))
+            assert all(e.stamp > 0 for e in heard), heard
+        finally:
+            sub.close(linger=0)
+            ctx.term()
