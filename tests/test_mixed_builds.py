@@ -103,7 +103,7 @@ def test_a_cluster_of_this_build_gets_stamped_epochs() -> None:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             for pub in c.topology.mms_pubs():
                 sub.connect(pub)
-            heard = []
+            heard: list[Any] = []
             while len(heard) < 3:
                 assert sub.poll(10_000), "no epoch broadcast"
                 heard.append(f.decode_epoch(sub.recv()))
