@@ -92,17 +92,18 @@ class CostMeter:
         return out
 
 
-def replica_frames(status: dict[int, list[dict[str, Any]]]) -> dict[str, dict[str, int]]:
+def replica_frames(status: dict[int, list[dict[str, Any]]],
+                   counters: tuple[str, ...] = ("inserts", "passed_on_notice")) -> dict[str, dict[str, int]]:
     """A STATUS of every replica (``Client.status()``) summed by kind of replica (primary,
-    backup): the ``sent_*``/``received_*`` counters, ``inserts``, and ``passed_on_notice``
-    (NOTICEs that passed slots of the receiver's: the rest changed nothing there)."""
+    backup): the ``sent_*``/``received_*`` counters and ``counters`` (by default
+    ``inserts`` and ``passed_on_notice``, NOTICEs that passed slots of the receiver's: the
+    rest changed nothing there)."""
     out: dict[str, dict[str, int]] = {}
     for replicas in status.values():
         for r in replicas:
             into = out.setdefault("primary" if r.get("primary") else "backup", {})
             for key, value in r.items():
-                if (key.startswith(("sent_", "received_")) or key in ("inserts", "passed_on_notice")) \
-                        and type(value) is int:
+                if (key.startswith(("sent_", "received_")) or key in counters) and type(value) is int:
                     into[key] = into.get(key, 0) + value
     return out
 

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from ..costs import replica_frames
 from ..report import Results, progress
 from . import shardcost
 
@@ -46,15 +47,9 @@ def params_for(quick: bool) -> dict[str, Any]:
 
 def guess_counters(client: Any) -> dict[str, int]:
     """Every backup's guess counters summed, and the primaries' inserts."""
-    out = {k: 0 for k in (*GUESS_COUNTERS, "inserts")}
-    for replicas in client.status(wait=2.0).values():
-        for r in replicas:
-            keys = ("inserts",) if r.get("primary") else GUESS_COUNTERS
-            for k in keys:
-                v = r.get(k)
-                if type(v) is int:
-                    out[k] += v
-    return out
+    kinds = replica_frames(client.status(wait=2.0), (*GUESS_COUNTERS, "inserts"))
+    backups = kinds.get("backup", {})
+    return {**{k: backups.get(k, 0) for k in GUESS_COUNTERS}, "inserts": kinds.get("primary", {}).get("inserts", 0)}
 
 
 def per_insert(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:

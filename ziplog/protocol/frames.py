@@ -770,9 +770,8 @@ class EpochEncoder:
             self._middle = encode(shards) + encode(rates) + encode(self.leader)
             self._key = key
             frame = self._heads[bool(stamp)] + encode(epoch) + self._middle + tail
-            assert frame == encode(EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader, stamp=stamp)) \
-                if stamp else frame[1:] == encode(EpochStart(epoch=epoch, shards=shards, rates=rates,
-                                                             leader=self.leader))[1:-1]
+            assert decode_epoch(frame) == EpochStart(epoch=epoch, shards=shards, rates=rates, leader=self.leader,
+                                                     stamp=stamp), frame
             return frame
         return self._heads[bool(stamp)] + encode(epoch) + self._middle + tail
 

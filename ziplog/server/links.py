@@ -157,7 +157,7 @@ class ReplicaLinks:
         for shard in shards:
             of_shard = pids.get(shard, {})
             for replica, addr, ep in self._replica_links(shard):
-                process = (host_of(addr), of_shard.get(replica, -1))
+                process = (host_of(addr), of_shard[replica])  # every replica told has one (checked above)
                 if process not in seen:
                     seen.add(process)
                     out.append(ep)

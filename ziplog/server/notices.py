@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
 from ziplog.server.frame_counts import FrameCounts
@@ -46,7 +48,7 @@ class NoticeFanout:
         self._pending, self._shards = None, []
         peers, hosted = self.links.notice_endpoints(shards)
         if hosted:
-            msg = f.Notice(shard=msg.shard, epoch=msg.epoch, gsn=msg.gsn, stamp=msg.stamp, hosted=True)
+            msg = msgspec.structs.replace(msg, hosted=True)
         frame = f.seal(self.key, f.encode_compact(msg))  # not hosted: the frame of the builds before
         for ep in peers:
             ep.send(frame)
