@@ -40,6 +40,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                                                     "replica's arrival; fast path, wrong guesses, CPU; rounds"),
     "noticefanout": ("bench.experiments.noticefanout", "a process per CPU: a NOTICE once per process vs once per "
                                                         "replica; NOTICE frames, messages, CPU per append; rounds"),
+    "clockpass": ("bench.experiments.clockpass", "slots passed by the clock vs on NOTICEs alone; fast path, NOTICE "
+                                                  "frames, messages, CPU per append; rounds"),
 }
 
 

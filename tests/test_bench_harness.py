@@ -278,3 +278,23 @@ def test_noticefanout_sends_fewer_notice_frames_per_process(tmp_path: Path, shar
     per_process, per_replica = rows["per process"], rows["per replica"]
     assert 0 < per_process["notices"] < per_replica["notices"], (per_process, per_replica)
     assert per_process["cpu_ratio"] is not None and per_replica["cpu_ratio"] is None
+
+
+def test_clockpass_busy_shards_send_one_another_fewer_notices_by_the_clock(tmp_path: Path,
+                                                                           shared_zookeeper: str) -> None:
+    """``bench clockpass`` on real clusters, two shards, one short pipelined round, with
+    the clock from 300 records/s (a new cluster schedules every shard at 2,000/s, so both
+    are busy from the start): busy shards passing by the clock send fewer NOTICE frames
+    per append than the same load on NOTICEs alone."""
+    from bench.experiments import clockpass, epochstamp, shardcost
+    from bench.report import Results
+    modes = {"by the clock": ["--clock-pass-rate", "300"], "on NOTICEs": ["--clock-pass-rate", "0"]}
+    p = {**clockpass.params_for(True), "modes": modes, "layouts": {"a process per replica": False},
+         "shard_counts": [2], "rounds": 1, "seconds": 1.0, "warmup_s": 0.2, "workers_per_shard": 1,
+         "loads": [("pipelined 2 x 4", 2, "saturate", 4)]}
+    runs = epochstamp._count(2, p, Results("clockpass", tmp_path / "out", p), shared_zookeeper, tmp_path)
+    rows = {r["mode"]: r for r in epochstamp.summarize_runs(2, runs, shardcost.load_names(p), list(modes),
+                                                            list(p["layouts"]))}
+    clock, notices = rows["by the clock"], rows["on NOTICEs"]
+    assert notices["notices"] > 0 and clock["notices"] < notices["notices"], (clock, notices)
+    assert clock["cpu_ratio"] is not None

@@ -178,10 +178,10 @@ SEEDS = {
     9: ("worker_kills", "duplicates_overlapping", "tx_aborts", "replica_crashes", "leader_kills"),
     # (its engines keep the records their subscriptions delivered: reads answered with them)
     50: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "leader_kills", "kept_reads"),
-    116: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
-    235: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
+    88: ("worker_kills", "duplicates_overlapping", "tx_aborts", "lock_refusals", "run_errors"),
+    147: ("worker_kills", "duplicates_overlapping", "tx_aborts", "run_errors", "replica_crashes"),
     # lock waiters gave their workers back (Env.lock's Suspended) and ran again
-    29: ("worker_kills", "duplicates_overlapping", "lock_refusals", "suspended", "leader_kills"),
+    76: ("worker_kills", "duplicates_overlapping", "lock_refusals", "suspended", "leader_kills"),
     # a run again on a new worker took the counter's lock again for a holder that had
     # given it back, before the lock step read its record again after the chain
     190: ("worker_kills", "duplicates_overlapping", "lock_refusals", "leader_kills"),

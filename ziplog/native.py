@@ -39,6 +39,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "ziplog.cores.effects",
     "ziplog.cores.replica.admission",
     "ziplog.cores.replica.backup",
+    "ziplog.cores.replica.clock_pass",
     "ziplog.cores.replica.core",
     "ziplog.cores.replica.fanout",
     "ziplog.cores.replica.forwarding",

@@ -24,6 +24,7 @@ from tests.sim.system import MS, US, App, SystemSim
 from tests.sim.world import NetParams
 from ziplog.cores.client.calls import InsertCall
 from ziplog.cores.client.subscription import first_to_know
+from ziplog.cores.replica.settings import ReplicaSettings
 from ziplog.protocol.gsna import epoch_of
 
 #: a NOTICE held back by the notice interval (1 ms), then its hops and the pass's
@@ -86,7 +87,8 @@ class TailsSim(SystemSim):
         self.power_after_install = 0.0
         self.world.requeue_unbound = 0.0
         # the shipped settings for what decides when a slot passes
-        self.settings.update(noop_timeout_ns=0, notice_interval_ns=1 * MS, forward_by_reference=False)
+        self.settings.update(noop_timeout_ns=0, notice_interval_ns=1 * MS, forward_by_reference=False,
+                             clock_pass_rate=ReplicaSettings.clock_pass_rate)
         self.published_at: dict[int, int] = {}
         self.started_at: dict[bytes, int] = {}
         self.acked_at: dict[bytes, int] = {}

@@ -595,6 +595,8 @@ class ZooKeeper:
         self.records: dict[int, dict[str, Any]] = {}  # /ziplog/recovery/<s>
         self.record_versions: dict[int, int] = {}
         self.replicas: dict[tuple[int, int], tuple[str, Session]] = {}
+        #: (shard, replica) -> the rate from which its registration says it passes by the clock
+        self.replica_clock: dict[tuple[int, int], int] = {}
         self.mms: dict[str, tuple[dict[str, str], Session]] = {}
         self.fh: dict[str, tuple[dict[str, str], Session]] = {}
         self.elections: dict[str, list[tuple[Session, "SimElection"]]] = {}
@@ -658,6 +660,7 @@ class ZooKeeper:
         view.replica_owners = owners
         # every simulated replica runs this build: it reads what this build's senders add
         view.replica_reads = {s: {i: READS for i in reps[s]} for s in reps}
+        view.replica_clock = {s: {i: self.replica_clock.get((s, i), 0) for i in reps[s]} for s in reps}
         view.removed = frozenset(s for s, m in self.meta.items() if m.get("removed"))
         view.recovering = frozenset(s for s, m in self.meta.items() if m.get("recovering") is not None)
         view.history = [list(h) for h in self.history]
@@ -733,10 +736,11 @@ class _Coordination:
 
 
 class SimStorageCoordination(_Coordination):
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
         zk = self.zk
         zk.meta.setdefault(shard, {"replicas": replicas})
         zk.replicas[(shard, replica)] = (addr, self.session)
+        zk.replica_clock[(shard, replica)] = clock
         zk.changed(f"replica {shard}.{replica} registered at {addr}")
 
     def membership_history(self) -> list[list[Any]]:

@@ -53,9 +53,12 @@ class Peer(enum.Enum):
 
 class ShardReplicas(NamedTuple):
     """Every replica of another shard (a primary's NOTICE goes there: that shard's
-    primary passes the gsn, its backups move their guesses past it alike)."""
+    primary passes the gsn, its backups move their guesses past it alike), which the
+    epoch schedules at ``rate`` records/s (0: not said): a shard whose replicas pass
+    their slots by the clock at that rate is not told (``NoticeFanout.add``)."""
 
     shard: int
+    rate: int = 0
 
 
 class ReplicaOf(NamedTuple):

@@ -197,7 +197,7 @@ class StorageCoordination(Protocol):
     def on_change(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` (from any thread) whenever the topology view changed."""
 
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
         """Create the shard's node if needed and this replica's ephemeral node."""
 
     def membership_history(self) -> list[list[Any]]:

@@ -218,6 +218,7 @@ class Topology(TopologyView):
         owners: dict[int, int] = {}
         pids: dict[int, int] = {}
         reads: dict[int, int] = {}
+        clock: dict[int, int] = {}
         for k in kids:
             got = self._read_owned(f"{SHARDS}/{shard}/{k}")
             if got is None:
@@ -231,6 +232,8 @@ class Topology(TopologyView):
                     pids[int(k)] = info["pid"]
                 if type(info.get("reads")) is int:
                     reads[int(k)] = info["reads"]
+                if type(info.get("clock")) is int:
+                    clock[int(k)] = info["clock"]
         reps = dict(self.replicas)
         reps[shard] = addrs
         owned = dict(self.replica_owners)
@@ -239,10 +242,13 @@ class Topology(TopologyView):
         by_pid[shard] = pids
         by_reads = dict(self.replica_reads)
         by_reads[shard] = reads
+        by_clock = dict(self.replica_clock)
+        by_clock[shard] = clock
         self.replicas = reps
         self.replica_owners = owned
         self.replica_pids = by_pid
         self.replica_reads = by_reads
+        self.replica_clock = by_clock
         self.changed()
 
     def _on_membership(self, data: bytes | None, stat: Any) -> None:
@@ -370,13 +376,13 @@ class StorageCoordination(Session):
     """A storage replica's ZooKeeper: its registration, the topology it watches, and
     fresh reads of the membership history (the ``StorageCoordination`` port)."""
 
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str) -> None:
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
         shard_path = f"{SHARDS}/{shard}"
         try:
             self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
         except NodeExistsError:
             pass
-        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr, "reads": READS})
+        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr, "reads": READS, "clock": clock})
 
     def registered_pid(self, shard: int, replica: int) -> int | None:
         """The pid in the replica's registration (None: not registered, or no pid)."""

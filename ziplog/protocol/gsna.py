@@ -246,6 +246,10 @@ class EpochSchedule:
             return 0
         return (elapsed_ns * self.config.rates[self._index[shard]]) // NS_PER_S
 
+    def rate(self, shard: int) -> int:
+        """``shard``'s rate in this epoch (records/s)."""
+        return self.config.rates[self._index[shard]]
+
     def expected_ns(self, shard: int, slot: int) -> int:
         """Expected arrival of ``slot`` in ns after epoch start (rounded up)."""
         r = self.config.rates[self._index[shard]]

@@ -25,6 +25,9 @@ class TopologyView:
         #: shard -> replica -> what its build reads beyond the builds before it
         #: (``frames.READS``; 0: a registration that does not say)
         self.replica_reads: dict[int, dict[int, int]] = {}
+        #: shard -> replica -> the rate from which it passes its slots by the clock and
+        #: needs no NOTICE (``ReplicaSettings.clock_pass_rate``; 0: never, or not said)
+        self.replica_clock: dict[int, dict[int, int]] = {}
         #: (generation, answer) of :meth:`every_replica_reads`, asked at every epoch
         self._reads_at: tuple[int, int] = (-1, 0)
         self.replica_counts: dict[int, int] = {}
@@ -65,6 +68,20 @@ class TopologyView:
                         default=0)
             self._reads_at = (generation, least)
         return self._reads_at[1]
+
+    def passes_by_clock(self, shard: int, rate: int) -> bool:
+        """Every replica of ``shard`` passes its slots by the clock at ``rate`` records/s
+        (its registration says from which rate it does): a NOTICE would pass nothing
+        its own inserts do not. A replica that does not say (a build before) needs them."""
+        reps = self.replicas.get(shard)
+        if not reps:
+            return False
+        clock = self.replica_clock.get(shard, {})
+        for r in reps:
+            threshold = clock.get(r, 0)
+            if threshold <= 0 or threshold > rate:
+                return False
+        return True
 
     @property
     def generation(self) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ziplog.cores.effects import ShardReplicas
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
 from ziplog.server.frame_counts import FrameCounts
@@ -20,8 +21,11 @@ if TYPE_CHECKING:
 
 
 class NoticeFanout:
-    def __init__(self, links: ReplicaLinks, key: ClusterKey, frames: FrameCounts) -> None:
+    def __init__(self, links: ReplicaLinks, key: ClusterKey, frames: FrameCounts, stats: dict[str, int]) -> None:
         self.links = links
+        #: the driver's counters (STATUS): ``notices_handed_on``, and ``notices_by_clock``,
+        #: the shards not told because they pass their slots by the clock
+        self.stats = stats
         self.key = key
         self.frames = frames
         #: the drivers of the other replicas this process serves: a hosted NOTICE is for
@@ -32,12 +36,18 @@ class NoticeFanout:
         self._pending: f.Notice | None = None
         self._shards: list[int] = []
 
-    def add(self, shard: int, msg: f.Notice) -> None:
-        """The core's NOTICE to every replica of ``shard`` (:meth:`flush` sends it)."""
+    def add(self, dest: ShardReplicas, msg: f.Notice) -> None:
+        """The core's NOTICE to every replica of ``dest.shard`` (:meth:`flush` sends it),
+        unless they pass their slots by the clock at the rate the epoch schedules that
+        shard at (their registrations say from which rate: ``clock_pass.py``); a replica
+        of a build before, or one that passes by NOTICEs alone, is told."""
+        if self.links.coord.topology.passes_by_clock(dest.shard, dest.rate):
+            self.stats["notices_by_clock"] += 1
+            return
         if msg is not self._pending:
             self.flush()
             self._pending = msg
-        self._shards.append(shard)
+        self._shards.append(dest.shard)
 
     def flush(self) -> None:
         """Send the pending NOTICE: a copy to each process that serves replicas of its

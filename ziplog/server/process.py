@@ -220,7 +220,12 @@ def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[in
 
 
 def _add_order_arguments(ap: argparse.ArgumentParser) -> None:
-    """How NOTICEs go out and where a turn takes an epoch (both compared by the benches)."""
+    """How slots pass, how NOTICEs go out and where a turn takes an epoch (each compared
+    by the benches)."""
+    ap.add_argument("--clock-pass-rate", type=int, default=ReplicaSettings.clock_pass_rate,
+                    help="a shard scheduled at this many records/s or more passes its slots by its inserts' stamps "
+                         "and gets no NOTICEs (0: every shard by NOTICEs; keep it above the membership service's "
+                         "--min-rate, or an idle shard passes slots by the clock every millisecond)")
     ap.add_argument("--notice-fanout", choices=("process", "replica"), default="process",
                     help="send a NOTICE once to each process that serves replicas it tells (which hands it to each "
                          "of them), or once to each replica")
@@ -377,6 +382,7 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                epoch_stamp_sent=args.epoch_stamp == "sent",
+                               clock_pass_rate=args.clock_pass_rate,
                                notice_per_process=args.notice_fanout == "process",
                                forward_by_reference=args.forward_by_reference,
                                reference_min_bytes=args.reference_min_bytes,

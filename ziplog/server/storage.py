@@ -88,7 +88,7 @@ class StorageDriver:
         self.coord = coord
         self.disk = disk
         self.core = ReplicaCore(settings)
-        self.core.driver_stats.update(inbound_failures=0, notices_handed_on=0)  # the latter: NoticeFanout.hand_on
+        self.core.driver_stats.update(inbound_failures=0, notices_handed_on=0, notices_by_clock=0)  # NoticeFanout's
         self.frames = FrameCounts(self.core.driver_stats)
         #: requests refused before they reached the core (undecodable, unsigned, an
         #: uncommitted recovery generation), by error code
@@ -125,7 +125,7 @@ class StorageDriver:
         self.epochs = EpochSubscription(coord, self.trouble_log)
         self.links = ReplicaLinks(settings, net, coord, self.guard, self.trouble_log, self.on_epoch_frame,
                                   self.on_primary_frame)
-        self.notices = NoticeFanout(self.links, key, self.frames)
+        self.notices = NoticeFanout(self.links, key, self.frames, self.core.driver_stats)
         self._dropped_below = 0
         self._next_tick = 0
         self._wakeup: Any = None
@@ -163,7 +163,7 @@ class StorageDriver:
         s = self.settings
         self.coord.on_change(lambda: self.rt.call_soon_threadsafe(self.on_topology))
         self.on_topology()
-        self.coord.register_replica(s.shard, s.replica, s.replicas, self.addr)
+        self.coord.register_replica(s.shard, s.replica, s.replicas, self.addr, s.clock_pass_rate)
         self.log.info("shard %d replica %d serving on %s", s.shard, s.replica, self.addr)
 
     def on_topology(self) -> None:
@@ -380,7 +380,7 @@ class StorageDriver:
                 assert type(msg) is f.Rate
                 self._rate_reports.extend(msg.reports)  # one RATE frame at the turn's end
             elif type(dest) is ShardReplicas:
-                self.notices.add(dest.shard, msg)  # one copy per process, once all its shards are known
+                self.notices.add(dest, msg)  # one copy per process, once all its shards are known
             else:
                 peers = self.links.endpoints_for(dest)
                 frame = f.seal(self.key, encode(msg))

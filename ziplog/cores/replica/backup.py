@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ziplog.cores.effects import Outbox, Peer
+from ziplog.cores.replica.clock_pass import ClockPass
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.received import by_reference
@@ -96,6 +97,8 @@ class Speculation:
     #: guessed gsn -> the guess; its record is kept because a guess acked to a client is
     #: state failure recovery must see
     by_gsn: dict[int, Guess] = field(default_factory=dict)
+    #: the clock under our slots in an epoch that schedules us busy, as the primary's
+    clock: ClockPass | None = None
 
     def add(self, gsn: int, key: Key, slot: int, data: bytes) -> None:
         self.by_key[key] = gsn
@@ -116,9 +119,13 @@ class Speculation:
         top = max((g.slot for gsn, g in self.by_gsn.items() if lo <= gsn <= hi), default=-1) + 1
         self.next_slot = max(primary_next_slot, top)
 
-    def carried_into(self, config: EpochConfig, cursor: SlotCursor | None) -> "Speculation":
-        """The speculation for a new epoch, keeping every outstanding guess."""
-        return Speculation(config, cursor, 0, self.by_key, self.by_gsn)
+    @staticmethod
+    def begin(before: Speculation | None, config: EpochConfig, cursor: SlotCursor | None,
+              clock: ClockPass | None) -> Speculation:
+        """The speculation for a new epoch, keeping every outstanding guess of ``before``."""
+        if before is None:
+            return Speculation(config, cursor, clock=clock)
+        return Speculation(config, cursor, 0, before.by_key, before.by_gsn, clock)
 
     def pass_notice(self, msg: f.Notice, shard: int) -> None:
         """Another shard decided a record at ``msg.gsn``: our primary passes it when the
@@ -179,9 +186,7 @@ class BackupFollower:
         self.received, self.waiting = by_reference(settings, self._take_forward, self._ask_catch_up, stats)
         self.prefix_dirty = False
         self.last_prefix_ns = 0
-        #: at most one PREFIX per this (the settings' rule, read once: flush and
-        #: next_deadline ask every turn)
-        self.prefix_every_ns = settings.prefix_every_ns
+        self.prefix_every_ns = settings.prefix_every_ns  # at most one PREFIX per this (read once)
 
     def _qualify(self) -> None:
         q = Qualification.QUALIFIED
@@ -374,6 +379,8 @@ class BackupFollower:
         floor_gsn = max(msg.after, self.log.frontier)
         if k < cur.count and cur.gsn(k) <= floor_gsn:
             k = cur.first_slot_after(floor_gsn)
+        if sp.clock is not None:
+            k = sp.clock.place(k, msg.stamp, now)  # as the primary places it
         if k >= cur.count:  # no room left in this epoch by our reckoning: wait for the decision
             self._no_guess(route, msg.req_id, key, now)
             return
@@ -393,13 +400,13 @@ class BackupFollower:
         self.error(route, req_id, code, message)
 
     # -- epochs ---------------------------------------------------------------------------------
-    def on_epoch(self, config: EpochConfig, now: int) -> bool:
+    def on_epoch(self, config: EpochConfig, now: int, stamp: int = 0) -> bool:
         """A broadcast: only speculation uses it (the primary's EV_EPOCH decides membership)."""
         sp = self.spec
         if sp is not None and config.epoch <= sp.config.epoch:
             return False
         cursor = SlotCursor(EpochSchedule(config), self.shard) if self.shard in config.shards else None
-        self.spec = sp.carried_into(config, cursor) if sp is not None else Speculation(config, cursor)
+        self.spec = Speculation.begin(sp, config, cursor, ClockPass.of(self.s, cursor, stamp, now, self.stats))
         return True
 
     def on_history(self, ranges: list[tuple[int, int, tuple[int, ...]]], now: int) -> bool:

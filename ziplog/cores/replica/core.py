@@ -248,7 +248,7 @@ class ReplicaCore:
         elif t is f.Notice:
             self._on_notice(route, msg, now)  # type: ignore[arg-type]
         else:
-            self.on_epoch(msg.config, now)  # type: ignore[union-attr]
+            self.on_epoch(msg.config, now, msg.stamp)  # type: ignore[union-attr]
 
     def error(self, route: bytes, req_id: int | None, code: str, message: str) -> None:
         self.stats["errors"] += 1
@@ -317,13 +317,14 @@ class ReplicaCore:
         self.liveness.hear(0, now)
         self.role.on_forward(msg, now)  # type: ignore[union-attr]
 
-    def on_epoch(self, config: EpochConfig, now: int) -> None:
-        """A broadcast from the membership service."""
+    def on_epoch(self, config: EpochConfig, now: int, stamp: int = 0) -> None:
+        """A broadcast from the membership service, stamped ``stamp`` where it was held
+        for the turn's order (the clock of a shard scheduled busy counts from it)."""
         if self.recovery.frozen:
             if self.is_primary and config.epoch > self.log.last_epoch:
                 self.role.stashed = config  # type: ignore[union-attr]
             return
-        if self.role.on_epoch(config, now):
+        if self.role.on_epoch(config, now, stamp):
             self._began_epochs(now)
 
     def on_history(self, ranges: Iterable[tuple[int, int, Members]], now: int) -> None:

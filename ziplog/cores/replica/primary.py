@@ -24,6 +24,7 @@ import enum
 
 from ziplog.cores.effects import Outbox, Peer, ReadHistory
 from ziplog.cores.replica.admission import Admission, ErrorReply
+from ziplog.cores.replica.clock_pass import ClockPass, timeout_deadline, timeout_expiry
 from ziplog.cores.replica.forwarding import Forwarding
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
@@ -78,11 +79,11 @@ class PrimarySequencer:
         # -- the current epoch ------------------------------------------------------------
         self.cur_config: EpochConfig | None = None
         self.cursor: SlotCursor | None = None  # None when not a member of the current epoch
+        self.clock: ClockPass | None = None  # passes our slots by time while scheduled busy
         self.next_slot = 0
         self.epoch_start_ns = 0
         self.epoch_count = 0  # records assigned in the current epoch (rate report)
-        #: when to tell the membership service this shard's rate
-        self.rates = RateReporter(settings.shard)
+        self.rates = RateReporter(settings.shard)  # when to tell the membership service our rate
         #: the latest broadcast, kept while this primary may not decide
         self.stashed: EpochConfig | None = None
         #: a broadcast waiting for the members of the epochs missed before it
@@ -144,6 +145,8 @@ class PrimarySequencer:
         k = self.next_slot
         if k < cur.count and cur.gsn(k) <= after:
             k = cur.first_slot_after(after)
+        if (clock := self.clock) is not None:
+            k = clock.place(k, msg.stamp, now)  # no slot expected before it was sent (the backup guesses alike)
         if k >= cur.count:  # this epoch has no slot left after `after`: wait for the next
             admission.park(route, msg, now, cfg.epoch + 1)
             return
@@ -169,10 +172,10 @@ class PrimarySequencer:
         self.admission.parked_insert_expired(p, now)
 
     # -- epochs ---------------------------------------------------------------------------------
-    def on_epoch(self, config: EpochConfig, now: int) -> bool:
-        """A broadcast from the membership service; True when it began here (inserts
-        waiting for it may go on). Epochs are decided in order with no gap: one that
-        follows a gap waits for the members of the missed epochs (``ReadHistory``)."""
+    def on_epoch(self, config: EpochConfig, now: int, stamp: int = 0) -> bool:
+        """A broadcast (its sender's stamp ``stamp``, 0: unknown); True when it began here
+        (inserts waiting for it may go on). Epochs are decided in order with no gap: one
+        that follows a gap waits for the members of the missed epochs (``ReadHistory``)."""
         log = self.log
         if config.epoch <= log.last_epoch:
             return False
@@ -196,9 +199,10 @@ class PrimarySequencer:
         self.next_slot = 0
         if self.shard in config.shards:
             self.cursor = cur = SlotCursor(EpochSchedule(config), self.shard)
+            self.clock = ClockPass.of(self.s, cur, stamp, now, self.stats)
             log.advance_frontier(cur.gsn(0) - 1)  # what lies below our first slot is others'
         else:
-            self.cursor = None
+            self.cursor = self.clock = None
             log.advance_frontier(config.end)  # nothing of ours in this epoch
         self.fwd.add(EpochEvent(config.epoch, config.epoch, tuple(config.shards)))
         if (early := self.progress.epoch_began(config.epoch)) is not None:
@@ -236,7 +240,7 @@ class PrimarySequencer:
         self.fwd.add(EpochEvent(first, last, tuple(members)))
         log.advance_frontier(epoch_end(last))
         self.cur_config = None
-        self.cursor = None
+        self.cursor = self.clock = None
         self.fwd.stable_changed()
 
     def _close_epoch(self, now: int) -> None:
@@ -249,7 +253,7 @@ class PrimarySequencer:
                 self.out.send(Peer.MMS, report.frame(self.shard))  # the driver sends a turn's in one frame
         self.log.advance_frontier(cfg.end)
         self.cur_config = None
-        self.cursor = None
+        self.cursor = self.clock = None
 
     def _take_stashed(self, now: int) -> None:
         if self.stashed is not None:
@@ -329,20 +333,17 @@ class PrimarySequencer:
 
     # -- time -----------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
-        cur = self.cursor
+        """Slots whose records never came become no-ops, by time (:mod:`.clock_pass`)."""
+        cur, clock, k = self.cursor, self.clock, self.next_slot
         if cur is not None and self.s.noop_timeout_ns > 0:
-            sched, elapsed = cur.schedule, now - self.epoch_start_ns
-            if sched.slots_due(self.shard, elapsed - self.s.noop_timeout_ns) > self.next_slot:
-                # Expected records that never came: their slots become no-ops. Catch up to
-                # the schedule *now*, not just to the timeout: a writer slower than its
-                # rate then triggers this once per timeout's worth of lag rather than once
-                # per record, and each expiry is a chance for a backup to guess a record's
-                # slot before it hears of the no-ops (a slow-path insert).
-                due = min(sched.slots_due(self.shard, elapsed), cur.count)
-                self.next_slot = due
-                self.log.advance_frontier(cur.gsn(due) - 1)
-                self.fwd.add(FrontierEvent(self.log.frontier, self.log.last_epoch, self.next_slot))
-                self.fwd.stable_changed()
+            k = timeout_expiry(cur, now - self.epoch_start_ns, self.s.noop_timeout_ns, k)
+        elif clock is not None:
+            k = clock.expire(now, k)
+        if cur is not None and k > self.next_slot:
+            self.next_slot = k
+            self.log.advance_frontier(cur.gsn(k) - 1)
+            self.fwd.add(FrontierEvent(self.log.frontier, self.log.last_epoch, k))
+            self.fwd.stable_changed()
 
     def prune(self, now: int) -> None:
         self.admission.refused.prune(now)
@@ -357,11 +358,11 @@ class PrimarySequencer:
 
     def next_deadline(self, now: int) -> int | None:
         best = self.admission.refused.next_prune()
-        cur = self.cursor
-        if cur is not None and self.next_slot < cur.count and self.s.noop_timeout_ns > 0:
-            t = self.epoch_start_ns + cur.schedule.expected_ns(self.shard, self.next_slot) + self.s.noop_timeout_ns
-            if best is None or t < best:
-                best = t
+        cur, clock, timeout = self.cursor, self.clock, self.s.noop_timeout_ns
+        t = (timeout_deadline(cur, self.epoch_start_ns, self.next_slot, timeout) if cur is not None and timeout > 0
+             else clock.deadline(self.next_slot) if clock is not None else None)
+        if t is not None and (best is None or t < best):
+            best = t
         return self.progress.next_deadline(self.fwd.next_deadline(best))
 
     # -- failure recovery -------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class Progress:
                 continue  # no slot of its in (told, g]: nothing to pass
             msg = msg or f.Notice(shard=self.shard, epoch=config.epoch, gsn=g,
                                   stamp=f.wall_stamp(now, self.s.wall_offset_ns))
-            self.out.send(ShardReplicas(s), msg)
+            self.out.send(ShardReplicas(s, sched.rate(s)), msg)  # its rate: it may pass by the clock
 
     def next_deadline(self, best: int | None) -> int | None:
         """The earlier of ``best`` and when an announcement is due."""

@@ -37,6 +37,20 @@ class ReplicaSettings:
     #: stamped on it, the same at both replicas of a shard (off: at the moment it was
     #: read here, as before; the benchmarks compare both).
     epoch_stamp_sent: bool = True
+    #: An insert takes no slot expected before its stamp (:mod:`.clock_pass`); a shard
+    #: the epoch schedules at this many records/s or more also passes its slots while no
+    #: insert comes, and gets no NOTICE (0: no slot passes by the clock, as before). Its
+    #: next insert comes within 0.4 ms on average, about what a NOTICE round takes;
+    #: slower shards keep the NOTICEs, which reach them sooner than their own next
+    #: insert would. Above the planner's default rate (2,000/s): a new cluster's shards
+    #: start on NOTICEs.
+    clock_pass_rate: int = 2500
+    #: ... an insert's stamp ahead of the replica's own reckoning by more than this
+    #: counts as that reckoning plus it (a client's clock ahead burns no more slots)
+    clock_slack_ns: int = 1_000_000
+    #: ... and while no insert comes, slots expected this long ago pass, at most once
+    #: per this interval
+    clock_idle_ns: int = 1_000_000
     #: How long an InsertAfter or read may wait for a future epoch/position.
     park_timeout_ns: int = 2_000_000_000
     #: InsertAfter/read naming an epoch this far beyond ours is an unknown rid.
