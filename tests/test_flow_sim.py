@@ -185,6 +185,9 @@ SEEDS = {
     # a run again on a new worker took the counter's lock again for a holder that had
     # given it back, before the lock step read its record again after the chain
     190: ("worker_kills", "duplicates_overlapping", "lock_refusals", "leader_kills"),
+    # a run of a lock step that came second took the lock after the step recorded that
+    # it failed, and died before giving it back: the next taker gave it back for it
+    221: ("worker_kills", "duplicates_overlapping", "lock_refusals", "tx_aborts"),
 }
 
 

@@ -689,7 +689,8 @@ class FlowSim(SystemSim):
         self.stats = {"workflows": len(self.workflows), "runs": 0, "run_errors": 0, "worker_kills": 0, "suspended": 0,
                       "killed_runs": 0, "duplicates": 0, "duplicates_overlapping": 0, "moved": 0, "refused": 0,
                       "aborted": 0, "tx_aborts": 0, "audits": 0, "trips": 0, "lock_taken": 0,
-                      "lock_refusals": 0, "holders_gave_up": 0, "db_applied": 0, "db_repeats": 0, "kept_reads": 0}
+                      "lock_refusals": 0, "holders_gave_up": 0, "db_applied": 0, "db_repeats": 0, "kept_reads": 0,
+                      "stale_holders": 0}
 
     # -- workers and runs -----------------------------------------------------------------------
     def _run(self) -> Outcome:
@@ -941,7 +942,15 @@ class FlowSim(SystemSim):
                     assert holder == rec.holder, f"lock {lock}: {rec.holder} gave it back at {gsn}, {holder} held it"
                     gave[rec.holder] = gsn
                     holder = None
-            assert holder is None, f"lock {lock} is still held by {holder} when every workflow ended"
+            # a holder may be left only by a run of a step that came second (the step's
+            # first record says it failed) and died before giving the lock back: nobody
+            # holds it then, and the next step that takes the lock gives it back for it
+            if holder is not None:
+                step_no, _, wid = holder.partition("/")
+                first = flow.steps.get((wid, int(step_no), 0))
+                assert first is not None and first[1].op == "lock" and not fc.unpack(first[1].value), (
+                    f"lock {lock} is still held by {holder} when every workflow ended")
+                self.stats["stale_holders"] += 1
         # the step records agree with the chains: a step recorded as taken is a holder, and
         # its critical section was recorded while it held the lock
         for (wid, step, part), (gsn, rec) in flow.steps.items():

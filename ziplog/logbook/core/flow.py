@@ -20,7 +20,8 @@ append): a run that comes second, or again, takes the first one's outcome.
 * **lock** / **unlock**: a lock's chain (:mod:`ziplog.logbook.core.flow_lock`) taken or
   given back for the step's holder (:func:`~ziplog.logbook.core.flow_records.holder_of`),
   the outcome a step record; a run that took the lock although the step's first record
-  says it failed (it came second) gives it back.
+  says it failed (it came second) gives it back, and if that run died before it could,
+  the next step that finds the lock held by such a holder gives it back for it.
 * **transaction**: Beldi's: per-key locks taken without waiting (a lock held elsewhere
   aborts), reads logged, writes kept, then a decision record (first-wins, with the
   write set); a commit applies the writes at the decision's seqnum, and the locks are
@@ -240,10 +241,27 @@ def lock(workflow: str, step: int, chain: LockChain) -> Steps:
     if found is not None:
         return bool(unpack(found[1].value))
     taken = yield from _on_locks(chain.acquire(holder))
+    if not taken and chain.holder is not None and (yield from _failed_to_lock(chain.holder)):
+        yield from _on_locks(chain.release(chain.holder))
+        taken = yield from _on_locks(chain.acquire(holder))
     _, outcome = yield from logged(workflow, step, "lock", pack(taken))
     if taken and not unpack(outcome):
         yield from _on_locks(chain.release(holder))  # an earlier run of this step failed first
     return bool(unpack(outcome))
+
+
+def _failed_to_lock(holder: str) -> Steps:
+    """The lock step ``holder`` names recorded that it did not take the lock: a run of it
+    that came second took it (its acquire joined after that record) and died before it
+    gave it back (:func:`lock` does, below the acquire). No run of that step holds the
+    lock then, nor ever will (the step's first record is every run's outcome), and no
+    run of its workflow gives it back: whoever finds it may. A holder whose step has no
+    record yet may still be taking it: it is left alone."""
+    step_text, _, workflow = holder.partition("/")
+    if not step_text.isdigit() or fr.holder_of(workflow, int(step_text)) != holder:
+        return False
+    found = yield from first_step(workflow, int(step_text), None)
+    return found is not None and found[1].op == "lock" and not unpack(found[1].value)
 
 
 def unlock(workflow: str, step: int, chain: LockChain, holder: str) -> Steps:
