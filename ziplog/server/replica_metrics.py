@@ -67,6 +67,12 @@ def _role_and_requests(driver: StorageDriver, lb: dict[str, str]) -> list[Metric
                 "log)", core.driver_stats.get("inbound_failures", 0), lb),
         counter("ziplog_replica_passed_on_notice", "primary: times it passed its unused slots as no-ops on a NOTICE",
                 stats.get("passed_on_notice", 0), lb),
+        counter("ziplog_replica_passed_by_clock", "inserts placed (primary) or guessed (backup) past slots expected "
+                "before their stamps", stats.get("passed_by_clock", 0), lb),
+        counter("ziplog_replica_expired_by_clock", "primary: times a shard scheduled busy passed its slots while no "
+                "insert came", stats.get("expired_by_clock", 0), lb),
+        counter("ziplog_replica_notices_by_clock", "NOTICEs not sent to a shard: every replica of it passes its slots "
+                "by the clock", core.driver_stats.get("notices_by_clock", 0), lb),
     ]
 
 
