@@ -13,6 +13,8 @@ from ziplog.protocol import frames as wire
 from ziplog.protocol.events import DiskEvent
 from ziplog.protocol.gsna import EpochConfig
 from ziplog.protocol.membership import history_ranges
+from ziplog.protocol.topology import TopologyView
+from ziplog.server.links import ReplicaLinks
 
 MS = 1_000_000
 
@@ -197,3 +199,41 @@ class ShardHarness:
             if core is not None:
                 core.tick(self.now)
         self.pump()
+
+
+# -- a storage driver's links to its peers, on a fake network ------------------------------------
+class RecordingEndpoint:
+    """A connection that keeps the frames sent on it."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append(frame)
+
+
+class RecordingNet:
+    """A network whose DEALERs are :class:`RecordingEndpoint`s, one per address."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, RecordingEndpoint] = {}
+
+    def dealer(self, addr: str, *args: Any, **kwargs: Any) -> RecordingEndpoint:
+        return self.endpoints.setdefault(addr, RecordingEndpoint())
+
+
+def links_over(topology: TopologyView, settings: ReplicaSettings | None = None) -> tuple[ReplicaLinks, RecordingNet]:
+    """Shard 0 replica 0's :class:`ReplicaLinks` following ``topology``, and the network
+    they send on."""
+    class Coord:
+        def __init__(self) -> None:
+            self.topology = topology
+
+    class Guard:
+        def frames(self, *args: Any) -> Any:
+            return None
+
+    net = RecordingNet()
+    links = ReplicaLinks(settings or ReplicaSettings(shard=0, replica=0), net, Coord(), Guard(),  # type: ignore[arg-type]
+                         None, lambda b: None, lambda b: None)  # type: ignore[arg-type]
+    return links, net

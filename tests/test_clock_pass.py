@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import ziplog
-from tests.harness import ShardHarness
+from tests.harness import ShardHarness, links_over
 from tests.load import delivered_until, wait_status
 from ziplog import RID_GENESIS, Policy
 from ziplog.cores.client.waits import InsertWait
@@ -26,7 +26,6 @@ from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.gsna import EpochConfig, EpochSchedule
 from ziplog.protocol.topology import TopologyView
 from ziplog.server.frame_counts import FrameCounts
-from ziplog.server.links import ReplicaLinks
 from ziplog.server.notices import NoticeFanout
 
 MS = 1_000_000
@@ -173,37 +172,9 @@ def test_a_shard_passes_by_the_clock_only_where_every_replica_says_it_does_at_th
     assert not _topology({0: 1000, 1: 1000}).passes_by_clock(2, 5000), "a shard with no replica known"
 
 
-class _Endpoint:
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def send(self, frame: bytes) -> None:
-        self.sent.append(frame)
-
-
-class _Net:
-    def __init__(self) -> None:
-        self.endpoints: dict[str, _Endpoint] = {}
-
-    def dealer(self, addr: str, *args: Any, **kwargs: Any) -> _Endpoint:
-        return self.endpoints.setdefault(addr, _Endpoint())
-
-
-class _Coord:
-    def __init__(self, topology: TopologyView) -> None:
-        self.topology = topology
-
-
-class _Guard:
-    def frames(self, *args: Any) -> Any:
-        return None
-
-
 def _told(clock: dict[int, int], rate: int) -> tuple[int, int]:
     """(frames sent, shards not told) for shard 0's NOTICE to shard 1 at ``rate``."""
-    net = _Net()
-    links = ReplicaLinks(ReplicaSettings(shard=0, replica=0), net, _Coord(_topology(clock)),  # type: ignore[arg-type]
-                         _Guard(), None, lambda b: None, lambda b: None)  # type: ignore[arg-type]
+    links, net = links_over(_topology(clock))
     stats = {"notices_by_clock": 0}
     fan = NoticeFanout(links, ClusterKey(b"a test secret of thirty-two bytes"), FrameCounts({}), stats)
     fan.add(ShardReplicas(1, rate), wire.Notice(shard=0, epoch=3, gsn=99, stamp=1))

@@ -9,10 +9,9 @@ from typing import Any
 
 import msgpack
 
-from ziplog.cores.replica import ReplicaSettings
+from tests.harness import links_over
 from ziplog.protocol import frames as f
 from ziplog.protocol.topology import TopologyView
-from ziplog.server.links import ReplicaLinks
 
 #: how many fields (version and op included) each frame had in the build before
 BEFORE = {f.EPOCH: 6, f.EPOCH_SAME: 5, f.NOTICE: 6}
@@ -59,33 +58,15 @@ def test_the_leader_stamps_epochs_once_every_replica_reads_the_stamp() -> None:
     assert topo.every_replica_reads() == 0
 
 
-class _Net:
-    def dealer(self, addr: str, *args: Any, **kwargs: Any) -> str:
-        return addr
-
-
-class _Coord:
-    def __init__(self, topology: TopologyView) -> None:
-        self.topology = topology
-
-
-def _links(topo: TopologyView) -> ReplicaLinks:
-    class _Guard:
-        def frames(self, *args: Any) -> Any:
-            return None
-    return ReplicaLinks(ReplicaSettings(shard=0, replica=0), _Net(), _Coord(topo), _Guard(), None,  # type: ignore[arg-type]
-                        lambda b: None, lambda b: None)
-
-
 def test_a_notice_goes_once_per_process_only_where_every_replica_told_reads_hosted() -> None:
     # two processes (hosts 10.0.0.1 and .2, one pid each) serve shards 1 and 2
     pids = {(s, r): 100 + (s + r) % 2 for s in range(3) for r in range(2)}
-    peers, hosted = _links(_topology({}, pids)).notice_endpoints([1, 2])
+    peers, hosted = links_over(_topology({}, pids))[0].notice_endpoints([1, 2])
     assert hosted and len(peers) == 2, peers
-    peers, hosted = _links(_topology({(2, 1): 0}, pids)).notice_endpoints([1, 2])
+    peers, hosted = links_over(_topology({(2, 1): 0}, pids))[0].notice_endpoints([1, 2])
     assert not hosted and len(peers) == 4, "a replica of the build before: one each, not hosted"
     no_pid = {k: v for k, v in pids.items() if k != (1, 0)}
-    peers, hosted = _links(_topology({}, no_pid)).notice_endpoints([1, 2])
+    peers, hosted = links_over(_topology({}, no_pid))[0].notice_endpoints([1, 2])
     assert not hosted and len(peers) == 4
 
 

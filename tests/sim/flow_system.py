@@ -946,8 +946,8 @@ class FlowSim(SystemSim):
             # first record says it failed) and died before giving the lock back: nobody
             # holds it then, and the next step that takes the lock gives it back for it
             if holder is not None:
-                step_no, _, wid = holder.partition("/")
-                first = flow.steps.get((wid, int(step_no), 0))
+                named = fr.step_of_holder(holder)
+                first = flow.steps.get((*named, 0)) if named is not None else None
                 assert first is not None and first[1].op == "lock" and not fc.unpack(first[1].value), (
                     f"lock {lock} is still held by {holder} when every workflow ended")
                 self.stats["stale_holders"] += 1
@@ -974,8 +974,8 @@ class FlowSim(SystemSim):
         for lock, holders in self.beliefs.items():
             spans = []
             for holder, (since, until) in holders.items():
-                step_no, _, wid = holder.partition("/")
-                first = flow.steps.get((wid, int(step_no), 0))
+                named = fr.step_of_holder(holder)
+                first = flow.steps.get((*named, 0)) if named is not None else None
                 assert first is not None and first[1].op == "lock" and fc.unpack(first[1].value), (
                     f"{holder} believed it took {lock}, and its step record does not say so")
                 assert since is not None and until is not None, f"{holder} never gave back {lock}"

@@ -219,7 +219,7 @@ def hosted_replicas(shard: int | None, replica: int | None, serve: list[tuple[in
     return list(serve)
 
 
-def _add_order_arguments(ap: argparse.ArgumentParser) -> None:
+def _add_passing_arguments(ap: argparse.ArgumentParser) -> None:
     """How slots pass, how NOTICEs go out and where a turn takes an epoch (each compared
     by the benches)."""
     ap.add_argument("--clock-pass-rate", type=int, default=ReplicaSettings.clock_pass_rate,
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NOTICEs go out at most this often (a burst's records together)")
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
-    _add_order_arguments(ap)
+    _add_passing_arguments(ap)
     ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
     ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
                     help="with --forward-by-reference: the smallest record a FORWARD names by reference")

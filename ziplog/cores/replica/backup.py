@@ -97,7 +97,7 @@ class Speculation:
     #: guessed gsn -> the guess; its record is kept because a guess acked to a client is
     #: state failure recovery must see
     by_gsn: dict[int, Guess] = field(default_factory=dict)
-    #: the clock under our slots in an epoch that schedules us busy, as the primary's
+    #: the clock under our slots in this epoch, as the primary's (None: clock passing off)
     clock: ClockPass | None = None
 
     def add(self, gsn: int, key: Key, slot: int, data: bytes) -> None:

@@ -30,7 +30,7 @@ class ClockPass:
     ``clock_pass_rate`` or more, so its slots also expire)."""
 
     def __init__(self, cursor: SlotCursor, stamp: int, taken: int, slack: int, idle: int, wall_offset: int,
-                 stats: dict[str, int], busy: bool = True) -> None:
+                 stats: dict[str, int], busy: bool) -> None:
         self.cursor = cursor
         self.busy = busy
         #: the core's counters (STATUS): ``passed_by_clock``, inserts placed (or guessed)

@@ -319,7 +319,7 @@ class ReplicaCore:
 
     def on_epoch(self, config: EpochConfig, now: int, stamp: int = 0) -> None:
         """A broadcast from the membership service, stamped ``stamp`` where it was held
-        for the turn's order (the clock of a shard scheduled busy counts from it)."""
+        for the turn's order (a member's slot clock counts from it: :mod:`.clock_pass`)."""
         if self.recovery.frozen:
             if self.is_primary and config.epoch > self.log.last_epoch:
                 self.role.stashed = config  # type: ignore[union-attr]

@@ -79,7 +79,7 @@ class PrimarySequencer:
         # -- the current epoch ------------------------------------------------------------
         self.cur_config: EpochConfig | None = None
         self.cursor: SlotCursor | None = None  # None when not a member of the current epoch
-        self.clock: ClockPass | None = None  # passes our slots by time while scheduled busy
+        self.clock: ClockPass | None = None  # passes our slots by inserts' stamps (and time, busy)
         self.next_slot = 0
         self.epoch_start_ns = 0
         self.epoch_count = 0  # records assigned in the current epoch (rate report)

@@ -257,10 +257,10 @@ def _failed_to_lock(holder: str) -> Steps:
     lock then, nor ever will (the step's first record is every run's outcome), and no
     run of its workflow gives it back: whoever finds it may. A holder whose step has no
     record yet may still be taking it: it is left alone."""
-    step_text, _, workflow = holder.partition("/")
-    if not step_text.isdigit() or fr.holder_of(workflow, int(step_text)) != holder:
+    step = fr.step_of_holder(holder)
+    if step is None:
         return False
-    found = yield from first_step(workflow, int(step_text), None)
+    found = yield from first_step(*step, None)
     return found is not None and found[1].op == "lock" and not unpack(found[1].value)
 
 

@@ -126,6 +126,14 @@ def holder_of(workflow: str, step: int) -> str:
     return f"{step}/{workflow}"
 
 
+def step_of_holder(holder: str) -> tuple[str, int] | None:
+    """``(workflow, step)`` of a holder :func:`holder_of` made (None: not one)."""
+    step_text, _, workflow = holder.partition("/")
+    if not step_text.isdigit() or holder_of(workflow, int(step_text)) != holder:
+        return None
+    return workflow, int(step_text)
+
+
 def callee_of(workflow: str, step: int) -> str:
     """The workflow id of the call made at ``step`` of ``workflow``: the same in every run
     (a nested call's id grows with its depth: past MAX_NAME it is a hash of itself)."""
