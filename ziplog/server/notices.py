@@ -6,18 +6,25 @@ then costs a message per process told, not per replica (docs/PROTOCOL.md, NOTICE
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from ziplog.cores.effects import ShardReplicas
+from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.protocol import frames as f
 from ziplog.protocol.auth import ClusterKey
 from ziplog.server.frame_counts import FrameCounts
 from ziplog.server.links import ReplicaLinks
 
-if TYPE_CHECKING:
-    from ziplog.server.storage import StorageDriver
+
+class HostedReplica(Protocol):
+    """What a hosted NOTICE needs of another replica its process serves (a
+    ``StorageDriver``): its shard, whether it still serves, and its core."""
+
+    settings: ReplicaSettings
+    closed: bool
+    core: ReplicaCore
 
 
 class NoticeFanout:
@@ -30,7 +37,7 @@ class NoticeFanout:
         self.frames = frames
         #: the drivers of the other replicas this process serves: a hosted NOTICE is for
         #: them too (set by the process once every driver exists)
-        self.siblings: list[StorageDriver] = []
+        self.siblings: list[HostedReplica] = []
         #: the NOTICE a batch of messages addresses to several shards (one message per
         #: shard, the same frame), and those shards: sent once all are known
         self._pending: f.Notice | None = None

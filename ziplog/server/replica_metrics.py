@@ -4,20 +4,35 @@ at scrape time (``--metrics-port``; docs/ARCHITECTURE.md, Metrics)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from ziplog.cores.replica import ReplicaCore, ReplicaSettings
 from ziplog.cores.replica.primary import PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
+from ziplog.io.ports import Disk
 from ziplog.protocol.gsna import epoch_of
-from ziplog.shell.metrics import counter, counters, directory_bytes, gauge, histogram, histograms, one_of
+from ziplog.shell.metrics import Durations, counter, counters, directory_bytes, gauge, histogram, histograms, one_of
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from ziplog.server.storage import StorageDriver
+
+class MeteredReplica(Protocol):
+    """What the metrics read of a replica's driver (a ``StorageDriver``)."""
+
+    settings: ReplicaSettings
+    core: ReplicaCore
+    disk: Disk | None
+    disk_fault: str | None
+    refused_frames: dict[str, int]
+    park_waits: dict[str, Durations]
+    insert_turns: Durations
+
+    @property
+    def buffered_events(self) -> int: ...
 
 
-def replica_metrics(driver: StorageDriver) -> list[Metric]:
+def replica_metrics(driver: MeteredReplica) -> list[Metric]:
     """Prometheus families from the counters and state a replica's core and driver keep;
     called at scrape time from the metrics server's thread (plain reads: no lock)."""
     s = driver.settings
@@ -25,7 +40,7 @@ def replica_metrics(driver: StorageDriver) -> list[Metric]:
     return _role_and_requests(driver, lb) + _log_and_state(driver, lb)
 
 
-def _role_and_requests(driver: StorageDriver, lb: dict[str, str]) -> list[Metric]:
+def _role_and_requests(driver: MeteredReplica, lb: dict[str, str]) -> list[Metric]:
     """The role, and what the replica did with the requests it took."""
     core, s = driver.core, driver.settings
     stats = dict(core.stats)
@@ -76,7 +91,7 @@ def _role_and_requests(driver: StorageDriver, lb: dict[str, str]) -> list[Metric
     ]
 
 
-def _log_and_state(driver: StorageDriver, lb: dict[str, str]) -> list[Metric]:
+def _log_and_state(driver: MeteredReplica, lb: dict[str, str]) -> list[Metric]:
     """The decided log, subscriptions, waits, recovery and the disk."""
     core, log_ = driver.core, driver.core.log
     role = core.role
