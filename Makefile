@@ -54,8 +54,8 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) -m ziplog.tools.demo
 	$(PY) -m ziplog.tools.logdb_demo
-	$(PY) -m ziplog.logbook.demo
-	$(PY) -m ziplog.logbook.flow_demo
+	$(PY) -m ziplog.tools.logbook_demo
+	$(PY) -m ziplog.tools.flow_demo
 	$(PY) -m ziplog.tools.spark_demo
 
 # two workers (a module stays in one): the suite's clusters wait on timers and disks as

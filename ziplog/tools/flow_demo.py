@@ -1,6 +1,6 @@
 """BokiFlow demo: travel reservations that run exactly once while their workers are killed.
 
-``python -m ziplog.logbook.flow_demo`` starts a local cluster and three worker processes,
+``python -m ziplog.tools.flow_demo`` starts a local cluster and three worker processes,
 then clients book trips concurrently: a trip searches for a hotel and a flight, then
 reserves both in one transaction, or neither. Meanwhile workers are SIGKILLed and started
 again, and some trips are requested twice under the same workflow id. At the end it
@@ -30,7 +30,7 @@ def check(name: str, ok: bool, detail: str, failures: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.flow_demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ziplog.tools.flow_demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trips", type=int, default=32, help="trips to book (more than there are rooms: some fail)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--workers", type=int, default=3)

@@ -1,4 +1,4 @@
-"""``python -m ziplog.logbook.demo`` (``make run`` runs it after LogDB's demo): BokiStore
+"""``python -m ziplog.tools.logbook_demo`` (``make run`` runs it after LogDB's demo): BokiStore
 counters on LogBook with the index tier, under faults.
 
 Starts a local cluster (ZooKeeper x3, the membership service, 2 shards x 2 replicas)
@@ -49,7 +49,7 @@ def _worker(zk_hosts: str, seconds: float, seed: int, out: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ziplog.logbook.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ziplog.tools.logbook_demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--processes", type=int, default=4)
     args = ap.parse_args(argv)

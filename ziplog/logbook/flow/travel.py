@@ -1,4 +1,4 @@
-"""The travel reservations of BokiFlow's demo (``python -m ziplog.logbook.flow_demo``):
+"""The travel reservations of BokiFlow's demo (``python -m ziplog.tools.flow_demo``):
 a trip searches for a hotel and a flight, then reserves both in one transaction, or
 neither. ``functions`` is what the demo's worker processes run."""
 
