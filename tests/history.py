@@ -6,7 +6,7 @@ processes in between.
 Records are told apart by their bytes: every insert a test makes carries data no other
 insert carries. An insert's outcome is ``ok`` (acknowledged: its gsn and shard),
 ``failed`` (the client was told no shard holds it: ``NoShardAvailableError``,
-``DiskFullError``) or ``unknown`` (anything else: a timeout, a closed client, a process
+``DiskFullError``, ``LogFullError``) or ``unknown`` (anything else: a timeout, a closed client, a process
 gone mid-call). The promises checked (:func:`check`):
 
 1. every acknowledged record is delivered to every subscriber exactly once, at the gsn
@@ -27,12 +27,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ziplog.protocol.errors import DiskFullError, NoShardAvailableError
+from ziplog.protocol.errors import DiskFullError, LogFullError, NoShardAvailableError
 from ziplog.protocol.types import RecordId
 
 OK, FAILED, UNKNOWN, PENDING = "ok", "failed", "unknown", "pending"
 #: errors that tell a client that no shard holds its record
-DEFINITE_FAILURES = (NoShardAvailableError, DiskFullError)
+DEFINITE_FAILURES = (NoShardAvailableError, DiskFullError, LogFullError)
 
 
 @dataclass

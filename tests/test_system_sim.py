@@ -79,7 +79,7 @@ def test_every_fault_kind_was_exercised() -> None:
     assert known <= len(SEEDS) // 50, f"{known} seeds hit known bugs: more than these bugs used to cause"
     for what in ("crashes_primary", "crashes_backup", "crashes_handler", "crashes_mms", "recoveries", "acquired",
                  "suspicions", "blocked", "redirects", "final_acks", "retries", "shards_added", "shards_removed",
-                 "resubscribes", "fast", "slow", "disks_filled", "disk_refusals", "forward_parts", "install_parts",
+                 "resubscribes", "fast", "slow", "disks_filled", "disk_refusals", "logs_filled", "forward_parts", "install_parts",
                  "notices", "killed_after_notice", "stops", "clean_restarts",
                  # the widened world: three-replica shards and control planes, every fsync
                  # policy, power losses (also right after a stop, and of a replica installed

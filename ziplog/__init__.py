@@ -17,6 +17,7 @@ from ziplog.protocol.errors import (  # noqa: E402
     ClientClosedError,
     DiskFullError,
     ForbiddenError,
+    LogFullError,
     NoShardAvailableError,
     NotFoundError,
     RecordTooLargeError,
@@ -57,5 +58,5 @@ __all__ = [
     "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "local_logbook", "LocalLogBook",
     "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
     "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
-    "ForbiddenError", "UnauthenticatedError",
+    "LogFullError", "ForbiddenError", "UnauthenticatedError",
 ]

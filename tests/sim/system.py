@@ -60,6 +60,7 @@ from ziplog.protocol import frames as wire
 from ziplog.protocol import layout
 from ziplog.protocol.errors import (
     DiskFullError,
+    LogFullError,
     NoShardAvailableError,
     ZiplogError,
     ZiplogTimeoutError,
@@ -137,6 +138,8 @@ class Outcome:
     disks_filled: int = 0  # shards whose replicas' disks both filled (and later had space again)
     disk_refusals: int = 0  # appends a full disk refused (the batch stayed buffered)
     disk_full_errors: int = 0  # inserts every shard tried refused with DISK_FULL (the app tried again)
+    logs_filled: int = 0  # shards whose replicas were both held at their bound of records in memory, for a while
+    log_full_errors: int = 0  # inserts every shard tried refused with LOG_FULL (the app tried again)
     forward_parts: int = 0  # catch-up FORWARDs that were one part of several (no frontier at their end)
     install_parts: int = 0  # INSTALLs that were one part of several (ending at their last record)
     notices: int = 0  # NOTICEs a primary received from another shard's primary
@@ -175,7 +178,7 @@ class Outcome:
               "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
               "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
               "installed_power_losses", "frozen_restarts", "cuts", "references", "reference_misses", "rate_reports",
-              "epochs_same", "block_reads", "passed_by_clock", "expired_by_clock")
+              "epochs_same", "block_reads", "passed_by_clock", "expired_by_clock", "logs_filled", "log_full_errors")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -336,11 +339,15 @@ class App:
             self.abandoned.add(call.seq)
             self.proc.call_at(now + sim.rng.randint(2, 20) * MS, self.insert)
             return
-        except DiskFullError:
-            # Every shard it tried could not write its disk and held no copy: it is
-            # nowhere. The app inserts the record again under a new seq.
-            out.disk_full_errors += 1
-            sim.tr(f"client {self.cid} seq {call.seq}: DISK_FULL from shard {call.shard}")
+        except (DiskFullError, LogFullError) as exc:
+            # Every shard it tried could not write its disk, or held its bound of records
+            # in memory, and held no copy: it is nowhere. The app inserts the record again
+            # under a new seq.
+            if isinstance(exc, DiskFullError):
+                out.disk_full_errors += 1
+            else:
+                out.log_full_errors += 1
+            sim.tr(f"client {self.cid} seq {call.seq}: {type(exc).__name__} from shard {call.shard}")
             self.abandoned.add(call.seq)
             self.proc.call_at(now + sim.rng.randint(2, 20) * MS, self.insert)
             return
@@ -539,6 +546,11 @@ class SystemSim:
             elif kind == "replica" and widen.random() < 0.25:
                 kind = "cut"  # alive, but cut from its peers
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), kind))
+        # its own stream, so that every other draw of a seed stays what it was
+        memory = random.Random(seed * 104729 + 11)
+        if nfaults and memory.random() < 0.2:
+            self.fault_plan.append((memory.randint(5 * MS, self.fault_end), "memory"))
+        self.memory_rng = memory
         if add_shard if add_shard is not None else rng.random() < 0.3:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "add"))
         if remove_shard if remove_shard is not None else rng.random() < 0.25:
@@ -931,6 +943,15 @@ class SystemSim:
             for r in self.shard_reps(shard):
                 r.files.full = True
             self.at(self.now + rng.choice([20, 80, 250]) * MS, self.free_disk, shard)
+        elif kind == "memory":
+            # Both replicas of a shard hold the same records, so they reach their bound
+            # together: from now on every new record is past it, until it is lifted.
+            shard = self.memory_rng.choice(sorted({s for s, _ in self.reps}))
+            self.outcome.logs_filled += 1
+            self.tr(f"LOG FULL on the replicas of shard {shard}")
+            for r in self.shard_reps(shard):
+                r.settings.max_log_bytes = max(1, r.core.log.held_bytes if r.core is not None else 1)
+            self.at(self.now + self.memory_rng.choice([20, 80, 250]) * MS, self.lift_log_bound, shard)
         elif kind == "stop":
             cands = [r for r in self.reps.values() if r.up and self.may_fail(r.shard)]
             primaries = [r for r in cands if r.idx == 0]
@@ -964,6 +985,11 @@ class SystemSim:
                 self.tr(f"REMOVE shard {shard}")
                 self.zk.meta[shard]["removed"] = True
                 self.zk.changed(f"shard {shard} removed")
+
+    def lift_log_bound(self, shard: int) -> None:
+        self.tr(f"LOG BOUND lifted on shard {shard}")
+        for r in self.shard_reps(shard):
+            r.settings.max_log_bytes = 0
 
     def free_disk(self, shard: int) -> None:
         self.tr(f"DISK SPACE back on shard {shard}")

@@ -34,6 +34,12 @@ class DiskFullError(ZiplogError):
     it can; inserts under a policy that may choose go to other shards instead."""
 
 
+class LogFullError(ZiplogError):
+    """The shard holds its limit of records in memory (``--max-log-memory-mb``) and takes
+    no new records until a trim frees some; inserts under a policy that may choose go to
+    other shards instead."""
+
+
 class NoShardAvailableError(ZiplogError):
     """No live shard accepts inserts (or the policy names one that does not)."""
 
@@ -69,6 +75,7 @@ _BY_CODE: dict[str, type[ZiplogError]] = {
     wire.E_UNKNOWN_RID: UnknownRecordError,
     wire.E_TIMEOUT: ZiplogTimeoutError,
     wire.E_DISK_FULL: DiskFullError,
+    wire.E_LOG_FULL: LogFullError,
     wire.E_FORBIDDEN: ForbiddenError,
     wire.E_UNAUTHENTICATED: UnauthenticatedError,
 }

@@ -105,6 +105,10 @@ E_UNAUTHENTICATED = "UNAUTHENTICATED"
 #: The replica cannot write its disk (full, or failing): it takes no new records until
 #: it can. From a primary a final refusal; from a backup, like NO_GUESS (it holds no copy).
 E_DISK_FULL = "DISK_FULL"
+#: The replica holds its limit of record bytes in memory (``--max-log-memory-mb``): it
+#: takes no new records until a trim frees some. From a primary a final refusal; from a
+#: backup, like NO_GUESS (it holds no copy).
+E_LOG_FULL = "LOG_FULL"
 #: The recovery generation is not the one the failure handler committed in ZooKeeper.
 E_UNCOMMITTED = "UNCOMMITTED"
 #: The connection's CURVE key lacks the right the op needs (append, read, trim, admin),

@@ -234,6 +234,15 @@ def _add_passing_arguments(ap: argparse.ArgumentParser) -> None:
                          "sent it (the same at both replicas of a shard), or at the moment this replica read it")
 
 
+def _add_limit_arguments(ap: argparse.ArgumentParser) -> None:
+    """How large a record, and how much of them in memory, a replica takes."""
+    ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
+    ap.add_argument("--max-log-memory-mb", type=float, default=None, metavar="MB",
+                    help="the most each replica holds of its records in memory; past it a primary refuses new records "
+                         "(LOG_FULL: clients move them to other shards) until a trim frees some (default: a quarter "
+                         "of the machine's memory, shared by the replicas this process serves; 0: no bound)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The storage server's flags (every one settable in a config file's ``[storage]``)."""
     ap = argparse.ArgumentParser(prog="ziplog.server",
@@ -260,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-notices", action="store_true",
                     help="do not tell other shards' primaries of decided records (they pass slots by clock and epoch)")
     _add_passing_arguments(ap)
-    ap.add_argument("--max-record-bytes", type=int, default=1 << 20)
+    _add_limit_arguments(ap)
     ap.add_argument("--reference-min-bytes", type=int, default=ReplicaSettings.reference_min_bytes,
                     help="with --forward-by-reference: the smallest record a FORWARD names by reference")
     ap.add_argument("--forward-by-reference", action="store_true",
@@ -328,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--port names one replica's port: with several (--serve) each listens on a free one")
     if args.poll_us < 0:
         ap.error("--poll-us must be 0 or more")
+    if args.max_log_memory_mb is not None and args.max_log_memory_mb < 0:
+        ap.error("--max-log-memory-mb must be 0 or more")
     if args.malloc_trim_mb < 0:
         ap.error("--malloc-trim-mb must be 0 or more")
     key = load_cluster_key(args.cluster_key_file)
@@ -374,12 +385,23 @@ def main(argv: list[str] | None = None) -> int:
     return serve_forever(rt, metrics, *drivers, *coords, on_stop=stop_requested)
 
 
+def max_log_bytes(mb: float | None, hosted: int) -> int:
+    """Each replica's bound on its records in memory (``--max-log-memory-mb``; 0: none):
+    by default a quarter of the machine's memory, shared by the ``hosted`` replicas of
+    this process (a machine running several storage processes sets it for each)."""
+    if mb is not None:
+        return int(mb * (1 << 20))
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return machine // 4 // hosted
+
+
 def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any, coord: StorageCoordination,
                     key: ClusterKey) -> StorageDriver:
     """One hosted replica's driver, from the process's flags."""
     settings = ReplicaSettings(shard=shard, replica=replica, replicas=args.replicas,
                                wall_offset_ns=wall_offset_ns(),
                                max_record_bytes=args.max_record_bytes, noop_timeout_ns=args.noop_timeout_us * 1000,
+                               max_log_bytes=max_log_bytes(args.max_log_memory_mb, len(args.serve or [shard])),
                                notices=not args.no_notices, notice_interval_ns=int(args.notice_interval_us * 1000),
                                epoch_stamp_sent=args.epoch_stamp == "sent",
                                clock_pass_rate=args.clock_pass_rate,

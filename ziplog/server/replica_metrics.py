@@ -101,6 +101,10 @@ def _log_and_state(driver: MeteredReplica, lb: dict[str, str]) -> list[Metric]:
     lag = max((max(servable - sub.progress_sent, 0) for sub in subs), default=0)
     out: list[Metric] = [
         gauge("ziplog_replica_records", "decided records held (not trimmed)", len(log_.gsns), lb),
+        gauge("ziplog_replica_log_bytes", "the memory the records held take (data and what each costs beside it)",
+              log_.held_bytes, lb),
+        gauge("ziplog_replica_max_log_bytes", "the most the records may take (--max-log-memory-mb; 0: no bound): "
+              "past it no new record is taken (LOG_FULL)", driver.settings.max_log_bytes, lb),
         gauge("ziplog_replica_frontier_gsn", "every slot of this shard up to this gsn is decided here", frontier, lb),
         gauge("ziplog_replica_stable_gsn", "every replica of the shard holds the log up to this gsn", stable, lb),
         gauge("ziplog_replica_stable_lag_gsns", "frontier minus stable, in gsns (an epoch spans 2^32 gsns: "

@@ -439,11 +439,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     not_live = sorted(set(st) - live)
     if not_live:
         _out(f"not accepting inserts: shards {', '.join(map(str, not_live))}")
-    cannot_write = [(r["shard"], r["replica"], r["disk"]) for r in rows if r.get("disk", "ok") != "ok"]
-    for shard, replica, why in cannot_write:
-        _out(f"shard {shard} replica {replica} cannot write its disk ({why}): the shard takes no new records "
-             "until it can (trim, or free space)")
+    for warning in status_warnings(rows):
+        _out(warning)
     return 0
+
+
+def status_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """What keeps (or will soon keep) a shard from taking new records: a disk it cannot
+    write, records in memory at 90 % of their bound or more."""
+    out = []
+    for r in rows:
+        if r.get("disk", "ok") != "ok":
+            out.append(f"shard {r['shard']} replica {r['replica']} cannot write its disk ({r['disk']}): the shard "
+                       "takes no new records until it can (trim, or free space)")
+        held, bound = r.get("log_bytes", 0), r.get("max_log_bytes", 0)
+        if bound and held * 10 >= bound * 9:
+            out.append(f"shard {r['shard']} replica {r['replica']} holds {held} of its {bound} bytes of records in "
+                       "memory: past the bound the shard takes no new records (LOG_FULL) until a trim frees some")
+    return out
 
 
 def cmd_replica_replace(args: argparse.Namespace) -> int:

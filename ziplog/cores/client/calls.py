@@ -76,7 +76,7 @@ class Call:
 
 #: refusals that end an insert once no other shard is left to try: what stopped it is the
 #: answer (a pinned insert refused otherwise tries its shard again under a new id)
-FINAL_REFUSALS = frozenset((wire.E_OVERLOADED, wire.E_DISK_FULL))
+FINAL_REFUSALS = frozenset((wire.E_OVERLOADED, wire.E_DISK_FULL, wire.E_LOG_FULL))
 #: a refusal that says only that the shard could not place the record in time: it waited
 #: (2 s) for an epoch that did not come, while the membership service or ZooKeeper
 #: stalled or the shard rejoined. Once every shard tried has said so, the record is tried

@@ -26,10 +26,11 @@ class Redirect(Exception):
 #: every backup says it holds no copy (then the record may go elsewhere) or a recovery's
 #: authority answers for good.
 PRIMARY_REFUSALS = frozenset((wire.E_NOT_MEMBER, wire.E_NOT_READY, wire.E_TIMEOUT, wire.E_OVERLOADED,
-                              wire.E_DISK_FULL))
+                              wire.E_DISK_FULL, wire.E_LOG_FULL))
 #: A backup's answers that it holds no copy and will not guess one (DISK_FULL: it cannot
-#: write; it still holds what the primary decides).
-NO_COPY_ANSWERS = frozenset((wire.E_NO_GUESS, wire.E_DISK_FULL))
+#: write; LOG_FULL: it holds its limit of records in memory; either way it still holds
+#: what the primary decides).
+NO_COPY_ANSWERS = frozenset((wire.E_NO_GUESS, wire.E_DISK_FULL, wire.E_LOG_FULL))
 
 
 #: A backup's latest answer when it holds no copy of the record (E_NO_GUESS).

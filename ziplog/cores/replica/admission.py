@@ -56,10 +56,12 @@ class Admission:
             code = self.refused.get(key) or f.E_NOT_MEMBER
             self.refuse(route, msg.req_id, key, now, code, "this shard refused this record before")
             return True
-        if self.log.disk_fault is not None:
+        refusal = self.log.takes_no_new(len(msg.data), self.s.max_log_bytes)
+        if refusal is not None:
             # A record it could not persist is one a restart could lose on every replica
-            # at once (they fill together): refuse it, for good, so it goes elsewhere.
-            self.refuse(route, msg.req_id, key, now, f.E_DISK_FULL, f"this replica cannot write: {self.log.disk_fault}")
+            # at once, and one past its memory bound one for which both could run out of
+            # memory at once (they fill together): refuse it, for good, so it goes elsewhere.
+            self.refuse(route, msg.req_id, key, now, *refusal)
             return True
         return False
 

@@ -360,10 +360,10 @@ class BackupFollower:
         if guessed is not None:
             self._ack(route, msg.req_id, guessed)
             return
-        if self.log.disk_fault is not None:
-            # It still applies the primary's decisions (in memory), but takes nothing new
-            # on itself; the client hears why and sends later records elsewhere.
-            self._no_guess(route, msg.req_id, key, now, f.E_DISK_FULL, f"this replica cannot write: {self.log.disk_fault}")
+        refusal = self.log.takes_no_new(len(msg.data), self.s.max_log_bytes)
+        if refusal is not None:
+            # It still applies the primary's decisions, but takes nothing new on itself.
+            self._no_guess(route, msg.req_id, key, now, *refusal)
             return
         if (sp is None or sp.cursor is None or not self.qualified or epoch_of(msg.after + 1) > sp.config.epoch
                 or key in self.no_guess or len(sp.by_gsn) >= self.s.max_guesses):

@@ -448,6 +448,8 @@ def replica_status(core: ReplicaCore) -> dict[str, Any]:
         "stable": log.stable,
         "trim_point": log.trim_point,
         "records": len(log.gsns),
+        "log_bytes": log.held_bytes,
+        "max_log_bytes": core.s.max_log_bytes,
         "subscriptions": len(core.fanout.subs),
         "parked": len(core.parking),
         "qualified": core.role.qualified,

@@ -16,6 +16,7 @@ import bisect
 from typing import Any, Callable, Iterable, Iterator
 
 from ziplog.cores.effects import Outbox
+from ziplog.protocol import frames as f
 from ziplog.protocol.events import (
     DiskEvent,
     EpochEvent,
@@ -30,6 +31,16 @@ from ziplog.protocol.events import (
 )
 from ziplog.protocol.gsna import epoch_base, epoch_of
 
+#: What a record held in memory costs beside its data: its event, its data's bytes
+#: object header, its gsn, its entries in ``records``, ``gsns`` and ``dedup`` (about
+#: 310 bytes, measured with ``tracemalloc`` on CPython 3.11)
+RECORD_OVERHEAD = 320
+
+
+def held(ev: RecordEvent) -> int:
+    """The memory a record takes in the decided log."""
+    return len(ev.data) + RECORD_OVERHEAD
+
 
 class DecidedLog:
     def __init__(self, out: Outbox) -> None:
@@ -37,6 +48,9 @@ class DecidedLog:
         self.records: dict[int, RecordEvent] = {}
         self.gsns: list[int] = []  # sorted gsns of self.records
         self.dedup: dict[tuple[int, int], int] = {}  # (client_id, seq) -> decided gsn
+        #: the memory ``records`` takes (:func:`held` of each), bounded by admission
+        #: (``ReplicaSettings.max_log_bytes``)
+        self.held_bytes = 0
         self.frontier = 0
         self.stable = 0
         self.trim_point = 0
@@ -72,6 +86,17 @@ class DecidedLog:
     def ever_member(self, shard: int) -> bool:
         return any(shard in r[2] for r in self.membership)
 
+    def takes_no_new(self, size: int, limit: int) -> tuple[str, str] | None:
+        """Why this replica takes no new record of ``size`` bytes, as an error code and a
+        message, or None: its disk cannot be written (DISK_FULL), or the record would take
+        its records in memory past ``limit`` bytes (LOG_FULL; ``ReplicaSettings.max_log_bytes``,
+        0: no bound)."""
+        if self.disk_fault is not None:
+            return f.E_DISK_FULL, f"this replica cannot write: {self.disk_fault}"
+        if not limit or self.held_bytes + size + RECORD_OVERHEAD <= limit:
+            return None
+        return f.E_LOG_FULL, f"this replica holds {self.held_bytes} of its {limit} bytes of records in memory: trim the log"
+
     def records_after(self, gsn: int) -> list[RecordEvent]:
         i = bisect.bisect_right(self.gsns, gsn)
         records = self.records
@@ -101,6 +126,7 @@ class DecidedLog:
         self.records[gsn] = ev
         self.gsns.append(gsn)
         self.dedup[key] = gsn
+        self.held_bytes += held(ev)
         self.frontier = gsn
         self.out.persist.append(ev)
         return True
@@ -181,6 +207,7 @@ class DecidedLog:
             rec = self.records.pop(g)
             # dedup entries of trimmed records go too: their clients are long done
             self.dedup.pop((rec.client_id, rec.seq), None)
+            self.held_bytes -= held(rec)
         del self.gsns[:i]
 
     def truncate(self, base: int) -> None:
@@ -189,6 +216,7 @@ class DecidedLog:
         for g in self.gsns[i:]:
             rec = self.records.pop(g)
             self.dedup.pop((rec.client_id, rec.seq), None)
+            self.held_bytes -= held(rec)
         del self.gsns[i:]
         self.frontier = min(self.frontier, base)
         keep_epoch = epoch_of(base) if base > 0 else -1
@@ -216,6 +244,7 @@ class DecidedLog:
                     self.records[ev.gsn] = ev
                     self.gsns.append(ev.gsn)
                     self.dedup[(ev.client_id, ev.seq)] = ev.gsn
+                    self.held_bytes += held(ev)
                     self.frontier = ev.gsn
             elif t is FrontierEvent:
                 assert isinstance(ev, FrontierEvent)

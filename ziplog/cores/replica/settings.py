@@ -15,6 +15,13 @@ class ReplicaSettings:
     replica: int
     replicas: int = 2
     max_record_bytes: int = 1 << 20
+    #: The most a replica holds of its records in memory (:meth:`DecidedLog.held`: their
+    #: data and what each costs beside it), or 0: no bound. Past it a primary refuses new
+    #: records (LOG_FULL, final: the client moves them to other shards) and a backup
+    #: guesses none, until a trim frees some; decided records are always taken. Both
+    #: replicas of a shard hold the same records and would run out of memory together,
+    #: and a restart replays every record: a refusal is a state, an OOM kill a crash loop.
+    max_log_bytes: int = 0
     #: A slot of the primary whose expected arrival passed this long ago becomes a
     #: no-op (0, the default: never by time; slots pass when another shard's NOTICE
     #: names a gsn beyond them, and at the epoch's close).
