@@ -57,17 +57,18 @@ from hypothesis import strategies as st  # noqa: E402
 _U = ("uint", lambda x: type(x) is int and 0 <= x <= wire.MAX_U64)
 _B = ("bytes", lambda x: type(x) is bytes)
 _L = ("list", lambda x: type(x) is list)
+_BOOL = ("bool", lambda x: type(x) is bool)
 _REFERENCE_SCHEMAS = {
     wire.INSERT: (_U, _U, _U, _U, _B, _U), wire.READ: (_U, _U), wire.TRIM: (_U, _U), wire.SUBSCRIBE: (_U, _U, _U),
     wire.CREDIT: (_U, _U), wire.UNSUBSCRIBE: (_U,), wire.STATUS: (_U,), wire.HELLO: (_U, _U, _U, _U),
     wire.PREFIX: (_U, _U), wire.PROBE: (_U, _U), wire.ACQUIRED: (_U, _U), wire.FETCH: (_U, _U, _U, _U, _U),
     wire.RESUME: (_U, _U, _U, _L),
-    wire.RANGE: (_U, _U, _U, _U), wire.COUNT: (_U, _U, _U, _U), wire.NOTICE: (_U, _U, _U, _U),
+    wire.RANGE: (_U, _U, _U, _U), wire.COUNT: (_U, _U, _U, _U), wire.NOTICE: (_U, _U, _U, _U, _BOOL),
     wire.INSTALL: (_U, _U, _U, _U, _L, _U),
     wire.SIGNED: (_B, _B),  # a member's envelope (what it holds is decoded apart, once its MAC is checked)
 }
 #: op -> how many of its last fields may be left out, and their values then
-_REFERENCE_OPTIONAL = {wire.INSERT: [0], wire.NOTICE: [0]}
+_REFERENCE_OPTIONAL = {wire.INSERT: [0], wire.NOTICE: [0, False]}  # NOTICE: stamp, hosted
 
 
 def _reference_op(frame: bytes) -> object:
@@ -147,6 +148,9 @@ _fields = st.lists(st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=8), _
 @example(wire.PROTOCOL_VERSION, wire.SUSPECT, [7])
 @example(wire.PROTOCOL_VERSION, wire.SIGNED, [])
 @example(wire.PROTOCOL_VERSION, wire.SIGNED, [b"inner", b"mac"])
+@example(wire.PROTOCOL_VERSION, wire.NOTICE, [0, 0, 0, 0, 0])  # hosted must be a bool
+@example(wire.PROTOCOL_VERSION, wire.NOTICE, [0, 0, 0, 0, True])
+@example(wire.PROTOCOL_VERSION, wire.NOTICE, [0, 0, 0])
 def test_typed_decoding_accepts_and_refuses_as_the_reference_did(version: object, op: object, fields: list) -> None:
     frame = msgpack.packb([version, op, *fields], use_bin_type=True)
     try:
