@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ from ziplog.protocol.events import RecordEvent, TruncateEvent
 from ziplog.protocol.gsna import epoch_base
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy, RecordId
-from ziplog.server.process import build_parser, max_log_bytes
+from ziplog.server.process import build_parser, max_log_bytes, usable_memory
 from ziplog.tools.cli import status_rows, status_warnings
 
 RECORD = b"x" * 1000
@@ -137,11 +138,29 @@ def test_a_client_moves_a_refused_record_and_raises_log_full_when_pinned() -> No
 
 
 def test_the_flag_sets_each_replicas_bound() -> None:
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert max_log_bytes(None, 1) == machine // 4 and max_log_bytes(None, 4) == machine // 16
+    usable = usable_memory()
+    assert max_log_bytes(None, 1) == usable // 4 and max_log_bytes(None, 4) == usable // 16
     assert max_log_bytes(0.5, 3) == 1 << 19 and max_log_bytes(0, 1) == 0
     assert build_parser().parse_args(["--zk", "z", "--shard", "0", "--replica", "0",
                                       "--max-log-memory-mb", "2"]).max_log_memory_mb == 2.0
+
+
+@pytest.mark.parametrize("cgroup, files, limit", [
+    ("0::/app\n", {"sys/fs/cgroup/app/memory.max": "2147483648\n"}, 1 << 31),
+    ("0::/app\n", {"sys/fs/cgroup/app/memory.max": "max\n"}, None),
+    ("7:cpu:/x\n4:memory:/docker/abc\n", {"sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": "536870912"}, 1 << 29),
+    ("4:memory:/\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": str(1 << 62)}, None),  # v1's "no limit"
+    ("", {}, None),
+], ids=["v2 limit", "v2 max", "v1 limit", "v1 unlimited", "no cgroup"])
+def test_the_default_bound_follows_a_containers_memory_limit(tmp_path: Path, cgroup: str, files: dict[str, str],
+                                                             limit: int | None) -> None:
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert usable_memory(tmp_path) == (machine if limit is None else limit)
 
 
 def test_a_full_shard_refuses_loses_nothing_and_takes_records_again_after_a_trim() -> None:

@@ -240,7 +240,8 @@ def _add_limit_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-log-memory-mb", type=float, default=None, metavar="MB",
                     help="the most each replica holds of its records in memory; past it a primary refuses new records "
                          "(LOG_FULL: clients move them to other shards) until a trim frees some (default: a quarter "
-                         "of the machine's memory, shared by the replicas this process serves; 0: no bound)")
+                         "of the machine's memory, or of its container's limit, shared by the replicas this process "
+                         "serves; 0: no bound)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,12 +388,39 @@ def main(argv: list[str] | None = None) -> int:
 
 def max_log_bytes(mb: float | None, hosted: int) -> int:
     """Each replica's bound on its records in memory (``--max-log-memory-mb``; 0: none):
-    by default a quarter of the machine's memory, shared by the ``hosted`` replicas of
-    this process (a machine running several storage processes sets it for each)."""
+    by default a quarter of the memory this process may use, shared by the ``hosted``
+    replicas of this process (a machine running several storage processes sets it for
+    each)."""
     if mb is not None:
         return int(mb * (1 << 20))
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return machine // 4 // hosted
+    return usable_memory() // 4 // hosted
+
+
+def usable_memory(root: Path = Path("/")) -> int:
+    """The machine's memory, or the limit of this process's control group where lower (a
+    container's: cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), in bytes."""
+    best = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2: the unified hierarchy
+            files = [root / "sys/fs/cgroup" / rel / "memory.max"]
+        elif "memory" in controllers.split(","):
+            files = [root / "sys/fs/cgroup/memory" / rel / "memory.limit_in_bytes"]
+        else:
+            continue
+        for file in files:
+            try:
+                text = file.read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit() and 0 < int(text) < best:
+                best = int(text)
+    return best
 
 
 def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any, coord: StorageCoordination,
