@@ -209,6 +209,7 @@ class DecidedLog:
             self.dedup.pop((rec.client_id, rec.seq), None)
             self.held_bytes -= held(rec)
         del self.gsns[:i]
+        assert self.held_bytes >= 0 and (self.gsns or self.held_bytes == 0), ("memory count", self.held_bytes)
 
     def truncate(self, base: int) -> None:
         """Forget everything decided above ``base`` (failure recovery replaces it)."""
@@ -218,6 +219,7 @@ class DecidedLog:
             self.dedup.pop((rec.client_id, rec.seq), None)
             self.held_bytes -= held(rec)
         del self.gsns[i:]
+        assert self.held_bytes >= 0 and (self.gsns or self.held_bytes == 0), ("memory count", self.held_bytes)
         self.frontier = min(self.frontier, base)
         keep_epoch = epoch_of(base) if base > 0 else -1
         kept = []

@@ -15,8 +15,8 @@ class ReplicaSettings:
     replica: int
     replicas: int = 2
     max_record_bytes: int = 1 << 20
-    #: The most a replica holds of its records in memory (:meth:`DecidedLog.held`: their
-    #: data and what each costs beside it), or 0: no bound. Past it a primary refuses new
+    #: The most a replica holds of its records in memory (``DecidedLog.held_bytes``:
+    #: their data and what each costs beside it), or 0: no bound. Past it a primary refuses new
     #: records (LOG_FULL, final: the client moves them to other shards) and a backup
     #: guesses none, until a trim frees some; decided records are always taken. Both
     #: replicas of a shard hold the same records and would run out of memory together,
