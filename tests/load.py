@@ -269,6 +269,21 @@ def pinned_inserts_then_read_all(client: ziplog.Client, shard: int, prefix: str,
     assert all(seen[rid] == data for rid, data in acked.items())
 
 
+def trim_and_resume(client: ziplog.Client, acked: dict[RecordId, bytes], refused: type[Exception],
+                    state: Callable[[], object]) -> tuple[RecordId, RecordId]:
+    """Trim below every acknowledged record, then insert on ``client``'s shard until it
+    takes a record again (a shard that refused with ``refused`` comes back by itself, within
+    30 s; ``state`` says how it stands if not): the trimmed top and the new record's rid."""
+    top = max(acked)
+    client.trim(RecordId(top.gsn + 1, top.shard))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return top, client.insert_after(b"after the trim")
+        except refused:
+            assert time.monotonic() < deadline, f"still full after the trim: {state()}"
+
+
 def delivered_until(sub: Any, want: Iterable[RecordId], timeout: float = 60.0) -> list[Any]:
     """The records ``sub`` delivers until every rid of ``want`` came (none may take longer
     than ``timeout``), checked to come in increasing gsn order, each once."""

@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 import ziplog
-from tests.load import Load, wait_status
+from tests.load import Load, trim_and_resume, wait_status
 from ziplog.protocol.types import Policy, RecordId
 
 TMPFS_BYTES = 1 << 20
@@ -106,15 +106,8 @@ def test_a_full_disk_refuses_new_records_loses_none_and_recovers_after_a_trim(cl
         # -- everything acknowledged reaches both subscribers -----------------------------------
         assert subs.wait_delivered(set(acked)), "acknowledged records not delivered while the disk was full"
         # -- a trim gives space back: the shard takes records again by itself -------------------
-        top = max(acked)
-        pinned.trim(RecordId(top.gsn + 1, top.shard))
+        top, resumed = trim_and_resume(pinned, acked, ziplog.DiskFullError, lambda: _disk_states(pinned, 0))
         deadline = time.monotonic() + 30
-        resumed = None
-        while resumed is None:
-            try:
-                resumed = pinned.insert_after(b"after the trim")
-            except ziplog.DiskFullError:
-                assert time.monotonic() < deadline, f"still full after the trim: {_disk_states(pinned, 0)}"
         assert resumed.shard == 0
         acked[resumed] = b"after the trim"
         # The primary took it; the backup, whose retry runs on its own clock, follows

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
 
 import ziplog
 from tests.harness import ShardHarness
-from tests.load import Load, wait_status
+from tests.load import Load, trim_and_resume, wait_status
 from ziplog.cores.client.calls import InsertCall
 from ziplog.cores.client.state import ClientState
 from ziplog.cores.client.waits import InsertWait, Redirect
@@ -194,15 +193,7 @@ def test_a_full_shard_refuses_loses_nothing_and_takes_records_again_after_a_trim
                 assert rid.shard == 1, "a full shard took a new record"
                 acked[rid] = data
             assert subs.wait_delivered(set(acked)), "acknowledged records not delivered while the shard was full"
-            top = max(acked)
-            pinned.trim(RecordId(top.gsn + 1, top.shard))
-            deadline = time.monotonic() + 30
-            resumed = None
-            while resumed is None:
-                try:
-                    resumed = pinned.insert_after(b"after the trim")
-                except ziplog.LogFullError:
-                    assert time.monotonic() < deadline, f"still full after the trim: {wait_status(pinned, [0])}"
+            _, resumed = trim_and_resume(pinned, acked, ziplog.LogFullError, lambda: wait_status(pinned, [0]))
             assert resumed.shard == 0
             acked[resumed] = b"after the trim"
             assert subs.wait_delivered({resumed})
