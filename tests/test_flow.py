@@ -292,7 +292,7 @@ def _bank_under_faults(cluster: ziplog.LocalCluster, pool: WorkerPool, book: int
         lb.observe(sweeper.lb.position)  # a session that has seen the trim
         with pytest.raises(TrimmedError):
             FlowClient(lb).start("open_accounts", None, "open")
-    assert kills > 0 and pool.restarts >= kills
+    assert kills > 0 and pool.wait_restarts(kills, 60), (kills, pool.restarts)
     db = SqliteDatabase(db_path)
     try:
         accounts = {k: fc.unpack(v) for k, v in db.rows("accounts").items()}

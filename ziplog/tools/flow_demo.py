@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                     killed.append(pid)
             for t in threads:
                 t.join()
+            pool.wait_restarts(len(killed), 30)  # the last one killed may have ended the run unreplaced
             elapsed = time.monotonic() - t0
             db = SqliteDatabase(db_path, audit=True)
             try:

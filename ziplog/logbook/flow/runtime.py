@@ -249,7 +249,9 @@ class WorkerPool:
             self.args.append("--audit")
         self.env = {**os.environ, **(env or {})}
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        #: workers started in place of dead ones (notified on :attr:`_restarted`)
         self.restarts = 0
+        self._restarted = threading.Condition()
         self.log = log
         #: the exit codes of the workers that died, in order
         self.exits: list[int] = []
@@ -277,12 +279,20 @@ class WorkerPool:
 
     def kill(self, i: int) -> int | None:
         """SIGKILL worker ``i`` (the supervisor starts another); its pid, or None if it
-        was not running."""
+        was not running. Returns once it is gone, so that killing the same worker again
+        before its successor starts is no second kill."""
         proc = self.procs[i]
         if proc is None or proc.poll() is not None:
             return None
         proc.send_signal(signal.SIGKILL)
+        proc.wait()
         return proc.pid
+
+    def wait_restarts(self, n: int, timeout: float) -> bool:
+        """Wait until the pool started ``n`` workers in place of dead ones (True), or
+        ``timeout`` seconds passed (False)."""
+        with self._restarted:
+            return self._restarted.wait_for(lambda: self.restarts >= n, timeout)
 
     def _supervise(self) -> None:
         sweeper = self.sweeper = self._make_sweeper()
@@ -291,8 +301,10 @@ class WorkerPool:
                 for i, proc in enumerate(self.procs):
                     if proc is not None and proc.poll() is not None and not self._stop.is_set():
                         self.exits.append(proc.returncode)
-                        self.restarts += 1
                         self._spawn(i)
+                        with self._restarted:
+                            self.restarts += 1
+                            self._restarted.notify_all()
                 try:
                     sweeper.sweep()
                 except Exception as exc:  # a sweep that failed is tried at the next round
