@@ -49,9 +49,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             res.note(f"{r['shards']} shards, {r['layout']}, {r['load']}: servers' CPU per append {r['cpu_ratio']}x "
                      f"by the clock (rounds {r['cpu_ratio_rounds']}), fast path {r['fast_path']}")
     res.write(rows, COLUMNS, "Slots passed by the clock against on NOTICEs alone",
-              intro=(f"{p['rounds']} rounds; in each, every load runs on both clusters of each layout in turn (order "
-                     f"rotated), {p['seconds']} s measured after {p['warmup_s']} s of warm-up, {p['record_bytes']}-byte "
-                     f"records, {p['replicas']} replicas per shard; loads are per shard. fast_path: the inserts "
+              intro=(epochstamp.rounds_intro(p, "both clusters of each layout") + "fast_path: the inserts "
                      "settled in two message delays; notices: NOTICE frames the primaries sent per append; "
                      "server_msgs: every message the replicas sent per append; other_wrong_guesses and reacks: the "
                      "backups' per insert; server_cpu_us: the storage servers' CPU per append; cpu_ratio: by the "

@@ -140,6 +140,13 @@ def bars(res: Results, rows: list[dict[str, Any]], group: tuple[str, ...], value
     res.save_figure(fig, path, caption)
 
 
+def rounds_intro(p: dict[str, Any], clusters: str) -> str:
+    """The first sentence of a paired bench's report: how its rounds ran."""
+    return (f"{p['rounds']} rounds; in each, every load runs on {clusters} in turn (order rotated), "
+            f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up, {p['record_bytes']}-byte "
+            f"records, {p['replicas']} replicas per shard; loads are per shard. ")
+
+
 def paired_run(name: str, p: dict[str, Any], out: Path | None, what: str) -> tuple[Results, list[dict[str, Any]]]:
     """Every shard count of ``p``: its clusters (one per layout and mode) started on one
     ZooKeeper ensemble, measured (:func:`_count`) and summarized."""
@@ -169,9 +176,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             res.note(f"{r['shards']} shards, {r['layout']}, {r['load']}: servers' CPU per append {r['cpu_ratio']}x "
                      f"with epochs at the leader's stamp (rounds {r['cpu_ratio_rounds']})")
     res.write(rows, COLUMNS, "Where a turn takes an epoch: the leader's stamp (sent) against each replica's arrival (read)",
-              intro=(f"{p['rounds']} rounds; in each, every load runs on every cluster in turn (order rotated), "
-                     f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up, {p['record_bytes']}-byte "
-                     f"records, {p['replicas']} replicas per shard; loads are per shard. fast_path: the inserts "
+              intro=(rounds_intro(p, "every cluster") + "fast_path: the inserts "
                      "settled in two message delays; wrong_guesses_epoch, other_wrong_guesses (ahead, behind, "
                      "displaced) and reacks: the backups' counts per insert; server_cpu_us: the storage servers' "
                      "CPU per append; cpu_ratio: sent / read within each round, then their median."))

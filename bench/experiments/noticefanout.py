@@ -43,9 +43,7 @@ def run(quick: bool, out: Path | None) -> list[dict[str, Any]]:
             res.note(f"{r['shards']} shards, {r['load']}: servers' CPU per append {r['cpu_ratio']}x with a NOTICE "
                      f"per process (rounds {r['cpu_ratio_rounds']})")
     res.write(rows, COLUMNS, "A process per CPU: a NOTICE once per process told against once per replica",
-              intro=(f"{p['rounds']} rounds; in each, every load runs on both clusters in turn (order rotated), "
-                     f"{p['seconds']} s measured after {p['warmup_s']} s of warm-up, {p['record_bytes']}-byte "
-                     f"records, {p['replicas']} replicas per shard; loads are per shard. notices: NOTICE frames the "
+              intro=(epochstamp.rounds_intro(p, "both clusters") + "notices: NOTICE frames the "
                      "primaries sent per append; server_msgs: every message the replicas sent per append; "
                      "server_cpu_us: the storage servers' CPU per append; cpu_ratio: per process / per replica "
                      "within each round, then their median; fast_path: the inserts settled in two message delays."))
