@@ -123,13 +123,27 @@ class DecidedLog:
         assert epoch_of(gsn) == self.last_epoch, ("record outside the current epoch", gsn, self.last_epoch)
         key = (ev.client_id, ev.seq)
         assert key not in self.dedup, ("record decided twice", key, self.dedup.get(key), gsn)
-        self.records[gsn] = ev
-        self.gsns.append(gsn)
-        self.dedup[key] = gsn
-        self.held_bytes += held(ev)
-        self.frontier = gsn
+        self._keep(ev)
         self.out.persist.append(ev)
         return True
+
+    def _keep(self, ev: RecordEvent) -> None:
+        """Hold a decided record above every one held (a decision or a replayed one)."""
+        gsn = ev.gsn
+        self.records[gsn] = ev
+        self.gsns.append(gsn)
+        self.dedup[(ev.client_id, ev.seq)] = gsn
+        self.held_bytes += held(ev)
+        self.frontier = gsn
+
+    def _forget(self, gsns: list[int]) -> None:
+        """Let go of held records (their gsns, which the caller cuts from ``gsns``):
+        trimmed, or replaced by a recovery. Their dedup entries go too."""
+        for g in gsns:
+            rec = self.records.pop(g)
+            self.dedup.pop((rec.client_id, rec.seq), None)
+            self.held_bytes -= held(rec)
+        assert self.held_bytes >= 0, ("memory count", self.held_bytes)
 
     def advance_frontier(self, frontier: int) -> bool:
         """Every slot up to ``frontier`` is decided (the rest are no-ops)."""
@@ -203,23 +217,16 @@ class DecidedLog:
         if not self.gsns or self.gsns[0] >= limit:
             return
         i = bisect.bisect_left(self.gsns, limit)
-        for g in self.gsns[:i]:
-            rec = self.records.pop(g)
-            # dedup entries of trimmed records go too: their clients are long done
-            self.dedup.pop((rec.client_id, rec.seq), None)
-            self.held_bytes -= held(rec)
+        self._forget(self.gsns[:i])  # their clients are long done
         del self.gsns[:i]
-        assert self.held_bytes >= 0 and (self.gsns or self.held_bytes == 0), ("memory count", self.held_bytes)
+        assert self.gsns or self.held_bytes == 0, ("memory count", self.held_bytes)
 
     def truncate(self, base: int) -> None:
         """Forget everything decided above ``base`` (failure recovery replaces it)."""
         i = bisect.bisect_right(self.gsns, base)
-        for g in self.gsns[i:]:
-            rec = self.records.pop(g)
-            self.dedup.pop((rec.client_id, rec.seq), None)
-            self.held_bytes -= held(rec)
+        self._forget(self.gsns[i:])
         del self.gsns[i:]
-        assert self.held_bytes >= 0 and (self.gsns or self.held_bytes == 0), ("memory count", self.held_bytes)
+        assert self.gsns or self.held_bytes == 0, ("memory count", self.held_bytes)
         self.frontier = min(self.frontier, base)
         keep_epoch = epoch_of(base) if base > 0 else -1
         kept = []
@@ -243,11 +250,7 @@ class DecidedLog:
             if t is RecordEvent:
                 assert isinstance(ev, RecordEvent)
                 if ev.gsn > self.frontier:
-                    self.records[ev.gsn] = ev
-                    self.gsns.append(ev.gsn)
-                    self.dedup[(ev.client_id, ev.seq)] = ev.gsn
-                    self.held_bytes += held(ev)
-                    self.frontier = ev.gsn
+                    self._keep(ev)
             elif t is FrontierEvent:
                 assert isinstance(ev, FrontierEvent)
                 self.frontier = max(self.frontier, ev.frontier)
