@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ziplog.logbook.core import flow as fc
+from ziplog.logbook.core import flow_records as fr
 from ziplog.tools.stats import summarize
 
 from ..report import Results, progress
@@ -74,7 +75,7 @@ class UnsafeEnv:
         fn = FUNCTIONS.get(function)
         assert fn is not None, function
         self.step += 1
-        return fn(UnsafeEnv(self.db, f"{self.workflow}.{self.step}", self._version), input)  # type: ignore[arg-type]
+        return fn(UnsafeEnv(self.db, fr.callee_of(self.workflow, self.step), self._version), input)  # type: ignore[arg-type]
 
     def try_lock(self, name: str) -> bool:
         self.db.write("locks", name, self.workflow.encode(), self._v())

@@ -39,8 +39,9 @@ enough to give its worker back (``fc.Suspended``). Once everything settles,
   ``write`` step, or a committed ``decide``) once, at that record's seqnum, and nothing
   else; each row holds the value and version of its latest such write;
 * **one outcome**: every run of a workflow (re-runs, duplicates, nested calls) ended
-  with the outcome the workflow's first ``Done`` record holds, and every invoke's
-  recorded return value is its callee's;
+  with the outcome the workflow's first ``Done`` record holds, and every invoke called
+  its own call's id (``flow_records.callee_of``, no caller's workflow) and recorded
+  that callee's return value;
 * **the bank**: its total is unchanged, no balance is ever negative, every audit that
   committed saw the total; the counter behind the lock counts every holder once; each
   trip's row is what its workflow returned;
@@ -678,6 +679,8 @@ class FlowSim(SystemSim):
         self.workers: list[FlowWorker] = []
         self.workflows: dict[str, Workflow] = {self.setup.wid: self.setup}
         self.workflows.update((wf.wid, wf) for _, wf in self.workload)
+        for wid in self.workflows:
+            fr.check_workflow_id(wid)  # a caller's id, as FlowClient.start takes it (none in the calls' namespace)
         #: every outcome a run of a workflow (or a nested call of it) ended with
         self.outcomes: dict[str, list[bytes]] = {}
         #: lock -> holder -> [when one of its runs first believed it held the lock, when one
@@ -860,6 +863,8 @@ class FlowSim(SystemSim):
         for (wid, step, part), (_, rec) in flow.steps.items():
             if rec.op == "invoke" and part == 1:
                 callee = fc.unpack(flow.steps[(wid, step, 0)][1].value)
+                assert callee == fr.callee_of(wid, step) and callee not in self.workflows, (
+                    f"workflow {wid} step {step} called {callee!r}, not its own call's id {fr.callee_of(wid, step)!r}")
                 assert rec.value == flow.done.get(callee), (
                     f"workflow {wid} step {step} recorded {fc.unpack(rec.value)} as its call's return value, "
                     f"callee {callee} ended with {flow.done.get(callee) and fc.unpack(flow.done[callee])}")

@@ -14,9 +14,11 @@ append): a run that comes second, or again, takes the first one's outcome.
   the log wins wherever they land.
 * **read**: the database's value, then its step record; a re-run reads the record.
 * **remember**: a value the run made up, then its step record (the same way).
-* **invoke** ``(function, input)``: a pre-record naming the callee's workflow id, and a
-  post-record with its return value, both first-wins; a call whose post-record exists is
-  not made again, and the callee is a workflow of its own (exactly once by itself).
+* **invoke** ``(function, input)``: a pre-record naming the callee's workflow id (in the
+  calls' own namespace: ``flow_records.callee_of``), and a post-record with its return
+  value, both first-wins; a call whose post-record exists is not made again, and the
+  callee is a workflow of its own (exactly once by itself; a callee id whose intent is
+  another function's is refused, :class:`WorkflowIdTaken`).
 * **lock** / **unlock**: a lock's chain (:mod:`ziplog.logbook.core.flow_lock`) taken or
   given back for the step's holder (:func:`~ziplog.logbook.core.flow_records.holder_of`),
   the outcome a step record; a run that took the lock although the step's first record
@@ -81,6 +83,15 @@ class Call:
 
 class WorkflowFailed(Exception):
     """A workflow (or a callee) ended with an exception; its text is the message."""
+
+
+class WorkflowIdTaken(ValueError):
+    """A call of a workflow id whose first intent is another function's: refused, never
+    answered with that workflow's outcome. (A later call's input is not compared: the
+    first intent's is the call's, as a step's first record is its outcome whatever a
+    later run asked; a deterministic caller passes the same value, whose msgpack bytes
+    may still differ, a map built in another order, and a duplicate request under one id
+    is that request.)"""
 
 
 class Suspended(Exception):
@@ -154,14 +165,17 @@ def logged(workflow: str, step: int, op: str, value: bytes, part: int = 0) -> St
 # -- a workflow's beginning and end -----------------------------------------------------------------
 def intent(workflow: str, function: str, input: bytes) -> Steps:
     """Call ``function(input)`` as ``workflow`` unless it was called already: the
-    workflow's first intent, ``(seqnum, Intent)``."""
+    workflow's first intent, ``(seqnum, Intent)``; WorkflowIdTaken if that intent is of
+    another function (the call is refused: its caller must not take that one's outcome)."""
     found = yield from read_intent(workflow)
-    if found is not None:
-        return found
-    yield Append(fr.encode(fr.Intent(workflow=workflow, function=function, input=input)), fr.intent_tag(workflow),
-                 (fr.INTENTS,))
-    found = yield from read_intent(workflow)
-    assert found is not None, ("an intent the session appended is not found", workflow)
+    if found is None:
+        yield Append(fr.encode(fr.Intent(workflow=workflow, function=function, input=input)),
+                     fr.intent_tag(workflow), (fr.INTENTS,))
+        found = yield from read_intent(workflow)
+        assert found is not None, ("an intent the session appended is not found", workflow)
+    if found[1].function != function:
+        raise WorkflowIdTaken(f"workflow {workflow!r} was called as function {found[1].function!r}: a call of it "
+                              f"as {function!r} is refused")
     return found
 
 

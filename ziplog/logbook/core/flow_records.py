@@ -1,7 +1,9 @@
 """BokiFlow's records in a book, and their tags (Boki journal 5.1, after Beldi).
 
-A workflow is named by an id (a string its caller picks, or a random one); every
-operation it performs is a numbered **step**. Each kind of record is tagged so that
+A workflow is named by an id (a string its caller picks, or a random one; a call a
+workflow makes is named by :func:`callee_of`, in a namespace of its own that no
+caller's id enters: :func:`check_workflow_id`); every operation it performs is a
+numbered **step**. Each kind of record is tagged so that
 its readers find it with one ``read_next(tag, 0)``, and names what it belongs to in
 full, because a tag is a 64-bit hash: a record of another workflow (or another
 library) under a colliding tag is skipped by every reader the same way.
@@ -42,6 +44,9 @@ QUEUE_BOOK_OFFSET = 2
 #: the tag of every intent: the workflows ever called, in call order (the runtime's
 #: sweeper reads them to find a workflow nobody finished)
 INTENTS = "flow:intents"
+#: how every workflow id :func:`callee_of` makes begins, and no id a caller picks may
+#: (:func:`check_workflow_id`): a call's id is never a workflow a caller started
+CALLEE_PREFIX = "@"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 StepNo = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -93,6 +98,22 @@ def check_name(what: str, name: str) -> str:
     return name
 
 
+class ReservedWorkflowId(ValueError):
+    """A caller's workflow id begins with :data:`CALLEE_PREFIX`: such ids name the calls
+    workflows make (:func:`callee_of`), and a caller's workflow under one could take a
+    call's place."""
+
+
+def check_workflow_id(workflow: str) -> str:
+    """``workflow`` if a caller may start a workflow under it (ValueError if it is no
+    name; :class:`ReservedWorkflowId` if it is in the calls' namespace)."""
+    check_name("workflow id", workflow)
+    if workflow.startswith(CALLEE_PREFIX):
+        raise ReservedWorkflowId(f"workflow id {workflow!r} begins with {CALLEE_PREFIX!r}: ids that begin with it "
+                                 f"name the calls workflows make, and no caller may start one")
+    return workflow
+
+
 def encode(record: FlowRecord) -> bytes:
     """The record's bytes, its names checked first (msgspec checks constraints only when
     decoding, and a record every reader skips would be lost without a word)."""
@@ -135,9 +156,18 @@ def step_of_holder(holder: str) -> tuple[str, int] | None:
 
 
 def callee_of(workflow: str, step: int) -> str:
-    """The workflow id of the call made at ``step`` of ``workflow``: the same in every run
-    (a nested call's id grows with its depth: past MAX_NAME it is a hash of itself)."""
-    callee = f"{workflow}.{step}"
+    """The workflow id of the call made at ``step`` of ``workflow``: the same in every run,
+    ``"@" + step + ":" + workflow``, and past MAX_NAME characters (a deep nest of calls)
+    ``"@h:"`` and the BLAKE2b-128 hex of that.
+
+    One to one, and never a caller's id: every such id begins with :data:`CALLEE_PREFIX`,
+    which a caller's id may not (:func:`check_workflow_id`); after it come the step's
+    digits up to the first ``":"`` (or ``"h:"``, no digit, and a hash), then the caller's
+    whole id, itself a caller's id or another call's, so an id reads back to one (caller,
+    step) only. (Appending the step instead, ``workflow + "." + step``, made
+    ``("a.1", 2)`` and ``(("a", 1), 2)`` one id, and let a caller's workflow ``a.1``
+    stand in for the call at step 1 of ``a``.)"""
+    callee = f"{CALLEE_PREFIX}{step}:{workflow}"
     if len(callee) > MAX_NAME:
-        callee = "h:" + hashlib.blake2b(callee.encode(), digest_size=16).hexdigest()
+        callee = f"{CALLEE_PREFIX}h:" + hashlib.blake2b(callee.encode(), digest_size=16).hexdigest()
     return callee

@@ -18,10 +18,12 @@ runtime (a client, worker processes on a BokiQueue, a pool) in
 :mod:`ziplog.logbook.flow.runtime`.
 """
 
-from ziplog.logbook.core.flow import WorkflowFailed
+from ziplog.logbook.core.flow import WorkflowFailed, WorkflowIdTaken
+from ziplog.logbook.core.flow_records import ReservedWorkflowId
 from ziplog.logbook.flow.db import Database, SqliteDatabase
 from ziplog.logbook.flow.env import Env, FlowBook, Transaction, TransactionAborted, run_workflow
 from ziplog.logbook.flow.runtime import FlowClient, Functions, Worker, WorkerPool
 
 __all__ = ["Env", "FlowBook", "FlowClient", "Functions", "Worker", "WorkerPool", "Database", "SqliteDatabase",
-           "Transaction", "TransactionAborted", "WorkflowFailed", "run_workflow"]
+           "ReservedWorkflowId", "Transaction", "TransactionAborted", "WorkflowFailed", "WorkflowIdTaken",
+           "run_workflow"]

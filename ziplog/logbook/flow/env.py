@@ -145,7 +145,8 @@ class Env:
 
     def invoke(self, function: str, input: Any = None) -> Any:
         """Call ``function(input)`` as a workflow of its own; its return value (its
-        exception, ``WorkflowFailed``, is raised here)."""
+        exception, ``WorkflowFailed``, is raised here; ``WorkflowIdTaken`` if the call's
+        id was called as another function: never that one's return value)."""
         outcome = self.flow.drive(fc.invoke(self.workflow, self._next(), function, fc.pack(input)))
         return fc.unpack_outcome(outcome)
 

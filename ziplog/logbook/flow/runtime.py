@@ -2,7 +2,8 @@
 that take workflows from a BokiQueue, called from clients.
 
 * A **call** (:class:`FlowClient`) records the workflow's intent (first-wins per id: a
-  duplicate call of an id is the same workflow), pushes the id to the queue, and waits
+  duplicate call of an id is the same workflow; a call of it as another function is
+  refused, ``WorkflowIdTaken``), pushes the id to the queue, and waits
   for the workflow's done record; while it has none after ``retry_after`` seconds the id
   is pushed again (a worker may have died with it: BokiQueue hands an element to one
   pop only).
@@ -14,7 +15,9 @@ that take workflows from a BokiQueue, called from clients.
   when it dies, and sweeps: an intent with no done record after ``retry_after`` is
   pushed again, so a workflow whose caller died too still ends.
 
-Nested calls (``env.invoke``) run in the caller's worker, as a workflow of their own.
+Nested calls (``env.invoke``) run in the caller's worker, as a workflow of their own,
+under an id in the calls' own namespace (``flow_records.callee_of``: it begins with
+``"@"``, which a caller's id may not, ``ReservedWorkflowId``).
 """
 
 from __future__ import annotations
@@ -119,9 +122,11 @@ class FlowClient:
 
     def start(self, function: str, input: Any = None, workflow: str | None = None) -> str:
         """Call ``function(input)`` as ``workflow`` (a fresh id if None) without waiting;
-        the workflow's id. A call of an id called before is that workflow (TrimmedError if
-        it ended so long ago that its records were collected)."""
-        workflow = fr.check_name("workflow id", workflow or uuid.uuid4().hex)
+        the workflow's id. A call of an id called before is that workflow, with the first
+        call's input (TrimmedError if it ended so long ago that its records were
+        collected; ``WorkflowIdTaken`` if it was called as another function). An id may
+        not begin with ``"@"`` (``ReservedWorkflowId``: those are the calls workflows make)."""
+        workflow = fr.check_workflow_id(workflow or uuid.uuid4().hex)
         self._drive(fc.intent(workflow, fr.check_name("function name", function), fc.pack(input)))
         self.queue.push(workflow)
         return workflow
@@ -158,7 +163,8 @@ class Worker:
         self.suspended = 0
 
     def _call(self, function: str, workflow: str, input: bytes) -> bytes:
-        """A nested call: the callee's intent, then its run, here."""
+        """A nested call: the callee's intent (``WorkflowIdTaken`` if the callee's id was
+        called as another function: never its outcome), then its run, here."""
         self.flow.drive(fc.intent(workflow, function, input))
         return run_workflow(self.flow, workflow, self.functions.get)
 
