@@ -48,7 +48,7 @@ from ziplog.client.driver import ClientDriver, SubscriptionDriver
 from ziplog.cores.client.state import ClientState
 from ziplog.logdb.coordinator import CoordinatorDriver
 from ziplog.logdb.core.coordinator import CoordinatorCore
-from ziplog.logdb.core.kvshard import KvShardCore, decode_snapshot, encode_snapshot, owner
+from ziplog.logdb.core.kvshard import KvShardCore, owner
 from ziplog.logdb.core.records import TransactionAborted
 from ziplog.logdb.core.transaction import Session as LogDbSession
 from ziplog.logdb.core.transaction import Steps, Transaction
@@ -136,7 +136,7 @@ class CoordinatorReplica:
         name = f"coord{self.rid}#{self.inc}"
         proc = self.proc = SimProcess(sim.world, name)
         session = self.session = sim.zk.session(name)
-        core = self.core = CoordinatorCore(decode_snapshot(self.snapshot) if self.snapshot is not None else None)
+        core = self.core = CoordinatorCore.from_snapshot(self.snapshot)
 
         def save(position: int, data: bytes) -> None:
             self.snapshot = data

@@ -16,6 +16,7 @@ local tooling that starts them (``ziplog.local_logdb``) is ``ziplog.tools.logdb_
 from typing import Any
 
 from ziplog.logdb.core.records import TransactionAborted
+from ziplog.logdb.core.transaction import LogDBError, OutcomeUnknownError
 
 
 def __getattr__(name: str) -> Any:  # lazy: the cores stay importable without ZeroMQ or ZooKeeper
@@ -25,4 +26,4 @@ def __getattr__(name: str) -> Any:  # lazy: the cores stay importable without Ze
     raise AttributeError(name)
 
 
-__all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted"]
+__all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted", "LogDBError", "OutcomeUnknownError"]

@@ -8,6 +8,11 @@
         db.run(lambda t: t.put(b"bob", b"10"))  # runs again after an abort
         print(db.get(b"alice"))
 
+A commit that fails with another ``ZiplogError`` (a timeout: its outcome unknown) may be
+called again on the same transaction: it resends the same commit record if none was
+placed and asks the outcome, and never commits twice. ``OutcomeUnknownError``: the
+outcome is older than the coordinators remember; it may have committed.
+
 Both run the same driver (:class:`~ziplog.logdb.driver.TransactionDriver`) over the
 same sans-I/O transaction steps (:mod:`ziplog.logdb.core.transaction`), on their ziplog
 client's runtime: the log's calls go to the client's driver, the coordinators' and KV
@@ -27,12 +32,12 @@ from typing import Any, Awaitable, Callable, TypeVar
 from ziplog.io import zk
 from ziplog.io.zk_logdb import Directory
 from ziplog.logdb.core.records import TransactionAborted
-from ziplog.logdb.core.transaction import Rid, Session, Steps, Transaction, get
+from ziplog.logdb.core.transaction import LogDBError, OutcomeUnknownError, Rid, Session, Steps, Transaction, get
 from ziplog.logdb.driver import REQUEST_TIMEOUT_NS, ClientLog, LogPort, OnResult, TransactionDriver
 from ziplog.protocol.errors import ClientClosedError
 from ziplog.protocol.types import RecordId
 
-__all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted"]
+__all__ = ["LogDB", "AsyncLogDB", "Txn", "AsyncTxn", "TransactionAborted", "LogDBError", "OutcomeUnknownError"]
 
 T = TypeVar("T")
 
@@ -116,7 +121,9 @@ class Txn(_TxnBase):
         return self._db._drive(self._t.get_steps(key))  # type: ignore[no-any-return]
 
     def commit(self) -> None:
-        """Commit now; raises TransactionAborted on a conflict."""
+        """Commit now; raises TransactionAborted on a conflict, OutcomeUnknownError when
+        the outcome is forgotten. After another error (a timeout) call it again: it goes
+        on from where it stopped and never commits twice."""
         self._db._drive(self._t.commit_steps())
 
     def __enter__(self) -> "Txn":
@@ -126,7 +133,7 @@ class Txn(_TxnBase):
         if exc_type is None:
             if not self._t.done:
                 self.commit()
-        else:
+        elif not self._t.committing:
             self._t.done = True  # nothing was appended but write records nobody will commit
 
 
@@ -228,7 +235,7 @@ class AsyncTxn(_TxnBase):
         if exc_type is None:
             if not self._t.done:
                 await self.commit()
-        else:
+        elif not self._t.committing:
             self._t.done = True
 
 

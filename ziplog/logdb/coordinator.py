@@ -2,7 +2,8 @@
 
 :class:`CoordinatorDriver` is the thin driver over :class:`CoordinatorCore`: the log's
 records and positions and the clients' requests in, answers out, a snapshot of the
-validator to disk every ``SNAPSHOT_NS`` (a restart replays only what follows it).
+validator and the outcomes to disk every ``SNAPSHOT_NS`` (a restart replays only what
+follows it, and answers the outcomes it answered before).
 Every replica replays the same log and answers any client (the answers are a function
 of the log prefix); the replicas elect a leader through ZooKeeper, which clients ask
 first and which alone collects garbage: every ``GC_EVERY_S`` it trims the log below
@@ -23,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from ziplog.cores.effects import Messages
 from ziplog.logdb.core import frames as f
 from ziplog.logdb.core.coordinator import CoordinatorCore, collection_point
-from ziplog.logdb.core.kvshard import decode_snapshot, encode_snapshot
 from ziplog.shell.elected import ElectedDriver, ElectionPort
 from ziplog.shell.metrics import counter, gauge
 
@@ -102,7 +102,7 @@ class CoordinatorDriver(ElectedDriver):
             if d.gsn == gsn and d.shard == shard:
                 if d.committed:
                     self.commits += 1
-                else:
+                elif not d.unknown:
                     self.aborts += 1
 
     def on_position(self, gsn: int) -> None:
@@ -111,13 +111,17 @@ class CoordinatorDriver(ElectedDriver):
     def on_request(self, route: Any, frame: bytes) -> None:
         self._perform(self.core.on_request(route, frame))
 
+    def on_collected(self, point: int) -> None:
+        """LogDB's collection point, read from ZooKeeper (outcomes below it may go)."""
+        self.core.on_collected(point)
+
     def on_tick(self) -> None:
         now = self.rt.now()
         self._perform(self.core.on_tick(now))
         if now - self._snapshot_at >= self.snapshot_ns and self.core.position > self._snapshot_position:
             self._snapshot_at = now
             self._snapshot_position = self.core.position
-            self.save_snapshot(self.core.position, encode_snapshot(self.core.validator))
+            self.save_snapshot(self.core.position, self.core.snapshot_bytes())
 
     def metrics(self, labels: dict[str, str]) -> list[Metric]:
         """Prometheus families (called at scrape time from the metrics server's thread)."""
@@ -172,10 +176,11 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         args.data_dir.mkdir(parents=True, exist_ok=True)
         snapshots = SnapshotFile(args.data_dir / f"coordinator-{args.id}.snapshot")
         stored = snapshots.load()
-        core = CoordinatorCore(decode_snapshot(stored) if stored is not None else None)
+        core = CoordinatorCore.from_snapshot(stored)
         who = f"coordinator-{args.id}"
         guard = InboundGuard(log, rt)
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}")
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}",
+                               args.registry_lease_s)
         router = serve_requests(rt, lambda route, frame: driver.on_request(route, frame), guard, args.bind, args.port,
                                 rights)
 
@@ -221,18 +226,20 @@ async def _tick(driver: CoordinatorDriver) -> None:
 
 
 async def _collect(args: argparse.Namespace, driver: CoordinatorDriver, client: Any, zk_client: Any) -> None:
-    """The leader trims the log below what every KV shard and coordinator has applied
-    (``collectable``), every ``--gc-every`` seconds."""
+    """Every ``--gc-every`` seconds: every replica learns the collection point (what every
+    KV shard and coordinator can replay from: ``collectable``; its outcomes below it may
+    go), and the leader trims the log below it."""
     from ziplog.protocol.types import RecordId
 
     loop = asyncio.get_running_loop()
     trimmed = 0
     while True:
         await asyncio.sleep(args.gc_every)
-        if not driver.leading or not args.gc:
-            continue
         try:
             point = await loop.run_in_executor(None, collectable, zk_client, args.name)
+            driver.on_collected(point)
+            if not driver.leading or not args.gc:
+                continue
             if point > trimmed + 1:
                 await client.trim(RecordId(point, -1))
                 log.info("trimmed the log below gsn %d", point)

@@ -9,7 +9,9 @@ and the simulation on a simulated process: the same code in all three.
   first) or the key's KV shard, as the :class:`DirectoryView` names them. A request
   unanswered within ``request_timeout_ns`` (or answered BUSY) goes to the next
   coordinator replica (every request is idempotent); the step fails with
-  ``ZiplogTimeoutError`` after ``timeout_ns``. Answers are routed by request id.
+  ``ZiplogTimeoutError`` after ``timeout_ns``. Answers are routed by request id. An
+  Outcome answered FORGOTTEN goes to each other replica once (each forgets at its own
+  moment) before the answer stands.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Run(CallbackRun):
 class _Asking:
     """An Ask or AskKv in flight: its frame, deadline and how many replicas were tried."""
 
-    __slots__ = ("op", "frame", "req", "deadline", "tried")
+    __slots__ = ("op", "frame", "req", "deadline", "tried", "forgotten")
 
     def __init__(self, op: Ask | AskKv, deadline: int) -> None:
         self.op = op
@@ -120,6 +122,8 @@ class _Asking:
         self.req = op.request.req
         self.deadline = deadline
         self.tried = 0
+        #: replicas that answered FORGOTTEN
+        self.forgotten = 0
 
 
 class TransactionDriver:
@@ -202,6 +206,12 @@ class TransactionDriver:
             return  # the answer to an earlier try, or to a run that ended
         if type(ans) is f.Failed and ans.code == f.BUSY:
             self._send(run)  # ask the next replica now
+            return
+        ask = run.ask
+        if (type(ans) is f.Failed and ans.code == f.FORGOTTEN and ask is not None
+                and ask.forgotten + 1 < len(self._targets(ask.op))):
+            ask.forgotten += 1
+            self._send(run)  # another replica may remember it
             return
         self._answered(run, ans, None)
 

@@ -58,7 +58,7 @@ class KvShardDriver:
         if d is not None and not d.duplicate:
             if d.committed:
                 self.commits += 1
-            else:
+            elif not d.unknown:
                 self.aborts += 1
 
     def on_position(self, gsn: int) -> None:
@@ -171,7 +171,8 @@ async def serve(args: argparse.Namespace, open_log: Callable[[], Awaitable[Any]]
         def answer(route: bytes, frame: bytes) -> None:
             router.send_to(route, driver.answer(frame))
 
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}")
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logdb-{args.name}-{who}",
+                               args.registry_lease_s)
         router = serve_requests(rt, answer, InboundGuard(log, rt), args.bind, args.port, rights)
         session.keep_registered(f"{db_path(args.name)}/kv/{args.index}",
                                 {"addr": advertised(router.addr, args.advertise), "pid": os.getpid()})

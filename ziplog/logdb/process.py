@@ -35,7 +35,8 @@ def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: Inbou
     BAD_REQUEST. ``handle`` answers through the returned router's ``send_to``. Under
     CURVE (``rights``), a request whose sender's key lacks its right
     (:data:`~ziplog.logdb.core.frames.REQUEST_RIGHTS`) is answered FORBIDDEN before it
-    reaches ``handle``."""
+    reaches ``handle``, and every client key's request BUSY while the server's registry
+    lease has lapsed (:mod:`ziplog.shell.rights`)."""
     router: Router | None = None
 
     def judged(route: bytes, frame: bytes) -> None:
@@ -47,7 +48,8 @@ def serve_requests(rt: Any, handle: Callable[[bytes, bytes], None], guard: Inbou
             why = None if req is None else rights.refusal(route, req)
             if why is not None:
                 assert router is not None and req is not None
-                router.send_to(route, f.encode(f.Failed(req=req.req, code=f.FORBIDDEN, message=why)))
+                code = f.BUSY if why.lapsed else f.FORBIDDEN  # a lapsed lease: ask again (another server)
+                router.send_to(route, f.encode(f.Failed(req=req.req, code=code, message=why.why)))
                 return
         handle(route, frame)
 

@@ -114,7 +114,8 @@ ANSWER_LIMIT = 64 << 20
 #: error codes of :class:`Failed`
 BAD_REQUEST = "BAD_REQUEST"  # the frame does not decode, or asks what this server does not serve
 BUSY = "BUSY"  # too many requests wait here: ask again later
-UNKNOWN_TXN = "UNKNOWN_TXN"  # no decision for the transaction (forgotten, or its commit record is not LogDB's)
+UNKNOWN_TXN = "UNKNOWN_TXN"  # Outcome: the gsn asked holds no commit record of the transaction
+FORGOTTEN = "FORGOTTEN"  # Outcome: the decision is older than this coordinator remembers: it cannot know
 NOT_OWNER = "NOT_OWNER"  # this KV shard does not own the key
 INTERNAL = "INTERNAL"  # the server failed while handling the request (logged; it goes on serving): ask again
 FORBIDDEN = "FORBIDDEN"  # under CURVE: the client's key lacks the request's right (REQUEST_RIGHTS), or is not registered

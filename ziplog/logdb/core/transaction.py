@@ -63,6 +63,12 @@ class LogDBError(ZiplogError):
     """A coordinator or KV shard answered with an error."""
 
 
+class OutcomeUnknownError(LogDBError):
+    """Whether the transaction committed cannot be known: its decision is older than any
+    coordinator remembers (``FORGOTTEN``). It may have committed: running it again may
+    apply it twice. Not a TransactionAborted."""
+
+
 @dataclass(slots=True)
 class Session:
     """What one client carries between transactions."""
@@ -91,6 +97,8 @@ def _failed(answer: f.Answer) -> None:
     if type(answer) is f.Failed:
         if answer.code == f.FORBIDDEN:
             raise ForbiddenError(f"{answer.code}: {answer.message}")
+        if answer.code == f.FORGOTTEN:
+            raise OutcomeUnknownError(f"{answer.code}: {answer.message}")
         raise LogDBError(f"{answer.code}: {answer.message}")
 
 
@@ -146,19 +154,34 @@ class Transaction:
         self.commit_rid: Rid | None = None
         self.done = False
         self._read_at: int | None = None
+        #: once a commit began: key -> the rid of its write record, as each insert returns
+        self._written: dict[bytes, Rid] | None = None
+        #: the commit record and the rid it goes after, once built: a commit called again
+        #: sends exactly this one
+        self._commit_record: tuple[bytes, Rid] | None = None
 
     def _check_open(self) -> None:
         if self.done:
             raise ZiplogError("the transaction is over")
 
-    def put(self, key: bytes, value: bytes) -> None:
+    @property
+    def committing(self) -> bool:
+        """A commit began and did not end (a failed one may be called again)."""
+        return self._written is not None and not self.done
+
+    def _check_writable(self) -> None:
         self._check_open()
+        if self._written is not None:
+            raise ZiplogError("the transaction is committing: its writes are fixed")
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._check_writable()
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError("a value is bytes")
         self.writes[_check_key(key)] = bytes(value)
 
     def delete(self, key: bytes) -> None:
-        self._check_open()
+        self._check_writable()
         self.writes[_check_key(key)] = None
 
     def get_steps(self, key: bytes) -> Steps:
@@ -168,6 +191,8 @@ class Transaction:
             return self.writes[key]
         if key in self.reads:
             return self.reads[key][1]
+        if self._written is not None:
+            raise ZiplogError("the transaction is committing: its reads are fixed")
         rid, value, position = yield from latest_value(self.session, key)
         if position is None:
             self._abort(f"key {key!r} changed while it was read")
@@ -177,21 +202,40 @@ class Transaction:
         return value
 
     def commit_steps(self) -> Steps:
+        """Commit. Called again after it failed (a ``ZiplogError`` such as a timeout: the
+        outcome unknown), it goes on where it stopped and never commits twice: write
+        records not yet placed are inserted, then the **same** commit record is sent again
+        unless one was placed (a resend of an already decided transaction decides nothing:
+        it names write records the first decision used up), then the outcome is asked."""
         self._check_open()
         if not self.writes:
             yield from self._commit_read_only()
             return
-        rids: dict[bytes, Rid] = {}
+        rids = self._written
+        if rids is None:
+            rids = self._written = {}
         for key, value in self.writes.items():
-            rid = yield Insert(encode(Write(txn=self.txn, key=key, value=value)), NO_RID)
-            rids[key] = (rid[0], rid[1])
-        reads = {k: r for k, (r, _) in self.reads.items()}
-        after = max([*rids.values(), *reads.values()], key=lambda r: r[0])
-        commit = yield Insert(encode(Commit(txn=self.txn, reads=reads, writes=rids)), after)
-        assert commit[0] > after[0], ("InsertAfter placed the commit record before a rid it names", commit, after)
-        self.commit_rid = (commit[0], commit[1])
-        ans = yield Ask(f.Outcome(req=self.session.next_req(), txn=self.txn, commit_gsn=commit[0]))
-        _failed(ans)
+            if key not in rids:
+                # after a failed try its record may be in the log too: unused, it expires
+                rid = yield Insert(encode(Write(txn=self.txn, key=key, value=value)), NO_RID)
+                rids[key] = (rid[0], rid[1])
+        if self.commit_rid is None:
+            if self._commit_record is None:
+                reads = {k: r for k, (r, _) in self.reads.items()}
+                after = max([*rids.values(), *reads.values()], key=lambda r: r[0])
+                self._commit_record = (encode(Commit(txn=self.txn, reads=reads, writes=rids)), after)
+            record, after = self._commit_record
+            commit = yield Insert(record, after)
+            assert commit[0] > after[0], ("InsertAfter placed the commit record before a rid it names", commit,
+                                          after)
+            self.commit_rid = (commit[0], commit[1])
+        commit = self.commit_rid
+        try:
+            ans = yield Ask(f.Outcome(req=self.session.next_req(), txn=self.txn, commit_gsn=commit[0]))
+            _failed(ans)
+        except OutcomeUnknownError:
+            self.done = True  # no coordinator will know more later
+            raise
         assert type(ans) is f.OutcomeIs
         self.session.position = max(self.session.position, commit[0])
         self.done = True

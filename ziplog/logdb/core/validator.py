@@ -20,9 +20,23 @@ Otherwise it aborts, and its writes stay invisible for good. A second commit rec
 a transaction already decided (an application's resend) decides nothing new: it is a
 duplicate of the first decision. Anything that is not a LogDB record is skipped.
 
+A resent commit record never applies its writes twice, however late it comes: it names
+the same write records as the first, and the first decision used them up (a commit
+consumes its writes, an abort drops them), so a second can only fail to commit. What a
+late resend can no longer be told is *how* the first one was decided once that decision
+is forgotten: a commit of a transaction no decision is remembered for, whose writes are
+all older than the remembered decisions, is decided **unknown** (nothing applied; an
+earlier commit record of the transaction may have decided it, committed or not, and
+nobody here can tell). The rule is exact for a resend: every record naming those writes
+comes after the newest of them, so when that one is at or above the forgetting horizon,
+so is every earlier copy, and a transaction not remembered has none (the commit is
+decided as usual).
+
 Every map is bounded: write records and decided transactions are forgotten once
 ``WRITE_TTL_EPOCHS`` old (in epochs of the log, so every replayer forgets the same
-ones at the same point); ``latest`` holds one rid per key ever committed.
+ones at the same point, and decides the same duplicates and unknowns); ``latest`` holds
+one rid per key ever committed. (The coordinator remembers outcomes longer, to answer
+clients: ``CoordinatorCore``.)
 """
 
 from __future__ import annotations
@@ -53,6 +67,9 @@ class Decision:
     writes: tuple[tuple[bytes, Rid, bytes | None], ...] = ()
     #: another commit record of a transaction decided before (at ``gsn``): nothing to apply
     duplicate: bool = False
+    #: not committed, and whether an earlier, forgotten commit record of the transaction
+    #: committed it cannot be known here (its writes are all older than the memory)
+    unknown: bool = False
 
 
 class Validator:
@@ -96,14 +113,23 @@ class Validator:
     def _decide(self, gsn: int, shard: int, c: Commit) -> Decision:
         first = self.decided.get(c.txn)
         if first is not None:
-            return Decision(c.txn, first.gsn, first.shard, first.committed, first.reason, (), duplicate=True)
+            return Decision(c.txn, first.gsn, first.shard, first.committed, first.reason, (), duplicate=True,
+                            unknown=first.unknown)
+        # every commit record naming these writes comes after the newest of them: if even
+        # that one is older than the remembered decisions, an earlier record may be forgotten
+        newest = max(c.writes.values(), default=None)
+        forgotten = newest is not None and epoch_of(newest[0]) < self._pruned_epoch
         reason = self._conflict(gsn, c)
         if reason:
             for rid in c.writes.values():
                 w = self.writes.get(rid)
                 if w is not None and w[0] == c.txn:
                     del self.writes[rid]  # never visible now
-            decision = Decision(c.txn, gsn, shard, False, reason)
+            if forgotten:  # a resend of a forgotten decision, or a commit far too late: no telling which
+                reason = (f"its writes (the newest {newest}) are older than the decisions remembered (epochs "
+                          f"below {self._pruned_epoch} are forgotten): an earlier commit record of this "
+                          "transaction may have decided it")
+            decision = Decision(c.txn, gsn, shard, False, reason, unknown=forgotten)
         else:
             applied = []
             for key, rid in sorted(c.writes.items()):
@@ -132,6 +158,11 @@ class Validator:
                 return f"write-write conflict on key {key!r}: wrote {rid}, {later} committed after it"
         return ""
 
+    @property
+    def horizon_epoch(self) -> int:
+        """Write records and decisions of epochs below this one are forgotten."""
+        return self._pruned_epoch
+
     def _prune(self, gsn: int) -> None:
         horizon = epoch_of(gsn) - self.ttl_epochs
         if horizon <= self._pruned_epoch:
@@ -157,7 +188,7 @@ class Validator:
             "position": self.position,
             "latest": [[k, list(r)] for k, r in self.latest.items()],
             "writes": [[list(r), t, k, v] for r, (t, k, v) in self.writes.items()],
-            "decided": [[d.txn, d.gsn, d.shard, d.committed, d.reason] for d in self.decided.values()],
+            "decided": [[d.txn, d.gsn, d.shard, d.committed, d.reason, d.unknown] for d in self.decided.values()],
             "pruned_epoch": self._pruned_epoch,
             "ttl_epochs": self.ttl_epochs,
         }
@@ -169,6 +200,8 @@ class Validator:
         v.latest = {bytes(k): (int(r[0]), int(r[1])) for k, r in snap["latest"]}
         v.writes = {(int(r[0]), int(r[1])): (int(t), bytes(k), None if val is None else bytes(val))
                     for r, t, k, val in snap["writes"]}
-        v.decided = {int(t): Decision(int(t), int(g), int(s), bool(c), str(why)) for t, g, s, c, why in snap["decided"]}
+        # an entry without the sixth field (unknown) is from a snapshot written before it existed
+        v.decided = {int(e[0]): Decision(int(e[0]), int(e[1]), int(e[2]), bool(e[3]), str(e[4]),
+                                         unknown=len(e) > 5 and bool(e[5])) for e in snap["decided"]}
         v._pruned_epoch = int(snap["pruned_epoch"])
         return v
