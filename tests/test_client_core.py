@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 from typing import Any
 
 import pytest
 
+import ziplog
 from ziplog.cores.client.calls import InsertCall, InsertState, ReadCall, StatusCall
 from ziplog.cores.client.state import AVOID_NS, RETRY_AFTER_NS, ClientState
 from ziplog.protocol import frames as wire
-from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogTimeoutError
+from ziplog.protocol.errors import NoShardAvailableError, UnknownRecordError, ZiplogError, ZiplogTimeoutError
 from ziplog.protocol.topology import TopologyView
 from ziplog.protocol.types import Policy, RecordId
 
@@ -231,6 +233,44 @@ def test_a_full_primary_still_ends_an_insert_at_once() -> None:
     assert isinstance(msg, wire.Insert)
     _refused(call, msg, wire.E_OVERLOADED, topo, S)
     assert call.done and call.error is not None and "OVERLOADED here" in str(call.error)
+
+
+@pytest.mark.parametrize("replicas,final,gsn", [(1, False, 300), (2, False, 300), (2, True, 300), (1, False, 500)])
+def test_a_duplicate_placed_at_or_below_the_rid_fails_the_call_typed(replicas: int, final: bool, gsn: int) -> None:
+    """A Spark task run again under the same identity, on a shard of one replica that
+    lost part of the first run: the row before this one was placed anew (gsn 500), and
+    the replica answers this row's (client id, seq) with the gsn the first run got (300,
+    or the rid itself). A remote answer never trips an assertion: the call fails with a
+    typed error that names the record where it is."""
+    c, topo = _client(Policy.fixed(0)), _topology([0], replicas)
+    call = InsertCall(c, b"data", 500, None, 30 * S)
+    (_, msg), = call.start(0, topo)
+    assert isinstance(msg, wire.Insert) and msg.after == 500
+    for r, addr in enumerate(call.targets):
+        call.on_reply(addr, wire.Ack(req_id=msg.req_id, gsn=gsn, replica=r, stable=0, decided=True, final=final), 1,
+                      topo)
+        if final:
+            break  # a recovery's final answer settles the insert alone
+    assert call.done and call.state is InsertState.DONE and call.wake_at is None
+    error = call.error
+    assert isinstance(error, ziplog.ReusedIdentityError) and isinstance(error, ZiplogError), repr(error)
+    assert (error.client_id, error.seq, error.rid, error.after_gsn) == (c.client_id, msg.seq, RecordId(gsn, 0), 500)
+    assert (f"(client id {c.client_id}, seq {msg.seq}) is already in the log at gsn {gsn} (shard 0), which is not "
+            "above the requested rid 500") in str(error) and "reused identity" in str(error)
+    with pytest.raises(ziplog.ReusedIdentityError):
+        call.result()
+    again = pickle.loads(pickle.dumps(error))  # it crosses process boundaries whole
+    assert type(again) is type(error) and str(again) == str(error) and again.rid == error.rid
+    assert c.stats["fast_path"] == c.stats["slow_path"] == 0  # no insert of this call succeeded
+
+
+def test_an_insert_answered_with_gsn_zero_fails_the_call() -> None:
+    c, topo = _client(Policy.fixed(0)), _topology([0], 1)
+    call = InsertCall(c, b"data", 0, None, 30 * S)
+    (_, msg), = call.start(0, topo)
+    assert isinstance(msg, wire.Insert)
+    call.on_reply(call.targets[0], _ack(msg.req_id, 0, 0, True), 1, topo)
+    assert call.done and isinstance(call.error, ZiplogError) and "names no record" in str(call.error)
 
 
 def _status_ok(req: int, shard: int, replica: int) -> wire.StatusOk:

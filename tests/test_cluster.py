@@ -151,6 +151,24 @@ def test_errors_are_typed(cluster: ziplog.LocalCluster) -> None:
         assert isinstance(ziplog.TrimmedError("x"), ziplog.ZiplogError)
 
 
+def test_an_identity_reused_after_another_rid_fails_typed_and_the_client_goes_on(cluster: ziplog.LocalCluster) -> None:
+    """A client that reuses an earlier client's id (a Spark task run again) sends seq 1
+    after a later rid: the replicas answer the duplicate with the gsn it already has,
+    below that rid. The insert fails with a typed error naming the record; the client
+    stays usable."""
+    pinned = Policy.fixed(0)
+    with cluster.client(client_id=4242, policy=pinned) as first:
+        a = first.insert_after(b"reused-1")
+    with cluster.client(policy=pinned) as other:
+        b = other.insert_after(b"reused-other", a)
+    with cluster.client(client_id=4242, policy=pinned) as again:
+        with pytest.raises(ziplog.ReusedIdentityError) as err:
+            again.insert_after(b"reused-1", b)
+        assert (err.value.rid, err.value.after_gsn, err.value.seq) == (a, b.gsn, 1)
+        assert again.insert_after(b"reused-2", b) > b
+        assert again.read_record(a) == b"reused-1"
+
+
 def test_slow_subscriber_memory_is_bounded(cluster: ziplog.LocalCluster) -> None:
     """Flow control: a subscriber that does not read holds at most its byte credit per
     shard, however much is written."""

@@ -5,7 +5,9 @@ restart of the same checkpoint; an idle log that plans no batch; failOnDataLoss 
 ways, for a batch start and for a checkpoint trimmed past; the sink writing each row
 once when a write runs again, and when a streaming sink fails at commit and restarts;
 key-routed rows; a task whose planned replica is gone; processingTime under a live
-writer with a replica SIGKILLed; workers that import the installed pyspark."""
+writer with a replica SIGKILLed; workers that import the installed pyspark. Without
+Spark or a cluster: the sink refusing a shard of one replica unless allowed, and the
+failure of a re-run that finds a row below the row before it."""
 
 from __future__ import annotations
 
@@ -519,3 +521,91 @@ def test_reader_and_sink_with_a_client_key_on_a_curve_cluster(spark: SparkSessio
         assert sorted(d for _, _, d in got) == sorted(r[0] for r in rows)
         with pytest.raises(Exception, match="refused the connection|UnauthenticatedError"):
             spark.read.format("ziplog").option("zk", secure.zk_hosts).load().collect()
+
+
+class _SinkClient:
+    """What the sink asks of a ``Client``, with no cluster behind it: a topology whose
+    shards have ``replicas`` each, and inserts that answer from ``answers``."""
+
+    def __init__(self, replicas: dict[int, int], answers: list[Any]) -> None:
+        from ziplog.protocol.topology import TopologyView
+        self.topology = TopologyView()
+        self.topology.replica_counts = dict(replicas)
+        self.answers = list(answers)
+        self.inserted: list[tuple[bytes, RecordId]] = []
+
+    def __enter__(self) -> "_SinkClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def set_policy(self, policy: Any) -> None:
+        pass
+
+    def insert_after(self, data: bytes, after: RecordId) -> RecordId:
+        self.inserted.append((data, after))
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        assert isinstance(answer, RecordId)
+        return answer
+
+    def insert_many(self, records: list[bytes]) -> list[RecordId]:
+        return [RecordId(i + 1, 0) for i in range(len(records))]
+
+
+def _arrow_rows(n: int) -> Iterator[Any]:
+    import pyarrow as pa
+    yield pa.record_batch([pa.array([b"row-%d" % i for i in range(n)], pa.binary())], names=["data"])
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_the_sink_refuses_a_shard_of_one_replica_unless_told_to_allow_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          ordered: bool) -> None:
+    """A re-run of a task is exactly once only when each shard keeps what it acknowledged
+    (two replicas or more): a task checks the topology's replicas per shard before it
+    writes a row, and writes to a shard of one replica only with allowSingleReplica."""
+    import ziplog.client.blocking
+    from ziplog.spark.options import OptionError, WriteOptions
+    from ziplog.spark.sink import SingleReplicaError, check_replicas, write_batches
+    assert WriteOptions.parse({"zk": "h"}).allow_single_replica is False
+    assert WriteOptions.parse({"zk": "h", "allowsinglereplica": "true"}).allow_single_replica is True
+    with pytest.raises(OptionError, match="allowSingleReplica"):
+        WriteOptions.parse({"zk": "h", "allowSingleReplica": "maybe"})
+    check_replicas({0: 2, 1: 3}, [0, 1], allow_single=False)
+    check_replicas({0: 2, 1: 1}, [0, 1], allow_single=True)
+    with pytest.raises(SingleReplicaError, match=r"2 replicas or more per shard \(shard 1 has 1\).*allowSingleReplica"):
+        check_replicas({0: 2, 1: 1}, [0, 1], allow_single=False)
+
+    clients: list[_SinkClient] = []
+
+    def connect(*args: Any, **kw: Any) -> _SinkClient:
+        clients.append(_SinkClient({0: 1}, [RecordId(10 + i, 0) for i in range(3)]))
+        return clients[-1]
+    monkeypatch.setattr(ziplog.client.blocking, "Client", connect)
+    refused = WriteOptions(zk="h", write_id="one-replica", ordered=ordered)
+    with pytest.raises(SingleReplicaError) as err:
+        write_batches(refused, _arrow_rows(3))
+    assert "shard 0 has 1" in str(err.value) and err.value.replicas == {0: 1}
+    assert clients[-1].inserted == []  # refused before any row
+    allowed = WriteOptions(zk="h", write_id="one-replica", ordered=ordered, allow_single_replica=True)
+    assert write_batches(allowed, _arrow_rows(3)).records == 3
+
+
+def test_a_rerun_that_finds_a_row_below_the_row_before_it_fails_with_a_clear_message() -> None:
+    """A task run again under the same identity on a shard that lost part of its first
+    run: row 1 was lost and is placed anew (gsn 500), row 2 survived at gsn 300. The
+    client's typed error becomes a task failure that says what happened and why."""
+    from ziplog.spark.sink import RerunConflictError, write_ordered
+    lost = ziplog.ReusedIdentityError(77, 2, RecordId(300, 0), 500)
+    client = _SinkClient({0: 1}, [RecordId(500, 0), lost])
+    rows = iter([(b"a", None), (b"b", None), (b"c", None)])
+    with pytest.raises(RerunConflictError) as err:
+        write_ordered(client, rows, lambda key: 0, "write w/partition 0")
+    text = str(err.value)
+    assert ("task 'write w/partition 0' cannot run again in order: its row 2 is already in the log at gsn 300 "
+            "(shard 0), not above the gsn 500 of the row before it") in text
+    assert "every retry" in text and "reused identity" in text  # the client's own words follow
+    assert "allowSingleReplica" in text and err.value.__cause__ is lost
+    assert client.inserted == [(b"a", RID_GENESIS), (b"b", RecordId(500, 0))]

@@ -21,6 +21,7 @@ from ziplog.protocol.errors import (  # noqa: E402
     NoShardAvailableError,
     NotFoundError,
     RecordTooLargeError,
+    ReusedIdentityError,
     ServerError,
     TrimmedError,
     UnauthenticatedError,
@@ -58,5 +59,5 @@ __all__ = [
     "local_cluster", "LocalCluster", "local_logdb", "LocalLogDB", "local_logbook", "LocalLogBook",
     "ZiplogError", "TrimmedError", "NotFoundError", "RecordTooLargeError",
     "UnknownRecordError", "ZiplogTimeoutError", "NoShardAvailableError", "ClientClosedError", "ServerError", "DiskFullError",
-    "LogFullError", "ForbiddenError", "UnauthenticatedError",
+    "LogFullError", "ForbiddenError", "UnauthenticatedError", "ReusedIdentityError",
 ]

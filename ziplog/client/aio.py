@@ -173,7 +173,10 @@ class AsyncClient(ClientBase):
     # -- the calls --------------------------------------------------------------------------------
     async def insert_after(self, data: bytes, after: RecordId = RID_GENESIS, *, key: bytes | None = None) -> RecordId:
         """Insert ``data`` somewhere after record ``after``; returns its record id, whose
-        gsn is greater than ``after.gsn``."""
+        gsn is greater than ``after.gsn``. Raises ``ReusedIdentityError`` (the record is
+        already in the log, at its ``rid``) if a replica answers a gsn not above it: this
+        client's id was used before, and this record's sequence number placed after
+        another rid."""
         driver = self._live_driver()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError("data must be bytes")

@@ -138,7 +138,10 @@ class Client(ClientBase):
     # -- the calls --------------------------------------------------------------------------------
     def insert_after(self, data: bytes, after: RecordId = RID_GENESIS, *, key: bytes | None = None) -> RecordId:
         """Insert ``data`` somewhere after record ``after``; returns its record id, whose
-        gsn is greater than ``after.gsn``."""
+        gsn is greater than ``after.gsn``. Raises ``ReusedIdentityError`` (the record is
+        already in the log, at its ``rid``) if a replica answers a gsn not above it: this
+        client's id was used before, and this record's sequence number placed after
+        another rid."""
         self._check_open()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError("data must be bytes")

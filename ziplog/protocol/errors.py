@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ziplog.protocol import frames as wire
+from ziplog.protocol.types import RecordId
 
 
 class ZiplogError(Exception):
@@ -42,6 +43,27 @@ class LogFullError(ZiplogError):
 
 class NoShardAvailableError(ZiplogError):
     """No live shard accepts inserts (or the policy names one that does not)."""
+
+
+class ReusedIdentityError(ZiplogError):
+    """An InsertAfter's ``(client_id, seq)`` is already in the log at a gsn not above the
+    rid it was sent after: the same identity was inserted before after another rid (a
+    retry, or a re-run of a job, that reused the identity), and a replica answered the
+    duplicate with the gsn it gave then. The record is in the log once, at ``rid``; it is
+    not placed again. ``after_gsn`` is the gsn the call asked to follow."""
+
+    def __init__(self, client_id: int, seq: int, rid: RecordId, after_gsn: int) -> None:
+        super().__init__(
+            f"the record (client id {client_id}, seq {seq}) is already in the log at gsn {rid.gsn} "
+            f"(shard {rid.shard}), which is not above the requested rid {after_gsn}: the same identity was "
+            f"inserted before with a different after (a retry with a reused identity)")
+        self.client_id = client_id
+        self.seq = seq
+        self.rid = rid
+        self.after_gsn = after_gsn
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, RecordId, int]]:
+        return type(self), (self.client_id, self.seq, self.rid, self.after_gsn)
 
 
 class ClientClosedError(ZiplogError):

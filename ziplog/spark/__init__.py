@@ -24,10 +24,11 @@ from pyspark.sql.types import StructType
 
 from ziplog.spark.options import ReadOptions, WriteOptions
 from ziplog.spark.quiet import QueryStopped, foreach_batch
-from ziplog.spark.sink import ZiplogStreamWriter, ZiplogWriter
+from ziplog.spark.sink import RerunConflictError, SingleReplicaError, ZiplogStreamWriter, ZiplogWriter
 from ziplog.spark.source import SCHEMA, ZiplogBatchReader, ZiplogStreamReader
 
-__all__ = ["register", "local_session", "foreach_batch", "QueryStopped", "ZiplogDataSource", "SCHEMA", "SHORT_LIVED"]
+__all__ = ["register", "local_session", "foreach_batch", "QueryStopped", "ZiplogDataSource", "SCHEMA", "SHORT_LIVED",
+           "SingleReplicaError", "RerunConflictError"]
 
 #: settings for a session that lives a few seconds (a demo, a test): the JVM's client
 #: compiler only and its serial collector start Spark sooner on less CPU (a Spark start

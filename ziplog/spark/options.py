@@ -132,6 +132,9 @@ class WriteOptions:
     ordered: bool = True
     #: option keyFile (rights: append, read); None: $ZIPLOG_CLIENT_KEY_FILE
     key_file: str | None = None
+    #: option allowSingleReplica: write to a cluster with a shard of one replica, where a
+    #: task that runs again is not exactly once (refused by default: ``sink.SingleReplicaError``)
+    allow_single_replica: bool = False
 
     @staticmethod
     def parse(options: Mapping[str, Any]) -> "WriteOptions":
@@ -139,4 +142,5 @@ class WriteOptions:
         if not zk:
             raise OptionError(f"option zk (ZooKeeper hosts) is required, or set ${ENV_ZK}")
         return WriteOptions(zk=zk, write_id=_get(options, "writeId"), ordered=_bool(options, "ordered", True),
-                            key_file=_get(options, "keyFile"))
+                            key_file=_get(options, "keyFile"),
+                            allow_single_replica=_bool(options, "allowSingleReplica", False))

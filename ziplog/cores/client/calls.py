@@ -18,6 +18,7 @@ from ziplog.cores.client.waits import EachReplica, InsertWait, ReadWait, Redirec
 from ziplog.protocol import frames as wire
 from ziplog.protocol.errors import (
     NoShardAvailableError,
+    ReusedIdentityError,
     UnknownRecordError,
     ZiplogError,
     ZiplogTimeoutError,
@@ -226,9 +227,20 @@ class InsertCall(Call):
             return []
         self.state = InsertState.DONE
         gsn = wait.decided
-        assert gsn is not None and gsn > self.after, ("InsertAfter returned a gsn not above the rid", gsn, self.after)
-        self.client.stats["fast_path" if wait.fast else "slow_path"] += 1
+        assert gsn is not None, "a settled insert has a decision"
         self.client.learn_stable(self.shard, wait.stable)
+        if gsn <= self.after:
+            # The replicas' answer, not this call's placement: a primary places a record
+            # only above its rid, so this is a duplicate of (client id, seq), placed
+            # before after another rid (a retry or a re-run that reused the identity).
+            # Input never reaches an assertion: the call fails, typed, and the record
+            # stays where it is, once.
+            if gsn <= 0:
+                return self.fail(ZiplogError(f"shard {self.shard} answered an insert with gsn {gsn}, "
+                                             f"which names no record"))
+            return self.fail(ReusedIdentityError(self.client.client_id, self.seq, RecordId(gsn, self.shard),
+                                                 self.after))
+        self.client.stats["fast_path" if wait.fast else "slow_path"] += 1
         return self._finish(RecordId(gsn, self.shard))
 
     def on_timer(self, now: int, topo: TopologyView) -> Sends:
