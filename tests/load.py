@@ -162,7 +162,7 @@ def _longest_gap(times: list[float], start: float, end: float) -> float:
 
 def recovery_record(cluster: ziplog.LocalCluster, shard: int) -> dict[str, Any] | None:
     from ziplog.io.zk_recovery import read_record
-    return read_record(cluster._zkc, shard)[0]
+    return read_record(cluster._zkc, cluster.key, shard)[0]
 
 
 def next_recovery_gen(cluster: ziplog.LocalCluster, shard: int) -> int:

@@ -158,12 +158,34 @@ def test_recovery_record_is_chunked_when_large(cluster: ziplog.LocalCluster) -> 
     shard = 990  # a shard id no replica uses
     zk.create(f"{layout.SHARDS}/{shard}", layout.enc({"replicas": 0}), makepath=True)
     big = {"gen": 3, "phase": "acquired", "records": [[i, 1, i, bytes(4096)] for i in range(400)]}
-    v = write_record(zk, shard, big, True, -1)
+    v = write_record(zk, cluster.key, shard, big, True, -1)
     assert len(zk.get_children(f"{layout.RECOVERY}/{shard}")) >= 1600_000 // CHUNK_BYTES
-    assert read_record(zk, shard) == (big, v)
+    assert read_record(zk, cluster.key, shard) == (big, v)
     assert layout.dec(zk.get(f"{layout.SHARDS}/{shard}")[0])["recovering"] == 3
     small = {"gen": 3, "phase": "done"}
-    v = write_record(zk, shard, small, False, v)
-    assert read_record(zk, shard) == (small, v)
+    v = write_record(zk, cluster.key, shard, small, False, v)
+    assert read_record(zk, cluster.key, shard) == (small, v)
     assert zk.get_children(f"{layout.RECOVERY}/{shard}") == []  # old chunks gone
     assert "recovering" not in layout.dec(zk.get(f"{layout.SHARDS}/{shard}")[0])
+
+
+def test_no_node_is_writable_by_anyone_but_members(cluster: ziplog.LocalCluster) -> None:
+    """After the recoveries above: every node of the cluster's ZooKeeper (its root,
+    ZooKeeper's own nodes, every node a process or the failure handler made) takes
+    writes and new children from members only, and the recovery records and the client
+    key registry are not even read by anyone else."""
+    from kazoo.exceptions import NoAuthError
+
+    from tests.zookeeper import open_nodes
+    from ziplog.io import zk as discovery
+
+    assert open_nodes(cluster._zkc, cluster.key.zk_digest_id) == []
+    outsider = discovery.connect(cluster.zk_hosts)
+    try:
+        with pytest.raises(NoAuthError):
+            outsider.create("/junk", b"")
+        for shard in [None] + cluster._zkc.get_children(layout.RECOVERY):
+            with pytest.raises(NoAuthError):
+                outsider.get(layout.RECOVERY if shard is None else f"{layout.RECOVERY}/{shard}")
+    finally:
+        discovery.stop(outsider)

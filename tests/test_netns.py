@@ -115,7 +115,7 @@ def test_no_record_crosses_the_bridge_in_clear(bed: netns.NetnsBed, cluster: zip
         # path to one crosses the bridge: a new session each time, until the capture (written
         # packet by packet) holds the write, 20 at most
         for attempt in range(20):
-            session = zk.connect(cluster.zk_hosts)
+            session = zk.connect(cluster.zk_hosts, key=cluster.key)  # a member: anyone else may not create
             try:
                 session.create(f"/capture-control-{os.getpid()}-{attempt}", control, ephemeral=True)
             finally:

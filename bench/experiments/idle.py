@@ -1,8 +1,8 @@
 """Experiment ``idle``: what an idle cluster costs. A ``local_cluster()`` (2 shards x 2
 replicas, 3 MMS and 3 failure handler replicas, and its 3-node ZooKeeper) with no client
 at all, then with one subscriber following the log, measured from /proc as CPU (in % of
-one core) per kind of process, and ZooKeeper's writes per second (from its ``mntr``), in
-two settings, each on a fresh cluster, in one run:
+one core) per kind of process, and ZooKeeper's writes per second (from the zxid its
+``srvr`` reports), in two settings, each on a fresh cluster, in one run:
 
 * **shipped**: slots pass on NOTICEs and at the epoch's close; an idle cluster's epochs
   lengthen up to 200 ms;
@@ -15,6 +15,7 @@ two settings, each on a fresh cluster, in one run:
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,17 @@ def _epoch(cluster: Any) -> int:
 
 
 def _zk_writes(cluster: Any) -> int:
-    """Writes the ensemble's leader counted so far (every node logs each of them)."""
+    """The transactions the ensemble's leader committed in its term so far: the counter
+    of the zxid ``srvr`` reports (its low 32 bits; every write, every session opened or
+    closed takes one; a new leader starts again from 0, which an idle cluster does not
+    see). ``srvr`` and ``ruok`` are the only four-letter words the ensemble answers."""
     from ziplog.tools.zk_ensemble import four_letter_word
     leader = cluster.zk.leader()
     if leader is None:
         return 0
     host, port = cluster.zk.node_hosts(leader).rsplit(":", 1)
-    reply = four_letter_word(host, int(port), "mntr") or ""
-    stats = dict(line.split("\t", 1) for line in reply.splitlines() if "\t" in line)
-    return sum(int(float(v)) for k, v in stats.items() if k.startswith("zk_cnt_") and k.endswith("_write_per_namespace"))
+    m = re.search(r"^Zxid:\s*0x([0-9a-fA-F]+)", four_letter_word(host, int(port), "srvr") or "", re.M)
+    return int(m.group(1), 16) & 0xFFFFFFFF if m else 0
 
 
 def _measure(cluster: Any, seconds: float) -> dict[str, float]:

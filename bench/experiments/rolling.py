@@ -38,7 +38,7 @@ def _recovery_generations(cluster: Any) -> dict[int, int]:
 
     out = {}
     for shard in cluster.shard_ids:
-        rec = read_record(cluster._zkc, shard)[0]
+        rec = read_record(cluster._zkc, cluster.key, shard)[0]
         out[shard] = int(rec["gen"]) if rec else -1
     return out
 

@@ -13,9 +13,9 @@ import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, KazooException, NoAuthError, NodeExistsError, NoNodeError
 from kazoo.protocol.states import KazooState
-from kazoo.security import ACL, make_acl
+from kazoo.security import ACL, Permissions, make_acl
 
 from ziplog.io.election import Election
 from ziplog.io.ports import CoordinationUnavailable
@@ -41,9 +41,62 @@ def cluster_acl(key: ClusterKey) -> list[ACL]:
     return [make_acl("world", "anyone", read=True), make_acl("digest", key.zk_digest_id, all=True)]
 
 
+def members_acl(key: ClusterKey) -> list[ACL]:
+    """What a members-only node carries (the client key registry, the recovery records):
+    the cluster's digest alone, READ included."""
+    return [make_acl("digest", key.zk_digest_id, all=True)]
+
+
+#: The nodes a new ensemble lets anyone create children under (world:anyone ALL): its
+#: root, and its own ``/zookeeper`` and ``/zookeeper/quota`` (absent in a chroot).
+ROOT_NODES = ("/", "/zookeeper", "/zookeeper/quota")
+
+
+def _locked(acl: list[ACL], key: ClusterKey) -> list[ACL] | None:
+    """``acl`` with world:anyone cut down to READ and the cluster's digest given ALL, any
+    other entry kept (an operator's); None when anyone may do no more than read already."""
+    world = [a for a in acl if a.id.scheme == "world" and a.id.id == "anyone"]
+    if all(a.perms & ~Permissions.READ == 0 for a in world):
+        return None
+    out = [make_acl("world", "anyone", read=True)] + [a for a in acl if a not in world]
+    if not any(a.id.scheme == "digest" and a.id.id == key.zk_digest_id for a in out):
+        out.append(make_acl("digest", key.zk_digest_id, all=True))
+    return out
+
+
+def lock_root(zk: KazooClient, key: ClusterKey) -> None:
+    """Let only members create or delete nodes at the root of the cluster's ZooKeeper
+    (``/`` of its sessions: the chroot node when the connection string names one) and
+    under ZooKeeper's own ``/zookeeper`` and ``/zookeeper/quota``, which an ensemble
+    leaves open to anyone too (a disk and memory denial of service); anyone still reads
+    them. Every member session does it when it connects, before it creates anything:
+    the first one of a new cluster locks the root. Idempotent: a node that lets anyone
+    read only is left as it is, whatever else its ACL says."""
+    for path in ROOT_NODES:
+        for _attempt in range(10):
+            try:
+                acl, stat = zk.retry(zk.get_acls, path)
+            except NoNodeError:
+                break  # ZooKeeper's own nodes are not in a chroot's namespace
+            locked = _locked(acl, key)
+            if locked is None:
+                break
+            try:
+                zk.retry(zk.set_acls, path, locked, version=stat.aversion)
+            except BadVersionError:
+                continue  # another member changed it meanwhile: look again
+            except NoAuthError:
+                log.error("ZooKeeper's %s lets anyone create nodes under it, and this cluster may not change its "
+                          "ACL: set it by hand to world:anyone READ and the cluster's digest ALL", path)
+                break
+            log.info("ZooKeeper's %s now takes new nodes from the cluster's members only", path)
+            break
+
+
 def connect(hosts: str, timeout: float = 30.0, key: ClusterKey | None = None) -> KazooClient:
-    """A started session; with the cluster's ``key``, authenticated as a member, and every
-    node it creates writable by members only (a client connects without one, and reads)."""
+    """A started session; with the cluster's ``key``, authenticated as a member, every
+    node it creates writable by members only, and the root locked (:func:`lock_root`)
+    before it returns (a client connects without one, and reads)."""
     # Reconnect forever, but give up on a single command after a few tries: an endless
     # command retry inside a watch callback can block kazoo's shutdown for good.
     member: dict[str, Any] = {} if key is None else {"auth_data": [key.zk_auth], "default_acl": cluster_acl(key)}
@@ -65,6 +118,12 @@ def connect(hosts: str, timeout: float = 30.0, key: ClusterKey | None = None) ->
                 atexit.unregister(_exit_hooks.pop(hook_id))
         _exit_hooks[id(zk)] = hook
     atexit.register(hook)
+    if key is not None:
+        try:
+            lock_root(zk, key)
+        except BaseException:
+            stop(zk)
+            raise
     return zk
 
 
@@ -218,6 +277,7 @@ class Topology(TopologyView):
         owners: dict[int, int] = {}
         pids: dict[int, int] = {}
         reads: dict[int, int] = {}
+        incs: dict[int, int] = {}
         clock: dict[int, int] = {}
         for k in kids:
             got = self._read_owned(f"{SHARDS}/{shard}/{k}")
@@ -232,6 +292,8 @@ class Topology(TopologyView):
                     pids[int(k)] = info["pid"]
                 if type(info.get("reads")) is int:
                     reads[int(k)] = info["reads"]
+                if type(info.get("inc")) is int:
+                    incs[int(k)] = info["inc"]
                 if type(info.get("clock")) is int:
                     clock[int(k)] = info["clock"]
         reps = dict(self.replicas)
@@ -242,12 +304,15 @@ class Topology(TopologyView):
         by_pid[shard] = pids
         by_reads = dict(self.replica_reads)
         by_reads[shard] = reads
+        by_inc = dict(self.replica_incs)
+        by_inc[shard] = incs
         by_clock = dict(self.replica_clock)
         by_clock[shard] = clock
         self.replicas = reps
         self.replica_owners = owned
         self.replica_pids = by_pid
         self.replica_reads = by_reads
+        self.replica_incs = by_inc
         self.replica_clock = by_clock
         self.changed()
 
@@ -376,13 +441,14 @@ class StorageCoordination(Session):
     """A storage replica's ZooKeeper: its registration, the topology it watches, and
     fresh reads of the membership history (the ``StorageCoordination`` port)."""
 
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0,
+                         inc: int = 0) -> None:
         shard_path = f"{SHARDS}/{shard}"
         try:
             self.zk.create(shard_path, enc({"replicas": replicas}), makepath=True)
         except NodeExistsError:
             pass
-        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr, "reads": READS, "clock": clock})
+        self.keep_registered(f"{shard_path}/{replica}", {"addr": addr, "reads": READS, "clock": clock, "inc": inc})
 
     def registered_pid(self, shard: int, replica: int) -> int | None:
         """The pid in the replica's registration (None: not registered, or no pid)."""

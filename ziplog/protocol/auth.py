@@ -1,6 +1,6 @@
 """Cluster membership as a credential (pure): one secret, shared by every cluster process
 (storage replicas, membership service, failure handler, operators' tools), from which
-three keys are derived:
+four keys are derived:
 
 * the **frame key**: frames that carry authority (a peer's HELLO and PREFIX, the failure
   handler's PROBE, ACQUIRED, FETCH, INSTALL and RESUME, a replica's SUSPECT and RATE)
@@ -10,10 +10,15 @@ three keys are derived:
 * the **ZooKeeper digest**: the cluster's sessions authenticate with it, and every node
   they create is readable by anyone and writable only by that digest, so a client (which
   has no secret) reads the topology and cannot rewrite membership, registrations or
-  recovery records;
+  recovery records (the client key registry and the recovery records are not even
+  readable but by that digest; the root takes new nodes only from it);
 * the **CURVE server key pair** (:meth:`ClusterKey.curve_server`), which every cluster
   process serves and connects with when its connections speak CURVE
-  (:mod:`ziplog.protocol.keys`).
+  (:mod:`ziplog.protocol.keys`);
+* the **recovery key**: the record bytes of a failure recovery's acquired state are
+  sealed under it (XSalsa20-Poly1305) before they are written to ZooKeeper
+  (:mod:`ziplog.io.zk_recovery`), so they are never there in clear, and a record that
+  was altered, or sealed by another cluster, does not open.
 
 Why a MAC per authority frame besides CURVE: CURVE says which key opened a connection,
 not that a frame carries a member's authority on every path (NULL clusters, libzmq
@@ -46,13 +51,15 @@ MIN_SECRET_BYTES = 16
 class ClusterKey:
     """The keys derived from a cluster's secret."""
 
-    __slots__ = ("frame_key", "zk_password", "_curve_secret")
+    __slots__ = ("frame_key", "zk_password", "recovery_key", "_curve_secret")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"a cluster secret needs at least {MIN_SECRET_BYTES} bytes")
         self.frame_key = hashlib.sha256(b"ziplog frame key\0" + secret).digest()
         self.zk_password = hashlib.sha256(b"ziplog zookeeper digest\0" + secret).hexdigest()
+        #: the 32-byte SecretBox key that seals a recovery's acquired records in ZooKeeper
+        self.recovery_key = hashlib.sha256(b"ziplog recovery key\0" + secret).digest()
         self._curve_secret = hashlib.sha256(b"ziplog curve server key\0" + secret).digest()
 
     def curve_server(self) -> KeyPair:

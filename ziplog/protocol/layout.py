@@ -7,6 +7,8 @@
     /ziplog/mms/replicas/<id>         ephemeral {pub, pull} addresses of an MMS replica
     /ziplog/shards/<shard>            {replicas: n[, removed: true][, recovering: gen]}  (persistent)
     /ziplog/recovery/<shard>          the failure handler's durable record {gen, phase, ...}
+                                      (members only, read included; its record bytes
+                                      sealed: io.zk_recovery)
     /ziplog/recovery/<shard>/<chunk>  its chunks when it is large (named in the record)
     /ziplog/fh/election[-<group>]     failure handler leader election (per group)
     /ziplog/fh/replicas/<group>-<id>  ephemeral {pull} address of a failure handler replica
