@@ -123,8 +123,13 @@ def test_revocation_ends_a_running_subscription(cluster: LocalCluster, seeded: R
 
 
 def _wait_applied(cluster: LocalCluster, version: int) -> None:
-    from ziplog.tools.cli_clients import _wait_applied as wait
-    assert wait(cluster.zk_hosts, cluster.key, version, TIMEOUT) == []
+    """Until every storage process confirmed registry ``version`` (``ziplog client remove``'s wait)."""
+    import time
+
+    from ziplog.io.zk_clients import ClientRegistry
+    from ziplog.tools.cli_clients import vouch_removal
+    vouched = vouch_removal(ClientRegistry(cluster._zkc, cluster.key), version, time.monotonic(), TIMEOUT)
+    assert vouched.confirmed and not vouched.lapsed and not vouched.unknown, vouched
 
 
 def test_refusals_are_counted(cluster: LocalCluster, seeded: RecordId) -> None:

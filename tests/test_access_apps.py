@@ -160,7 +160,7 @@ def test_a_server_confirms_the_latest_registry_version_and_again_on_a_new_sessio
     class Registry:
         fail = True
 
-        def confirm_loaded(self, server: str, version: int) -> None:
+        def confirm_loaded(self, server: str, version: int, lease_ms: int | None = None) -> None:
             if self.fail:  # ZooKeeper away once: tried again
                 self.fail = False
                 raise ConnectionError("no session")

@@ -179,6 +179,8 @@ class ClientDriver:
         self._on_message(addr, msg)
 
     def _on_message(self, addr: str, msg: wire.Reply) -> None:
+        if type(msg) is wire.Error and msg.code == wire.E_REGISTRY_LAPSED:
+            return  # that server cannot judge our key now: as if it had not answered (asked again, or another)
         req = msg.req_id
         call = None if req is None else self.pending.get(req)
         if call is None or call.done:
@@ -351,6 +353,10 @@ class SubscriptionDriver:
         try:
             msg = wire.decode_reply(frame)
         except wire.ProtocolError:
+            return
+        if type(msg) is wire.Error and msg.code == wire.E_REGISTRY_LAPSED:
+            # That replica cannot judge our key now and ended the subscription there: it
+            # falls silent, and the subscription moves on (or subscribes there again).
             return
         try:
             effects = self.core.on_frame(shard, msg, self.driver.topology)

@@ -5,16 +5,17 @@ nothing of the others' keys). One node, so a change is one versioned write and a
 replica's table is always one whole registry (its ZooKeeper version numbers it); the
 servers watch it, and ``ziplog client add/remove`` compare-and-set it.
 
-Each app server (LogDB's coordinators and KV shards, LogBook's index nodes and
-aggregators) says which version its table holds in an ephemeral node of its own under
-``/ziplog/clients-loaded`` (same ACL), so that ``ziplog client remove`` can wait for
-them as it waits for the storage replicas' STATUS.
+Each server that judges client keys (a storage process; LogDB's coordinators and KV
+shards, LogBook's index nodes and aggregators) says which version its table holds, and
+how long its registry lease is, in an ephemeral node of its own under
+``/ziplog/clients-loaded`` (same ACL), so that ``ziplog client remove`` can wait for each
+to confirm a removal, or for its lease to run out.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoAuthError, NodeExistsError, NoNodeError
@@ -22,7 +23,7 @@ from kazoo.security import make_acl
 
 from ziplog.protocol.auth import ClusterKey
 from ziplog.protocol.keys import KEY_BYTES, ClientEntry, Right
-from ziplog.protocol.layout import CLIENTS, CLIENTS_LOADED, dec, enc
+from ziplog.protocol.layout import CLIENTS, CLIENTS_LOADED, ROOT, dec, enc
 
 log = logging.getLogger("ziplog.zk")
 
@@ -35,6 +36,20 @@ OnRegistry = Callable[[list[ClientEntry], int], None]
 class RegistryError(ValueError):
     """A registry change that cannot be made (a name or key taken, a name unknown), or a
     session that may not see the registry (not a member's)."""
+
+
+class LeaseEvidenceError(Exception):
+    """A registry check that cannot renew a lease: the server's own node is not this
+    session's (:meth:`ClientRegistry.current`)."""
+
+
+class Loaded(NamedTuple):
+    """What a server says in its node under ``/ziplog/clients-loaded``."""
+
+    #: the registry version its table holds (-1: it did not say)
+    version: int
+    #: its registry lease, in milliseconds (None: it keeps none)
+    lease_ms: int | None
 
 
 _NOT_MEMBER = "ZooKeeper refused: this session is not a member's (the cluster key is not this cluster's)"
@@ -74,6 +89,9 @@ class ClientRegistry:
     def _ensure(self) -> None:
         try:
             if self.zk.exists(CLIENTS) is None:
+                # the parent first, with the session's ACL: ``makepath`` would make it
+                # members-only too, and then no client could read the layout
+                self.zk.ensure_path(ROOT)
                 self.zk.create(CLIENTS, enc({}), acl=self.acl, makepath=True)
         except NodeExistsError:
             pass
@@ -149,16 +167,36 @@ class ClientRegistry:
 
         self.zk.add_listener(on_state)
 
-    def confirm_loaded(self, server: str, version: int) -> None:
+    def on_lost(self, call: Callable[[], None]) -> None:
+        """Call ``call`` (on kazoo's thread: it must not block) when the session expires:
+        its ephemeral nodes are gone."""
+        from kazoo.client import KazooState
+
+        def on_state(state: Any) -> None:
+            if state == KazooState.LOST:
+                call()
+
+        self.zk.add_listener(on_state)
+
+    def serving(self) -> bool:
+        """The session has not been stopped (a stopped one answers nothing again)."""
+        return bool(self.zk.handler.running)
+
+    def confirm_loaded(self, server: str, version: int, lease_ms: int | None = None) -> None:
         """Say, in ``server``'s ephemeral node (gone with its session), that its table
-        holds registry ``version``."""
+        holds registry ``version``, and how long its registry lease is (``lease_ms``:
+        :class:`~ziplog.protocol.access.RegistryLease`; None: it keeps none)."""
         if not server or "/" in server:
             raise ValueError(f"a server's name has no '/': {server!r}")
-        path, data = f"{CLIENTS_LOADED}/{server}", enc({"version": version})
+        doc: dict[str, int] = {"version": version}
+        if lease_ms is not None:
+            doc["lease_ms"] = lease_ms
+        path, data = f"{CLIENTS_LOADED}/{server}", enc(doc)
         try:
             try:
                 self.zk.set(path, data)
             except NoNodeError:
+                self.zk.ensure_path(ROOT)  # as in _ensure
                 try:
                     self.zk.create(path, data, acl=self.acl, ephemeral=True, makepath=True)
                 except NodeExistsError:
@@ -166,24 +204,63 @@ class ClientRegistry:
         except NoAuthError:
             raise RegistryError(_NOT_MEMBER) from None
 
-    def loaded(self) -> dict[str, int]:
-        """The registry version each app server's table holds, as it last said (a server
-        whose node is gone, or unreadable, is not there)."""
+    def loaded(self) -> dict[str, Loaded]:
+        """What each server that judges client keys last said of its table: the registry
+        version it holds and its lease. A server whose node is gone since it was listed
+        is not there (its session ended); one whose node does not say is there, at
+        version -1 without a lease (nothing can be vouched for it)."""
         try:
             names = self.zk.get_children(CLIENTS_LOADED)
         except NoNodeError:
             return {}
         except NoAuthError:
             raise RegistryError(_NOT_MEMBER) from None
-        out: dict[str, int] = {}
+        out: dict[str, Loaded] = {}
         for name in names:
             try:
-                doc = dec(self.zk.get(f"{CLIENTS_LOADED}/{name}")[0])
-            except Exception:  # gone since listed, unreadable, or not msgpack (several types): not there
+                data = self.zk.get(f"{CLIENTS_LOADED}/{name}")[0]
+            except NoNodeError:
                 continue
-            if isinstance(doc, dict) and type(doc.get("version")) is int:
-                out[name] = doc["version"]
+            except NoAuthError:
+                raise RegistryError(_NOT_MEMBER) from None
+            try:
+                doc = dec(data)
+            except Exception:  # not msgpack (several types)
+                doc = None
+            if not isinstance(doc, dict):
+                doc = {}
+            version, lease_ms = doc.get("version"), doc.get("lease_ms")
+            out[name] = Loaded(version if type(version) is int else -1,
+                               lease_ms if type(lease_ms) is int and lease_ms > 0 else None)
         return out
+
+    def current(self, server: str, held: int) -> tuple[int, list[ClientEntry] | None]:
+        """One check for a registry lease (:class:`~ziplog.protocol.access.RegistryLease`):
+        after a ``sync`` (what follows reads ZooKeeper as of now, not a lagging server's
+        past), ``server``'s node is this session's, and then the registry's version; its
+        entries too when that version is newer than ``held``. The node comes first: a
+        ``ziplog client remove`` that did not see the node (made after it listed them)
+        committed its change before, and this read sees it. Raises
+        :class:`LeaseEvidenceError` when the node is not this session's (not made yet,
+        or gone with an expired session), ZooKeeper's errors when it cannot be asked."""
+        self.zk.sync(CLIENTS)
+        node = self.zk.exists(f"{CLIENTS_LOADED}/{server}")
+        session = self.zk.client_id
+        if node is None or session is None or node.ephemeralOwner != session[0]:
+            raise LeaseEvidenceError(f"{CLIENTS_LOADED}/{server} is not this session's")
+        stat = self.zk.exists(CLIENTS)
+        if stat is None:  # a new cluster's: made empty (the session saw it missing after the sync)
+            self._ensure()
+            stat = self.zk.exists(CLIENTS)
+            if stat is None:
+                raise LeaseEvidenceError(f"{CLIENTS} is gone")
+        if stat.version <= held:
+            return stat.version, None
+        try:
+            data, stat = self.zk.get(CLIENTS)
+        except NoAuthError:
+            raise RegistryError(_NOT_MEMBER) from None
+        return stat.version, parse_registry(data)
 
     def remove(self, name: str) -> int:
         """Remove ``name``; the registry's new version (RegistryError if it is unknown)."""

@@ -83,7 +83,7 @@ async def serve(args: argparse.Namespace) -> int:
         front: AggregatorFrontend
         ask = AskDriver(rt, rt, AggregatorCore(TIMEOUT_NS), lambda res: front.on_result(res))
         routers: list[Any] = []
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, "logbook-aggregator")
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, "logbook-aggregator", args.registry_lease_s)
         front = AggregatorFrontend(ask, lambda route, frame: routers[0].send_to(route, frame),
                                    None if rights is None else rights.refusal)
         directories: list[TierDirectory] = []

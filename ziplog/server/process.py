@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in drivers:
         d.notices.siblings = [other for other in drivers if other is not d]  # a hosted NOTICE is for them too
     if credentials is not None:
-        _follow_client_registry(coords[0], key, rt, drivers)
+        _follow_client_registry(coords[0], key, rt, drivers, "storage" + "+".join(f"{s}.{r}" for s, r in hosted),
+                                args.registry_lease_s)
     for driver in drivers:
         driver.start()
     metrics = serve_metrics(args, lambda: [m for d in drivers for m in d.metrics()] + runtime_metrics(rt))
@@ -448,22 +449,27 @@ def _storage_driver(args: argparse.Namespace, shard: int, replica: int, rt: Any,
                          access=access)
 
 
-def _follow_client_registry(coord: Any, key: ClusterKey, rt: Any, drivers: list[StorageDriver]) -> None:
+def _follow_client_registry(coord: Any, key: ClusterKey, rt: Any, drivers: list[StorageDriver], role: str,
+                            lease_s: float) -> None:
     """Every driver's table loaded from the client key registry before it serves, and
-    replaced on the runtime's thread at every change (the watch fires on kazoo's)."""
-    from ziplog.io.zk_clients import ClientRegistry
+    replaced on the runtime's thread at every change (the watch fires on kazoo's); each
+    load confirmed as ``role``'s, and the tables judged by only under the process's
+    registry lease (:func:`ziplog.shell.rights.follow_registry`): past it, each turn ends
+    the client keys' subscriptions before they are served (:meth:`ClientRights.at_turn`)."""
+    from ziplog.shell.rights import follow_registry, server_name
 
-    registry = ClientRegistry(coord.zk, key)
-    entries, version = registry.read()
-    for d in drivers:
-        d.on_access(entries, version)
+    def load(entries: list[ClientEntry], version: int) -> None:
+        for d in drivers:
+            d.on_access(entries, version)
 
-    def changed(entries: list[ClientEntry], version: int) -> None:
-        def load() -> None:
-            for d in drivers:
-                d.on_access(entries, version)
+    lease = follow_registry(coord.zk, key, rt, load, server_name(role), lease_s)
+    rights = [d.rights for d in drivers if d.rights is not None]
+    for r in rights:
+        r.table.lease = lease
 
-        rt.call_soon_threadsafe(load)
+    def at_turn() -> bool:
+        for r in rights:
+            r.at_turn()
+        return False  # nothing answered: what it ends leaves with the turn's end
 
-    registry.watch(changed)
-
+    rt.at_turn_answers(at_turn)

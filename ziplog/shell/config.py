@@ -37,7 +37,7 @@ ROLES = {
 SECRET_KEYS = frozenset(("cluster_key", "key", "secret", "password"))
 #: top-level keys some role has: one this role lacks is another role's, not an error
 SHARED_KEYS = frozenset(("zk", "cluster_key_file", "bind", "host", "advertise", "data_dir", "log_format", "log_level",
-                         "metrics_port", "metrics_bind", "fsync", "name", "replicas"))
+                         "metrics_port", "metrics_bind", "fsync", "name", "replicas", "registry_lease_s"))
 #: flags a file cannot set (they are about the file itself)
 NOT_IN_FILES = frozenset(("help", "config", "check_config"))
 

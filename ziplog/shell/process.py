@@ -75,7 +75,8 @@ def add_cluster_key_argument(ap: argparse.ArgumentParser) -> None:
 
 def add_security_arguments(ap: argparse.ArgumentParser) -> None:
     """``--curve`` / ``--insecure``: whether the process's connections speak CURVE (see
-    :func:`member_credentials`). Every process of a cluster must say the same."""
+    :func:`member_credentials`). Every process of a cluster must say the same. And
+    ``--registry-lease-s``, under CURVE (:mod:`ziplog.shell.rights`)."""
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--curve", action="store_true",
                        help="speak CURVE (encrypted; clients need a key: `ziplog client add`) on a loopback address "
@@ -83,6 +84,16 @@ def add_security_arguments(ap: argparse.ArgumentParser) -> None:
     group.add_argument("--insecure", action="store_true",
                        help="speak NULL (neither encrypted nor authenticated: anyone who can reach the port reads, "
                             "appends and trims) on a non-loopback address")
+    from ziplog.shell.rights import DEFAULT_REGISTRY_LEASE_S
+
+    ap.add_argument("--registry-lease-s", type=float, default=DEFAULT_REGISTRY_LEASE_S, metavar="S",
+                    help="under CURVE, a process that serves clients (a storage server, an app's server) judges client "
+                         "keys only this long after it last showed, through ZooKeeper, that it holds the current "
+                         "client key registry, and refuses every client key past it (REGISTRY_LAPSED) until it shows "
+                         "it again; `ziplog client remove` waits this long (and a tenth more, and half a second) "
+                         "for a server that does not confirm a removal. Shorter: removals certain sooner; a shorter "
+                         "ZooKeeper outage stops clients. At most half the ZooKeeper session's timeout (10 s) "
+                         f"(default {DEFAULT_REGISTRY_LEASE_S:g})")
 
 
 def member_credentials(args: argparse.Namespace, key: ClusterKey) -> "Credentials | None":

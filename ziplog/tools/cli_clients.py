@@ -2,10 +2,12 @@
 managed with the cluster key (only members may read or write it).
 
 ``add`` makes a key pair and writes the client's key file (``--out``), or registers a
-public key the client made itself (``--public-key``); ``remove`` waits until every live
-storage replica has loaded the change (STATUS ``access_version``), and every app server
-has confirmed it (its node under ``/ziplog/clients-loaded``), so the removed key's next
-request is refused once the command returns.
+public key the client made itself (``--public-key``); ``remove`` returns once it can
+vouch that every server that judges client keys refuses the removed key: each one
+registered under ``/ziplog/clients-loaded`` (the storage processes and the apps'
+servers) has confirmed the new registry version, or its registry lease has certainly
+run out since the change was committed (:func:`vouch_removal`); it names those that did
+not confirm, and fails naming those it cannot vouch for within its timeout.
 """
 
 from __future__ import annotations
@@ -13,12 +15,18 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ziplog.protocol.errors import ZiplogError
 
-#: how long ``remove`` waits for the replicas to load the change
-APPLY_TIMEOUT_S = 30.0
+#: ``remove`` counts a server's lease as run out this much later than the lease itself,
+#: measured on its own clock from when the change was committed: a tenth of the lease
+#: (the two machines' clocks may run at rates that differ, by far less than that) and
+#: half a second of slack (a short lease's tenth is small)
+LEASE_MARGIN_SHARE = 0.1
+LEASE_MARGIN_S = 0.5
+#: how often ``remove`` looks at the servers' confirmations
+LOOK_EVERY_S = 0.05
 
 
 class CommandError(ZiplogError):
@@ -79,40 +87,80 @@ def cmd_client_remove(args: argparse.Namespace, hosts: str, out: Callable[[str],
     from ziplog.io.zk import stop
     from ziplog.io.zk_clients import RegistryError
 
-    session, registry, key = _registry(args, hosts)
+    session, registry, _ = _registry(args, hosts)
     try:
         try:
             version = registry.remove(args.name)
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
-        lagging = _wait_applied(hosts, key, version, args.timeout)
-        lagging += _wait_apps(registry, version, args.timeout)
+        committed = time.monotonic()  # the write is committed by now
+        vouched = vouch_removal(registry, version, committed, args.timeout)
     finally:
         stop(session)
-    if lagging:
-        raise CommandError(f"removed {args.name!r} (registry version {version}), but these servers did not "
-                           f"confirm it within {args.timeout:g} s: {', '.join(lagging)}")
-    out(f"removed client {args.name!r} (registry version {version}); every live replica and app server refuses "
-        "its key now")
+    if vouched.unknown:
+        raise CommandError(f"removed {args.name!r} (registry version {version}), but these servers did not confirm it "
+                           f"within {args.timeout:g} s, and their registry lease has not certainly run out (or they "
+                           f"keep none): {', '.join(vouched.unknown)}; they may still take the key")
+    if not vouched.confirmed and not vouched.lapsed:
+        out(f"removed client {args.name!r} (registry version {version}); no server judges client keys (a cluster that "
+            "speaks NULL checks none)")
+        return 0
+    out(f"removed client {args.name!r} (registry version {version}); every server that judges client keys refuses "
+        f"it now ({len(vouched.confirmed)} confirmed it)")
+    if vouched.lapsed:
+        out(f"these did not confirm it, but their registry lease has run out: they refuse every client key until "
+            f"they read the registry again: {', '.join(vouched.lapsed)}")
     return 0
 
 
-def _wait_apps(registry: Any, version: int, timeout: float) -> list[str]:
-    """Until every app server that says which registry version it holds says ``version``
-    or later (a server whose session ended is no longer there); those that did not."""
-    return _until_none_lag(lambda: sorted(name for name, held in registry.loaded().items() if held < version),
-                           timeout)
+class Vouched(NamedTuple):
+    """The servers registered under ``/ziplog/clients-loaded``, by what ``remove`` can
+    say of each."""
+
+    #: hold the removal's version, or a later one
+    confirmed: list[str]
+    #: did not confirm it, but their registry lease has run out since it was committed
+    lapsed: list[str]
+    #: neither (at the deadline)
+    unknown: list[str]
 
 
-def _until_none_lag(lagging: Callable[[], list[str]], timeout: float) -> list[str]:
-    """Ask ``lagging`` every 50 ms until it names nobody, or for at most
-    ``min(timeout, APPLY_TIMEOUT_S)``; who lagged at the last asking."""
-    deadline = time.monotonic() + min(timeout, APPLY_TIMEOUT_S)
+def lease_runs_out_s(lease_ms: int) -> float:
+    """How long after a registry change was committed a server with a lease of
+    ``lease_ms`` has certainly stopped judging keys by an older version (unless it
+    confirmed the new one): its lease and the margins."""
+    return lease_ms / 1000 * (1 + LEASE_MARGIN_SHARE) + LEASE_MARGIN_S
+
+
+def vouch_removal(registry: Any, version: int, committed: float, timeout: float,
+                  clock: Callable[[], float] = time.monotonic,
+                  pause: Callable[[float], None] = time.sleep) -> Vouched:
+    """Look every LOOK_EVERY_S at what each server that judges client keys says in its
+    node (``registry.loaded()``) until each has confirmed ``version`` or its lease has
+    certainly run out since ``committed`` (this process's monotonic clock, read after
+    the change's write returned), or until ``timeout`` from ``committed``.
+
+    Why that suffices: a server judges keys only under a lease whose check started
+    before the change was committed (a later check would have seen it), and the lease
+    runs out ``lease_ms`` after the check started, on its own clock. A server whose node
+    is not listed has a lease that ran out already: its session expired (a lease is at
+    most half the session's timeout, counted from a check the session made), or its node
+    was made after the change, and it checks its node before the registry. A server of an
+    earlier build says no lease: it must confirm."""
+    deadline = committed + timeout
     while True:
-        late = lagging()
-        if not late or time.monotonic() > deadline:
-            return late
-        time.sleep(0.05)
+        now = clock()  # before the look: a lease counted as run out by it is
+        confirmed, lapsed, unknown = [], [], []
+        for name, held in sorted(registry.loaded().items()):
+            if held.version >= version:
+                confirmed.append(name)
+            elif held.lease_ms is not None and now >= committed + lease_runs_out_s(held.lease_ms):
+                lapsed.append(name)
+            else:
+                unknown.append(name)
+        if not unknown or now >= deadline:
+            return Vouched(confirmed, lapsed, unknown)
+        pause(LOOK_EVERY_S)
 
 
 def cmd_client_list(args: argparse.Namespace, hosts: str, out: Callable[[str], None]) -> int:
@@ -134,33 +182,6 @@ def cmd_client_list(args: argparse.Namespace, hosts: str, out: Callable[[str], N
         out(f"{e.name:<20} {z85_text(e.public):<40} {','.join(sorted(r.value for r in e.rights)) or '-'}")
     out(f"({len(entries)} keys, registry version {version})")
     return 0
-
-
-def _wait_applied(hosts: str, key: Any, version: int, timeout: float) -> list[str]:
-    """Until every live replica's STATUS says it loaded ``version`` (asked as a member:
-    the cluster's own key holds every right); the replicas that did not, by name. A
-    cluster that speaks NULL checks no keys: nothing to wait for."""
-    from ziplog.client.blocking import Client
-    from ziplog.protocol.errors import UnauthenticatedError
-    from ziplog.protocol.keys import Credentials
-
-    try:
-        client = Client(hosts, timeout=timeout, credentials=Credentials.member(key.curve_server()))
-    except UnauthenticatedError:
-        return []
-
-    def lagging() -> list[str]:
-        try:
-            status = client.status(wait=1.0)
-        except UnauthenticatedError:
-            return []  # a NULL cluster: no table to load
-        return [f"{s}.{r['replica']}" for s, rows in sorted(status.items()) for r in rows
-                if r.get("answer") == "ok" and r.get("access_version", -1) < version]
-
-    try:
-        return _until_none_lag(lagging, timeout)
-    finally:
-        client.close()
 
 
 def add_client_key_commands(sub: Any, env_zk: str, run: Callable[[argparse.Namespace], int]) -> None:
@@ -189,6 +210,7 @@ def add_client_key_commands(sub: Any, env_zk: str, run: Callable[[argparse.Names
     add.add_argument("--public-key", default=None, metavar="Z85",
                      help="register this public key (the client's own; write --public-key=Z85: a Z85 text may start "
                           "with '-')")
-    rm = action("remove", "remove a client key (its next request is refused)", cmd_client_remove)
+    rm = action("remove", "remove a client key: returns once every server that judges client keys confirmed it, "
+                          "or its registry lease ran out (names those that did not confirm)", cmd_client_remove)
     rm.add_argument("name", metavar="NAME")
     action("list", "list the registered keys and their rights", cmd_client_list)
