@@ -172,7 +172,8 @@ def test_a_node_takes_a_feed_only_sealed_by_a_member_and_serves_on_after_junk(ti
     addr = tier._registered("/ziplog/logbook/tier/nodes")[tier.node_pid(0)]
     feed = tf.encode(tf.Feed(gen=0, from_gsn=0, watermark=(1 << 63), history=[(0, 2)], entries=[], trims=[]))
     for frame, code in ((feed, tf.UNAUTHENTICATED), (tf.encode(tf.Signed(frame=feed, mac=b"\0" * 32)), tf.UNAUTHENTICATED),
-                        (b"\x93\x01\x91\x01\x05", tf.BAD_REQUEST), (b"", tf.BAD_REQUEST)):
+                        (b"\x93\x01\x91\x01\x05", tf.UNAUTHENTICATED),  # a Feed's kind: authority first
+                        (b"\x93\x03\x91\x01\x05", tf.BAD_REQUEST), (b"", tf.BAD_REQUEST)):
         got = round_trip(addr, frame, int(TIMEOUT * 1e9), tf.ANSWER_LIMIT)
         assert got is not None
         ans = tf.decode_answer(got)

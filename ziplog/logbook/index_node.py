@@ -45,7 +45,11 @@ class IndexNodeDriver:
         try:
             req = f.decode_request(frame)
         except f.BadFrame as exc:
-            self._refuse(route, 0, f.BAD_REQUEST, f"malformed request: {exc}")
+            if f.claims_authority(frame):  # authority first: nothing it holds is judged
+                self._refuse(route, 0, f.UNAUTHENTICATED, "a Feed is taken only in a Signed that is exactly "
+                             "[2, frame:bin, mac:bin], with the cluster's MAC")
+            else:
+                self._refuse(route, 0, f.BAD_REQUEST, f"malformed request: {exc}")
             return
         now = self.now()
         if type(req) is f.Signed:
@@ -87,12 +91,13 @@ class IndexNodeDriver:
 
 def forbidden(refuse: Refusal | None, route: bytes, req: f.Lookup | f.Status,
               answer: Callable[[bytes, int, str, str], None]) -> bool:
-    """Whether ``req`` was refused (and answered FORBIDDEN): its sender's key lacks the
-    right it needs (:data:`~ziplog.logbook.core.frames.REQUEST_RIGHTS`)."""
+    """Whether ``req`` was refused: answered FORBIDDEN when its sender's key lacks the
+    right it needs (:data:`~ziplog.logbook.core.frames.REQUEST_RIGHTS`), BUSY (ask again)
+    while this server's registry lease has lapsed (:mod:`ziplog.shell.rights`)."""
     why = None if refuse is None else refuse(route, req)
     if why is None:
         return False
-    answer(route, req.req, f.FORBIDDEN, why)
+    answer(route, req.req, f.BUSY if why.lapsed else f.FORBIDDEN, why.why)
     return True
 
 
@@ -114,7 +119,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     async with tier_process(args) as (key, session, stop, rt):
         core = NodeCore(args.node, keep_bytes=args.keep_record_bytes)
-        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logbook-index{args.node}")
+        rights = router_rights(rt, session.zk, key, f.REQUEST_RIGHTS, f"logbook-index{args.node}",
+                               args.registry_lease_s)
         driver = IndexNodeDriver(core, key, lambda route, frame: router.send_to(route, frame), time.monotonic_ns,
                                  None if rights is None else rights.refusal)
         guard = InboundGuard(log, rt)

@@ -14,7 +14,8 @@ feeder and the engines talk from DEALERs.
   read by tag costs one round instead of a round to the index and one to the log.
 
 Every decoder is total: a frame that does not decode gets ``Failed(code=BAD_REQUEST)``
-and the server keeps serving.
+(at an index node, one of a Feed's or a Signed's kind ``UNAUTHENTICATED``:
+:func:`claims_authority`) and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from ziplog.logbook.core.records import MAX_TAGS
-from ziplog.protocol.frames import MAX_DETAIL_CHARS
+from ziplog.protocol.frames import MAX_DETAIL_CHARS, element_int
 from ziplog.protocol.keys import Right
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]
@@ -218,6 +219,17 @@ def decode_answer(data: bytes) -> Answer:
 def decode_feed(data: bytes) -> Feed:
     """Total: the Feed inside a checked Signed envelope, or :class:`BadFrame`."""
     return _decode(_feed_decoder, data)  # type: ignore[return-value]
+
+
+#: the kinds that carry authority: a Feed, taken only inside a Signed
+AUTHORITY_KINDS = frozenset((Feed.__struct_config__.tag, Signed.__struct_config__.tag))
+
+
+def claims_authority(data: bytes) -> bool:
+    """Whether ``data``'s kind is Feed or Signed, read from the kind's own header (nothing
+    else is read): such a frame that does not decode is refused UNAUTHENTICATED, not
+    BAD_REQUEST, whatever else is wrong with it."""
+    return element_int(data, 0) in AUTHORITY_KINDS
 
 
 def check_feed(feed: Feed) -> str | None:
