@@ -12,7 +12,9 @@ acts, for the shards it owns (shard % K == G; one group owns all by default). En
 Everything the handler decides is in ZooKeeper before it acts on it: of each batch of
 the core's effects, the recovery records (``WriteRecovery``) are written first, one at a
 time, and nothing after a write is performed until ZooKeeper took it
-(``ziplog.io.zk_recovery``); the batch's messages follow.
+(``ziplog.io.zk_recovery``); the batch's messages follow. Each write checks, in its
+transaction, that this replica still holds the lock of its term: a leader deposed while
+its loop stalled cannot write after its successor read the record.
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ class HandlerCoordination(Protocol):
         """The shard's recovery record and its node's version (-1: none)."""
 
     def write_record(self, shard: int, record: dict[str, Any], recovering: bool, version: int,
-                     on_done: Callable[[int | None], None]) -> None:
-        """Write the record and set or clear the flag; ``on_done`` with the new version,
-        or None when another leader wrote since ``version``."""
+                     on_done: Callable[[int | None], None], fence: str | None = None) -> None:
+        """Write the record and set or clear the flag, in one transaction that also checks
+        that the lock ``fence`` (the writer's term: ``ElectionPort.fence``) is still
+        there; ``on_done`` with the new version, or None when another leader wrote since
+        ``version``, the writer was deposed, or ``fence`` is None."""
 
 
 class FailureHandlerDriver(ElectedDriver):
@@ -254,7 +258,8 @@ class FailureHandlerDriver(ElectedDriver):
                 self.writing = True
                 term, v = self.term, self.versions.get(a.shard, -1)
                 self.coord.write_record(a.shard, a.record, a.recovering, v,
-                                        lambda version, a=a: self._written(term, a, version))  # type: ignore[misc]
+                                        lambda version, a=a: self._written(term, a, version),  # type: ignore[misc]
+                                        fence=self.fence)
             else:
                 dest, msg = a
                 assert isinstance(dest, ReplicaOf), dest  # the handler's messages go to replicas

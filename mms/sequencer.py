@@ -5,10 +5,13 @@ commits and times the broadcasts.
 
 Blocks of ``epochs_per_commit`` epochs (one transaction, same members and rates) are
 committed before any of their epochs is broadcast. A block in ZooKeeper may have been
-partly broadcast by a previous leader, so a new leader honours it whole: it broadcasts
-the block's last epoch (shards that missed the ones between fill them from the
-membership history) and plans after it. Its own blocks it may cut short at any epoch it
-has not broadcast yet, which is how a membership change takes effect at the next epoch.
+partly broadcast by a previous leader, so a new leader honours it whole and broadcasts
+none of it: its first broadcast is the first epoch after it, in a block it commits
+first (shards that missed epochs of the inherited block fill them from the membership
+history). A new leader thus writes before it broadcasts anything, and that write
+bumps the block's version, so a deposed leader still running (stalled, say) cannot
+commit after it. Its own blocks a leader may cut short at any epoch it has not
+broadcast yet, which is how a membership change takes effect at the next epoch.
 
 A block's first broadcast carries its configuration (EPOCH); the block's later epochs
 go out as EPOCH_SAME naming that one (:meth:`EpochSequencer.same_as`), so a broadcast
@@ -96,10 +99,13 @@ class EpochSequencer:
         self.base: int | None = None
         cur = state.block
         if cur:
+            # Honour the inherited block whole (a previous leader may have broadcast any
+            # of it) without broadcasting any of it: the next broadcast is the epoch after
+            # it, in a block this leader commits first.
             last = int(cur.get("last", cur["epoch"]))
             inherited = EpochConfig(last, tuple(cur["shards"]), tuple(cur["rates"]))
             self.planner.committed(inherited, None)
-            self.next_epoch = last
+            self.next_epoch = last + 1
             self.block = Block(last, last, inherited)
         self.grace_until = self.next_epoch + LEADER_GRACE_EPOCHS
 

@@ -5,9 +5,12 @@
 Several replicas run; an election picks the leader. The leader publishes one epoch per
 interval on its PUB, and only epochs it has written to ZooKeeper with a version check
 (a transaction over ``/ziplog/epoch`` for a block of epochs and, when membership
-changes, ``/ziplog/membership``). The version check is what keeps two leaders (a deposed
-one still running, say) from ever broadcasting different configs for the same epoch:
-only one of them can commit epoch e, and a new leader continues from what is committed.
+changes, ``/ziplog/membership``) that also checks its own lock node (the election's
+:meth:`~ziplog.shell.elected.ElectionPort.fence`). These checks are what keep two leaders
+(a deposed one still running, say) from ever broadcasting different configs for the same
+epoch: only one of them can commit epoch e; a deposed one cannot commit at all, whatever
+versions it read before its stall; and a new leader broadcasts nothing before its own
+first commit (it leaves the inherited block as it is: :mod:`mms.sequencer`).
 
 Each epoch is prepared right after the previous broadcast (a plan if one is needed, the
 block's commit sent if one is due); RATE reports are read while ZooKeeper answers and
@@ -18,6 +21,7 @@ at the deadline, so a change takes effect at the next epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -67,7 +71,7 @@ class MembershipCoordination(Protocol):
 
     def commit_block(self, commit: CommitBlock, on_done: Callable[[bool], None]) -> None:
         """Send the transaction; ``on_done(ok)`` later, on the driver's runtime (False:
-        a version check failed, or the session did)."""
+        a version check failed, ``commit.fence`` is gone or None, or the session failed)."""
 
 
 class MembershipDriver(ElectedDriver):
@@ -163,7 +167,7 @@ class MembershipDriver(ElectedDriver):
         term = self.term
         for commit in seq.prepare().coordinate:
             assert type(commit) is CommitBlock
-            self.coord.commit_block(commit, lambda ok: self._committed(term, ok))
+            self.coord.commit_block(dataclasses.replace(commit, fence=self.fence), lambda ok: self._committed(term, ok))
 
     def _committed(self, term: int, ok: bool) -> None:
         if term != self.term or self.seq is None:
@@ -200,9 +204,9 @@ class MembershipDriver(ElectedDriver):
         self.last_epoch = cfg.epoch
         base = seq.same_as()
         # stamped once every storage replica reads a stamp (a server of an earlier build
-        # refuses the longer frame: wire.READS)
+        # refuses the longer frame: wire.READS_STAMP)
         stamp = wire.wall_stamp(self.rt.now(), self.wall_offset_ns) \
-            if self.coord.topology.every_replica_reads() >= wire.READS else 0
+            if self.coord.topology.every_replica_reads() >= wire.READS_STAMP else 0
         self.pub.send(self.encoder.encode(cfg.epoch, cfg.shards, cfg.rates, stamp) if base is None
                       else self.encoder.encode_same(cfg.epoch, base, stamp))
         self.broadcasts += 1

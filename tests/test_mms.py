@@ -3,6 +3,7 @@ leader continues the sequence without contradicting the old one."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any, Callable, Iterator
@@ -12,6 +13,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 import ziplog
 from mms.planner import EpochPlanner, PlannerSettings
@@ -453,15 +455,14 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     register_shard(zk_ns, 1)
     await_view(topo, lambda: topo.shard_complete(1))
     new = SteppedLeader(zk_ns, topo)
-    assert new.seq.next_epoch == 19
-    # It broadcasts the block's last epoch as committed: the change cannot cut a block
-    # that another leader may have broadcast in part ...
-    assert new.step() == (19, (0,))
-    assert zk_ns.exists(layout.EPOCH_PATH).version == version
-    assert new.seq.change_pending
-    # ... and takes it up at the first epoch after it.
+    # It leaves the block another leader may have broadcast in part as committed, and
+    # broadcasts none of it: its first broadcast is the epoch after it, in a block it
+    # committed first (the change taken up there), so its first act is a write that any
+    # commit of the deposed leader's must follow.
+    assert new.seq.next_epoch == 20 and not new.seq.ready()
     assert new.step() == (20, (0, 1))
-    assert new.planned_at == [19, 20]
+    assert zk_ns.exists(layout.EPOCH_PATH).version == version + 1  # its own block, before its first broadcast
+    assert new.planned_at == [20]
 
     # The deposed leader sees the new shard too; its commit is refused and it steps
     # down instead of broadcasting epoch 13 with a config nobody committed.
@@ -471,6 +472,31 @@ def test_new_leader_honours_the_committed_block(zk_ns: KazooClient) -> None:
     results = block_transaction(zk_ns, commit).commit()
     assert not old.seq.on_commit_result(not any(isinstance(r, Exception) for r in results)), \
         "a deposed leader's block commit must be refused"
+
+
+def test_a_deposed_leaders_commit_fails_on_its_lock_whatever_versions_it_read(zk_ns: KazooClient) -> None:
+    """A leader's commit checks its own election node in the same transaction: one
+    deposed while its loop stalled (the node deleted) cannot commit, even with the
+    versions ZooKeeper still holds (nobody wrote since it read them)."""
+    register_shard(zk_ns, 0)
+    topo = discovery.Topology(zk_ns)
+    await_view(topo, lambda: topo.shard_complete(0))
+    lead = SteppedLeader(zk_ns, topo)
+    lead.run_to(3)
+    lock = zk_ns.create("/lock-", b"", sequence=True, ephemeral=True)
+    set_shard_meta(zk_ns, 0, recovering=0)
+    await_view(topo, lambda: 0 in topo.recovering)
+    commit, = lead.seq.prepare().coordinate
+    assert isinstance(commit, CommitBlock) and commit.fence is None  # the driver names the lock
+    zk_ns.delete(lock)  # deposed
+    results = block_transaction(zk_ns, dataclasses.replace(commit, fence=lock)).commit()
+    assert isinstance(results[0], NoNodeError) and not lead.seq.on_commit_result(False)
+    held = zk_ns.create("/lock-", b"", sequence=True, ephemeral=True)
+    again = SteppedLeader(zk_ns, topo)
+    commit, = again.seq.prepare().coordinate
+    assert isinstance(commit, CommitBlock)
+    results = block_transaction(zk_ns, dataclasses.replace(commit, fence=held)).commit()
+    assert not any(isinstance(r, Exception) for r in results), results
 
 
 def test_change_seen_while_waiting_takes_effect_at_once(zk_ns: KazooClient) -> None:

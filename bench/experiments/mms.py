@@ -535,6 +535,9 @@ class _ModelCoordination:
     def heartbeat(self) -> None:
         pass
 
+    def fence(self) -> str | None:
+        return None
+
 
 # -- profile -----------------------------------------------------------------------------------------
 

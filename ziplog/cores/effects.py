@@ -114,13 +114,16 @@ class ReadHistory:
 class CommitBlock:
     """Coordination write (the membership service): one transaction that sets the epoch
     block node to ``block`` and, when membership changes, the history node to
-    ``history``, each only if its version is still the one given (else another leader
-    committed: this one must step down)."""
+    ``history``, each only if its version is still the one given, and only while the
+    writer still holds its leader's lock ``fence`` (else another leader committed, or this
+    one was deposed: it must step down). The core leaves ``fence`` out; the driver names
+    the lock of its term (a commit without one is refused)."""
 
     block: dict[str, Any]
     block_version: int
     history: list[list[Any]] | None
     history_version: int
+    fence: str | None = None
 
 
 @dataclass

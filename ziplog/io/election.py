@@ -27,10 +27,12 @@ they come once a second, not five times
 
 Deposing is safe even when the old leader is alive but slow: it learns it was deposed
 from its next heartbeat (its node is gone) and stops, and until then every decision
-either leader acts on is in ZooKeeper first behind a version check (the MMS's epoch
-blocks, the failure handler's recovery records), so the slow one's next write fails and
-it steps down. Nothing here decides anything a driver acts on; it only moves the
-leadership sooner.
+either leader acts on is in ZooKeeper first, in a transaction that checks the writer's
+own lock node (:meth:`Election.fence`) beside the versions it read (the MMS's epoch
+blocks, the failure handler's recovery records): a deposed leader's node is gone, so the
+slow one's next write fails and it steps down, whatever its versions say (a leader that
+wakes from a long stall may run a timer before its heartbeat's answer tells it it lost).
+Nothing here decides anything a driver acts on; it only moves the leadership sooner.
 """
 
 from __future__ import annotations
@@ -155,6 +157,12 @@ class Election:
     # -- the leader's side ----------------------------------------------------------------------
     def _beat_of(self, lock_node: str) -> str:
         return f"{self._path}-beat/{lock_node.rsplit('/', 1)[1]}"
+
+    def fence(self) -> str | None:
+        """Our lock node while we lead (None otherwise): a leader's write in ZooKeeper
+        checks it in the same transaction (a deposed leader's node is deleted; lock nodes
+        are sequential, so a new term's is another)."""
+        return self._own
 
     def heartbeat(self) -> None:
         """Called by the leading driver every HEARTBEAT_NS: rewrite our beat node, if our

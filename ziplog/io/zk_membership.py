@@ -1,6 +1,7 @@
 """The membership service's ``MembershipCoordination`` port (``mms.server``) on kazoo:
 its registration, the committed epoch block and membership history it starts from,
-and the version-checked transaction that commits a block of epochs."""
+and the transaction that commits a block of epochs, checking the versions it read and
+the leader's own lock."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class KazooMembershipCoordination(ElectedSession):
         return read_epoch_state(self.zk)
 
     def commit_block(self, commit: CommitBlock, on_done: Callable[[bool], None]) -> None:
+        if commit.fence is None:  # no term's lock to check: a write that would be unfenced
+            self.rt.call_soon_threadsafe(lambda: on_done(False))
+            return
         reply = block_transaction(self.zk, commit).commit_async()
 
         def answered(result: Any) -> None:
@@ -61,7 +65,11 @@ def read_epoch_state(zk: Any) -> EpochState:
 
 
 def block_transaction(zk: Any, commit: CommitBlock) -> Any:
+    """The commit's transaction: the block (and history) by version, and the writer's
+    lock still there (a deposed leader's is gone: its commit fails whatever it read)."""
     txn = zk.transaction()
+    if commit.fence is not None:
+        txn.check(commit.fence, -1)
     txn.set_data(layout.EPOCH_PATH, layout.enc(commit.block), version=commit.block_version)
     if commit.history is not None:
         txn.set_data(layout.MEMBERSHIP_PATH, layout.enc(commit.history), version=commit.history_version)

@@ -29,6 +29,11 @@ class ElectionPort(Protocol):
         """The leader is alive: called by the leading driver every ``HEARTBEAT_NS`` from
         its own loop (followers depose a leader that stops)."""
 
+    def fence(self) -> str | None:
+        """The lock this replica leads by (its election node) while it leads, else None:
+        every write the leader makes in ZooKeeper checks, in the same transaction, that
+        the lock is still there (a deposed leader's is gone)."""
+
 
 class ElectedDriver:
     #: what the logs call this kind of replica
@@ -40,6 +45,9 @@ class ElectedDriver:
         self.election_path = election_path
         self.id = replica_id
         self.leading = False
+        #: the lock of the current term (:meth:`ElectionPort.fence`): each of its ZooKeeper
+        #: writes checks it; None while not leading, and a write without one is refused
+        self.fence: str | None = None
         self.log = logging.getLogger(self.kind)
         self._beat: Timer | None = None
 
@@ -50,6 +58,7 @@ class ElectedDriver:
         if self.leading:
             return
         self.leading = True
+        self.fence = self.election.fence()
         self.log.info("%s %d is leader", self.kind, self.id)
         self._on_beat()
         self.lead_begin()
@@ -65,6 +74,7 @@ class ElectedDriver:
         if not self.leading:
             return
         self.leading = False
+        self.fence = None
         self.log.info("%s %d stops leading", self.kind, self.id)
         if self._beat is not None:
             self._beat.cancel()
