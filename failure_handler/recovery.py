@@ -437,7 +437,11 @@ class RecoveryCore:
         assert r.info is not None
         holders = [i for i, o in rec.reps.items() if o.info is not None and o.info["frontier"] >= x and i != target]
         if not holders:
-            return  # nobody up holds them yet (more than f failures so far): wait
+            # Nobody up holds them yet (a holder restarted, or more than f failures so far):
+            # nothing is in flight for the target, which waits for a holder's PROBE answer
+            # (a fetch left pending kept a deadline in the past: the loop spun on it).
+            r.pending = None
+            return
         src = rec.acquired["source"] if rec.acquired and rec.acquired["source"] in holders else holders[0]
         lo = max(base, r.fetch_lo)
         req = next(self._req)

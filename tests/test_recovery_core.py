@@ -372,3 +372,37 @@ def test_a_replica_frozen_for_a_recovery_comes_back_frozen_after_a_restart() -> 
         h.tick()
     assert h.handler.completed == [(0, 0)]
     assert not h.P.frozen and not h.B.frozen and h.P.log.gsns == h.B.log.gsns
+
+
+def test_a_fetch_with_no_holder_up_waits_for_one_without_spinning() -> None:
+    """Found by the system simulation (a leader's loop resumed after a stall): a replica that
+    needs records below the recovery's stable point, whose holder refused the FETCH (it
+    restarted) while no other holder has answered, waits for a holder's PROBE answer with
+    nothing in flight: its fetch stayed pending with a deadline in the past, and the
+    handler's loop spun on it without time passing."""
+    from failure_handler.recovery import ACQUIRED, HandlerSettings, RecoveryCore
+
+    core = RecoveryCore(HandlerSettings(retry_ns=20 * MS))
+    x = epoch_end(0) + 5
+    record = {"gen": 0, "phase": ACQUIRED, "source": 1, "stable": x, "frontier": x + 3, "records": [], "guesses": [],
+              "membership": []}
+    core.load(0, 2, record, 0)
+    core.on_history([[0, [0, 1]], [1, [0, 1]], [2, [1]]], 0)
+    rec = core.active[0]
+
+    def answer_probe(replica: int, frontier: int) -> None:
+        pending = rec.reps[replica].pending
+        assert pending is not None and pending[1] == wire.PROBE
+        core.on_reply(0, replica, wire.RecoveryOk(req_id=pending[0], payload={
+            "frontier": frontier, "frozen": True, "qualified": replica == 1}), 0)
+
+    answer_probe(1, x + 3)  # the source holds what replica 0 lacks below x
+    answer_probe(0, 3)
+    fetch = next(m for _, m in core.ready().messages if isinstance(m, wire.Fetch))
+    core.on_reply(0, 1, wire.Error(req_id=fetch.req_id, code=wire.E_STALE, message="restarted"), 0)
+    now = 30 * MS
+    for _ in range(3):
+        core.tick(now)
+        deadline = core.next_deadline()
+        assert deadline is not None and deadline > now, (deadline, now)
+        now = deadline
