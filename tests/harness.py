@@ -36,11 +36,15 @@ class ShardHarness:
     client route, and the failure handler. A core set to None is down: it hears nothing."""
 
     def __init__(self, settings: dict[str, Any] | None = None, history: list[list[Any]] | None = None,
-                 replicas: int = 2) -> None:
+                 replicas: int = 2, fenced: bool = False) -> None:
         # No clock turns here unless a test ticks it: a backup answers every FORWARD
         # (a test of the periodic PREFIX sets prefix_interval_ns=None, the shipped default)
         self.settings = {"prefix_interval_ns": 0, **(settings or {})}
         self.replicas = replicas
+        #: each new core is a new incarnation (1, 2, ...), as a server's start is: a backup
+        #: links to the primary's with :meth:`connect` (unfenced, every core is 0)
+        self.fenced = fenced
+        self.incarnations = 0
         self.now = 0
         self.cores: dict[int, ReplicaCore | None] = {i: self.new_core(i) for i in range(replicas)}
         self.disk: dict[int, list[DiskEvent]] = {i: [] for i in range(replicas)}
@@ -59,7 +63,16 @@ class ShardHarness:
         self.sent: list[tuple[int, Any, wire.Frame]] = []
 
     def new_core(self, replica: int) -> ReplicaCore:
-        return ReplicaCore(ReplicaSettings(0, replica, self.replicas, **self.settings))
+        self.incarnations += 1
+        return ReplicaCore(ReplicaSettings(0, replica, self.replicas, **self.settings),
+                           self.incarnations if self.fenced else 0)
+
+    def connect(self, replica: int) -> None:
+        """Backup ``replica`` links to the primary incarnation up now, as its driver does
+        when ZooKeeper shows it (its HELLO names that incarnation)."""
+        core = self.cores[replica]
+        assert core is not None and replica > 0
+        core.connect_primary(self.now, self.P.incarnation)
 
     @property
     def P(self) -> ReplicaCore:

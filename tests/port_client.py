@@ -24,7 +24,8 @@ from kazoo.exceptions import NoNodeError
 
 INSERT, READ, SUBSCRIBE, CREDIT, UNSUBSCRIBE = 1, 2, 4, 5, 6
 ACK, READ_OK, SUB_BATCH, ACKS, ERROR = 16, 17, 19, 23, 31
-SIZES = {ACK: 8, READ_OK: 6, SUB_BATCH: 6, ACKS: 3, ERROR: 5}
+SIZES = {READ_OK: 6, SUB_BATCH: 6, ACKS: 3, ERROR: 5}
+ACK_SIZES = (8, 9)  # without, with the primary incarnation it names (`inc`)
 REFUSALS = ("NOT_MEMBER", "NOT_READY", "TIMEOUT", "OVERLOADED", "DISK_FULL")
 NOCOPY = "NOCOPY"
 SUB_CREDIT, CREDIT_STEP = 4096, 1024  # small on purpose: CREDIT gets exercised
@@ -56,7 +57,7 @@ def unpack(raw: bytes) -> list:
     f = msgpack.unpackb(raw, raw=False)
     if not (isinstance(f, list) and len(f) >= 2 and is_uint(f[0]) and f[0] == 1 and is_uint(f[1])):
         raise Fail(f"bad frame from a server: {f!r}")
-    if f[1] in SIZES and len(f) != SIZES[f[1]]:
+    if (f[1] in SIZES and len(f) != SIZES[f[1]]) or (f[1] == ACK and len(f) not in ACK_SIZES):
         raise Fail(f"frame of op {f[1]} with {len(f)} elements: {f!r}")
     if f[1] == ERROR and f[2] is None:
         raise Fail(f"a server could not read one of our frames: {f[3]} {f[4]}")
@@ -96,6 +97,7 @@ class Insert:
         self.refused: list | None = None
         self.first: list = [None] * len(addrs)  # per replica: its first and latest gsn, or NOCOPY
         self.latest: list = [None] * len(addrs)
+        self.incs: list = [0] * len(addrs)  # the primary incarnation each latest ACK named
 
 
 class Client:
@@ -151,7 +153,7 @@ class Client:
                     raise Fail(f"an answer of {len(parts)} parts")
                 f = unpack(parts[0])
                 for a in f[2] if f[1] == ACKS else [f]:
-                    if f[1] == ACKS and not (isinstance(a, list) and len(a) == 8 and a[:2] == [1, ACK]):
+                    if f[1] == ACKS and not (isinstance(a, list) and len(a) in ACK_SIZES and a[:2] == [1, ACK]):
                         raise Fail(f"bad ACK in an ACKS: {a!r}")
                     yield self.tags[s], a
 
@@ -231,11 +233,14 @@ class Client:
             if r == 0:
                 if op.decided is not None and op.decided != gsn:
                     op.first, op.latest = [None] * len(op.addrs), [None] * len(op.addrs)
+                    op.incs = [0] * len(op.addrs)
                 op.decided = gsn
             if op.first[r] is None:
                 op.first[r] = gsn
             op.latest[r] = gsn
-            if op.decided is not None and all(x == op.decided for x in op.latest):
+            op.incs[r] = f[8] if len(f) > 8 else 0
+            if op.decided is not None and all(x == op.decided and (i == op.incs[0] or not i or not op.incs[0])
+                                              for x, i in zip(op.latest, op.incs)):
                 op.result = (op.decided, op.shard)
         elif f[1] == ERROR:
             code = f[3]

@@ -60,15 +60,16 @@ _L = ("list", lambda x: type(x) is list)
 _BOOL = ("bool", lambda x: type(x) is bool)
 _REFERENCE_SCHEMAS = {
     wire.INSERT: (_U, _U, _U, _U, _B, _U), wire.READ: (_U, _U), wire.TRIM: (_U, _U), wire.SUBSCRIBE: (_U, _U, _U),
-    wire.CREDIT: (_U, _U), wire.UNSUBSCRIBE: (_U,), wire.STATUS: (_U,), wire.HELLO: (_U, _U, _U, _U),
-    wire.PREFIX: (_U, _U), wire.PROBE: (_U, _U), wire.ACQUIRED: (_U, _U), wire.FETCH: (_U, _U, _U, _U, _U),
+    wire.CREDIT: (_U, _U), wire.UNSUBSCRIBE: (_U,), wire.STATUS: (_U,), wire.HELLO: (_U, _U, _U, _U, _U, _U),
+    wire.PREFIX: (_U, _U, _U), wire.PROBE: (_U, _U), wire.ACQUIRED: (_U, _U), wire.FETCH: (_U, _U, _U, _U, _U),
     wire.RESUME: (_U, _U, _U, _L),
     wire.RANGE: (_U, _U, _U, _U), wire.COUNT: (_U, _U, _U, _U), wire.NOTICE: (_U, _U, _U, _U, _BOOL),
     wire.INSTALL: (_U, _U, _U, _U, _L, _U),
     wire.SIGNED: (_B, _B),  # a member's envelope (what it holds is decoded apart, once its MAC is checked)
 }
 #: op -> how many of its last fields may be left out, and their values then
-_REFERENCE_OPTIONAL = {wire.INSERT: [0], wire.NOTICE: [0, False]}  # NOTICE: stamp, hosted
+_REFERENCE_OPTIONAL = {wire.INSERT: [0], wire.NOTICE: [0, False],  # NOTICE: stamp, hosted
+                       wire.HELLO: [0, 0], wire.PREFIX: [0]}  # HELLO: to_inc, inc; PREFIX: to_inc
 
 
 def _reference_op(frame: bytes) -> object:

@@ -43,6 +43,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "ziplog.cores.replica.core",
     "ziplog.cores.replica.fanout",
     "ziplog.cores.replica.forwarding",
+    "ziplog.cores.replica.link",
     "ziplog.cores.replica.liveness",
     "ziplog.cores.replica.log",
     "ziplog.cores.replica.memory",
@@ -58,6 +59,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "ziplog.io.zmtp_poll",
     "ziplog.client.driver",
     "ziplog.server.frame_counts",
+    "ziplog.server.fences",
     "ziplog.server.links",
     "ziplog.server.storage",
 )

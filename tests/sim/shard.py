@@ -170,7 +170,7 @@ class ShardSim:
             proc = self.procs[i] = SimProcess(self.world, f"rep0.{i}")
             coord = SimStorageCoordination(self.zk, proc, self.zk.session(proc.name))
             self.drivers[i] = StorageDriver(ReplicaSettings(SHARD, i, 2, **self.settings), proc, proc, coord, SimDisk(),
-                                          CLUSTER_KEY)
+                                          CLUSTER_KEY, incarnation=i + 1)
         # the membership service's place: a publisher the replicas subscribe to
         self.mms = SimProcess(self.world, "mms")
         self.pub = self.mms.publisher()

@@ -165,6 +165,15 @@ class Outcome:
     cuts: int = 0  # replicas cut from their peers (alive, serving clients) past the suspicion timeout
     references: int = 0  # records FORWARDs named by reference (forward by reference)
     reference_misses: int = 0  # FORWARDs a live backup could not resolve at the end (a catch-up brought the data)
+    # -- fencing: stale messages across restarts and freezes, stalled leaders --------------------
+    links_held: int = 0  # backups' HELLOs and PREFIXes kept a while in their DEALERs' queues
+    forwards_held: int = 0  # FORWARDs held back on a backup's link
+    inserts_held: int = 0  # clients' INSERTs to a backup kept a while in their DEALERs' queues
+    killed_on_hello: int = 0  # primaries killed as a backup's HELLO left (the HELLO kept past the restart)
+    stalls: int = 0  # storage processes stopped whole (SIGSTOP), and leaders' loops stalled
+    deposed: int = 0  # leaders deposed while their loop stalled
+    stale_links: int = 0  # HELLOs, PREFIXes and FORWARDs a live replica refused as meant for another incarnation
+    stale_leader_writes: int = 0  # ZooKeeper writes refused because their leader's lock was gone
     trace: list[str] = field(default_factory=list)
     #: what a simulation on top of the log counts (``tests/sim/logdb_system.py``)
     logdb: dict[str, int] = field(default_factory=dict)
@@ -178,7 +187,9 @@ class Outcome:
               "fsync_interval", "fsync_always", "power_losses", "power_lost_bytes", "stop_power_losses",
               "double_crashes", "same_address_restarts", "requeued", "probes_held", "starting_hellos",
               "installed_power_losses", "frozen_restarts", "cuts", "references", "reference_misses", "rate_reports",
-              "epochs_same", "block_reads", "passed_by_clock", "expired_by_clock", "logs_filled", "log_full_errors")
+              "epochs_same", "block_reads", "passed_by_clock", "expired_by_clock", "logs_filled", "log_full_errors",
+              "links_held", "forwards_held", "inserts_held", "killed_on_hello", "stalls", "deposed", "stale_links",
+              "stale_leader_writes")
 
     def counts(self) -> dict[str, int]:
         return {**{k: getattr(self, k) for k in self.COUNTS}, **self.logdb}
@@ -245,6 +256,8 @@ class Rep:
         self.stopping = False
         #: a STARTING primary took one backup's HELLO (A's window, while it lasts)
         self.took_hello_starting = False
+        #: its next start is at the address it had (a primary killed as a HELLO left)
+        self.same_address = False
 
     @property
     def up(self) -> bool:
@@ -551,6 +564,8 @@ class SystemSim:
         if nfaults and memory.random() < 0.2:
             self.fault_plan.append((memory.randint(5 * MS, self.fault_end), "memory"))
         self.memory_rng = memory
+        #: each replica start's incarnation (its own stream: the other draws stay as they were)
+        self.incarnations = random.Random(seed * 104729 + 17)
         if add_shard if add_shard is not None else rng.random() < 0.3:
             self.fault_plan.append((rng.randint(5 * MS, self.fault_end), "add"))
         if remove_shard if remove_shard is not None else rng.random() < 0.25:
@@ -564,6 +579,29 @@ class SystemSim:
         #: also stop some primaries while they are blocked (one must not vouch for a log
         #: it knows lacks records a backup holds)
         self.stop_blocked = nstops > 0
+        # Fencing draws, from their own stream (every other draw of a seed stays what it
+        # was): a backup's HELLO or PREFIX kept in its DEALER's queue a while (it reaches
+        # whoever is bound at the primary's address by then: a next incarnation), a FORWARD
+        # held back on a backup's link (past a freeze, an install, a resume), a client's
+        # INSERT to a backup kept past its primary's restart, a primary killed as a backup's
+        # HELLO leaves (the HELLO kept until after the restart, at the same address), and
+        # stalls: a storage process stopped whole a while (SIGSTOP), the membership
+        # service's or the failure handler's leader's loop stalled while the next in line
+        # deposes it (it resumes, runs what was due, and learns it lost at its next beat).
+        # Only in a seed with faults (a held FORWARD is a silence the backup suspects).
+        fence = random.Random(seed * 104729 + 19)
+        self.fence_rng = fence
+        faulty = 1 if nfaults else 0
+        self.hold_links = faulty * fence.choice([0.0, 0.0, 0.05, 0.3])
+        self.hold_forwards = faulty * fence.choice([0.0, 0.0, 0.05, 0.3])
+        self.hold_inserts = faulty * fence.choice([0.0, 0.0, 0.03, 0.2])
+        self.kills_on_hello = faulty * fence.choice([0, 0, 1, 2])
+        for _ in range(faulty * fence.choice([0, 0, 1, 2, 3])):
+            self.fault_plan.append((fence.randint(5 * MS, self.fault_end), fence.choice(["stall", "stall_mms", "stall_fh"])))
+        if self.hold_links or self.hold_inserts or self.kills_on_hello:
+            self.world.queue_holds.append(self._queue_hold)
+        if self.hold_forwards:
+            self.world.dealer_holds.append(self._forward_hold)
         out = self.outcome
         out.replicas3 = int(self.replicas == 3)
         out.control3 = int(self.control_replicas == 3)
@@ -595,7 +633,8 @@ class SystemSim:
         r.stopping = False  # a stop decided for the last incarnation died with it
         r.took_hello_starting = False
         name = f"rep{r.shard}.{r.idx}#{r.inc}"
-        same = r.inc > 1 and self.widen.random() < self.same_address
+        same = r.inc > 1 and (self.widen.random() < self.same_address or r.same_address)
+        r.same_address = False
         if same:
             self.outcome.same_address_restarts += 1
         proc = SimProcess(self.world, name, host=f"rep{r.shard}.{r.idx}" if same or r.inc == 1 else None)
@@ -607,7 +646,9 @@ class SystemSim:
         r.disk = SegmentLog(r.dir, fsync=self.fsync, fsync_interval=self.fsync_interval,
                             segment_bytes=self.segment_bytes, files=r.files, clock=lambda: self.world.now / 1e9,
                             background=False)
-        r.driver = StorageDriver(r.settings, proc, proc, coord, r.disk, CLUSTER_KEY)
+        r.driver = StorageDriver(r.settings, proc, proc, coord, r.disk, CLUSTER_KEY,
+                                 incarnation=self.incarnations.getrandbits(63) + 1)
+        self._watch_epochs(r, r.driver)
         self.by_proc[proc] = r
         proc.at_turn_end(lambda: self._rep_turn(r))
         core = r.driver.core
@@ -620,6 +661,26 @@ class SystemSim:
                 f"{core.last_epoch})")
         proc.run(r.driver.start)
 
+    def _watch_epochs(self, r: Rep, driver: StorageDriver) -> None:
+        """One configuration per epoch at every subscriber: what each storage replica
+        takes for an epoch (a broadcast in full, one named "as epoch b", or read from
+        ZooKeeper's block) is the configuration first broadcast for it, and ZooKeeper's
+        history names its members."""
+        take = driver.epochs.take
+
+        def checked(frame: bytes) -> Any:
+            got = take(frame)
+            if got is not None:
+                cfg = got[0]
+                first = self.configs.get(cfg.epoch)
+                assert first is None or first == cfg, (f"rep {r.shard}.{r.idx} took epoch {cfg.epoch} as {cfg}, "
+                                                       f"broadcast first as {first}")
+                for f, la, m in history_ranges(self.zk.history, cfg.epoch, cfg.epoch):
+                    assert tuple(m) == tuple(cfg.shards), (f"rep {r.shard}.{r.idx} took epoch {cfg.epoch} with members "
+                                                           f"{cfg.shards}, ZooKeeper's history says {m}")
+            return got
+        driver.epochs.take = checked  # type: ignore[method-assign]
+
     def _rep_turn(self, r: Rep) -> None:
         core = r.core
         if core is not None and core.blocked is not None and not r.blocked_seen:
@@ -631,9 +692,10 @@ class SystemSim:
             if self.stop_blocked and self.stopper.random() < 0.5:
                 self.at(self.now + self.stopper.randint(0, 5) * MS, self._stop_if_up, r, r.proc)
 
-    def crash_rep(self, r: Rep, power: bool | None = None) -> None:
+    def crash_rep(self, r: Rep, power: bool | None = None, same_address: bool = False) -> None:
         """SIGKILL (memory is gone; the files keep what was written), or the machine's
-        power lost (the files keep what was synced, and a seeded part of the rest)."""
+        power lost (the files keep what was synced, and a seeded part of the rest); it
+        starts again at the address it had when ``same_address`` (else as drawn)."""
         rng = self.rng
         core = r.core
         assert core is not None and r.proc is not None
@@ -656,6 +718,7 @@ class SystemSim:
             r.files.power_loss(self.widen)
         session = r.session
         self.at(self.now + rng.choice([20, 60, 150]) * MS, self.expire, session)
+        r.same_address = same_address
         self.at(self.now + rng.randint(10, 120) * MS, self.start_rep, r)
 
     def stop_rep(self, r: Rep) -> None:
@@ -719,6 +782,75 @@ class SystemSim:
             if c.proc is e.proc and c.up and c.driver.leading:
                 return c
         return None
+
+    def stall_leader(self, kind: str) -> None:
+        """The leader's loop stalls (its ZooKeeper session and view live on); the next in
+        line deposes it during the stall (its beats stopped), and it learns that only at
+        its next beat after it resumes: meanwhile it runs the timers that came due."""
+        c = self.leader(kind)
+        if c is None:
+            return
+        assert c.proc is not None
+        rng = self.fence_rng
+        length = rng.randint(20, 500) * MS
+        until = self.now + length
+        self.outcome.stalls += 1
+        self.tr(f"STALL {kind} leader {c.proc.name}'s loop until {until / MS:.3f} ms")
+        c.proc.stall(until, threads=False)
+        path = layout.MMS_ELECTION if kind == "mms" else layout.fh_election_path(0)
+        self.at(self.now + int(length * rng.uniform(0.2, 0.9)), self._depose, path, c.driver.election)
+
+    def _depose(self, path: str, election: SimElection) -> None:
+        if self.zk.leaders.get(path) is election and len(self.zk.elections.get(path, [])) > 1:
+            self.outcome.deposed += 1
+            self.tr(f"zk: the next in line deposes {election.proc.name} (silent beat)")
+            self.zk.depose(path)
+
+    def _queue_hold(self, dealer: Any, frame: bytes) -> int:
+        """How long a frame waits in its DEALER's queue (see the fencing draws)."""
+        rng = self.fence_rng
+        r = self.by_proc.get(dealer.proc)
+        if r is not None and dealer.label == "primary":  # a backup's link to its primary
+            try:
+                msg = wire.open_signed(CLUSTER_KEY, frame, wire.decode_member_request)
+            except wire.ProtocolError:
+                return 0
+            if (type(msg) is wire.Hello and self.kills_on_hello > 0 and self.now < self.fault_end
+                    and (r.shard, self.replicas - 1) in self.reps):  # (the shard is created whole)
+                p = self.reps[(r.shard, 0)]
+                if p.up and p.core is not None and self.may_fail(r.shard) and rng.random() < 0.3:
+                    self.kills_on_hello -= 1
+                    self.outcome.killed_on_hello += 1
+                    self.tr(f"KILL rep {r.shard}.0 while rep {r.shard}.{r.idx}'s HELLO is on its way; the HELLO waits "
+                            f"in the DEALER's queue past the restart")
+                    self.crash_rep(p, same_address=True)
+                    return rng.randint(130, 300) * MS  # the restart takes 10-120 ms
+            if type(msg) in (wire.Hello, wire.Prefix) and self.hold_links and rng.random() < self.hold_links:
+                self.outcome.links_held += 1
+                return rng.randint(5, 250) * MS
+            return 0
+        if dealer.label == "replica" and self.hold_inserts:  # a client's link to a replica
+            target = self.world.bound.get(dealer.addr)
+            rep = self.by_proc.get(target.proc) if target is not None else None
+            if rep is not None and rep.idx > 0 and rng.random() < self.hold_inserts:
+                try:
+                    msg = wire.decode_request(frame)
+                except wire.ProtocolError:
+                    return 0
+                if type(msg) is wire.Insert:
+                    self.outcome.inserts_held += 1
+                    return rng.randint(5, 250) * MS
+        return 0
+
+    def _forward_hold(self, dealer: Any, frame: bytes) -> int:
+        """How long a FORWARD to a backup is held back on its link."""
+        if dealer.label != "primary" or self.by_proc.get(dealer.proc) is None:
+            return 0
+        rng = self.fence_rng
+        if rng.random() >= self.hold_forwards:
+            return 0
+        self.outcome.forwards_held += 1
+        return rng.randint(5, 250) * MS
 
     def crash_control(self, kind: str) -> None:
         c = self.leader(kind)
@@ -972,6 +1104,17 @@ class SystemSim:
             self.crash_control("fh")
         elif kind == "mms":
             self.crash_control("mms")
+        elif kind == "stall":
+            cands = [r for r in self.reps.values() if r.up]
+            if cands:
+                r = cands[self.fence_rng.randrange(len(cands))]
+                assert r.proc is not None
+                until = self.now + self.fence_rng.randint(5, 250) * MS
+                self.outcome.stalls += 1
+                self.tr(f"STALL rep {r.shard}.{r.idx} (SIGSTOP) until {until / MS:.3f} ms")
+                r.proc.stall(until, threads=True)
+        elif kind in ("stall_mms", "stall_fh"):
+            self.stall_leader(kind[6:])
         elif kind == "add":
             shard = max(s for s, _ in self.reps) + 1
             self.outcome.shards_added += 1
@@ -1194,6 +1337,8 @@ class SystemSim:
         out.block_reads = self.zk.block_reads
         live = [r.driver.core.stats for r in self.reps.values() if r.up and r.driver is not None]
         out.passed_by_clock = sum(stats.get("passed_by_clock", 0) for stats in live)
+        out.stale_links = sum(stats.get("stale_links", 0) for stats in live)
+        out.stale_leader_writes = self.zk.stale_leader_writes
         out.expired_by_clock = sum(stats.get("expired_by_clock", 0) for stats in live)
         out.trace = self.world.trace
 

@@ -86,6 +86,14 @@ class World:
         #: hold-backs: fn(endpoint, frame, route) -> ns to hold a frame back before it
         #: reaches a ROUTER (0: deliver now); a frame is held at most once
         self.holds: list[Callable[[Any, bytes, bytes], int]] = []
+        #: queue hold-backs: fn(dealer, frame) -> ns a frame a DEALER sends waits in its
+        #: queue before it goes (0: at once), as one does while its connection is down or
+        #: slow: it then reaches whoever is bound at the address by then (a next
+        #: incarnation at the same address), unless the DEALER was closed meanwhile
+        self.queue_holds: list[Callable[["SimDealer", bytes], int]] = []
+        #: delivery hold-backs: fn(dealer, frame) -> ns a frame to a DEALER is held back
+        #: before it reaches its process (0: now), on the same connection; held at most once
+        self.dealer_holds: list[Callable[["SimDealer", bytes], int]] = []
         #: chance that a frame reaching an address nothing is bound to (its process is
         #: down) waits in its sender's queue and is tried again, as ZeroMQ's DEALER keeps
         #: what it could not send while it reconnects (for up to REQUEUE_FOR_NS)
@@ -210,6 +218,11 @@ class SimProcess:
         #: a fault to inject in the middle of the next turn: after its input was handled,
         #: before the turn-end hooks send or write anything of it
         self.doomed: Callable[[], None] | None = None
+        #: its loop runs no turn before this (a stall): the turns wait, in order
+        self.stalled_until = 0
+        #: its other threads (ZooKeeper's: the topology view) stall with it (SIGSTOP),
+        #: rather than its loop alone (a loop stuck in a long turn)
+        self.threads_stalled = False
 
     # -- Runtime ----------------------------------------------------------------------------------
     def now(self) -> int:
@@ -217,8 +230,11 @@ class SimProcess:
 
     def run(self, fn: Callable[..., object], *args: Any) -> None:
         """One turn: ``fn``, then the answer hooks and the turn-end hooks (nothing if the
-        process died)."""
+        process died; later, in order, while it is stalled)."""
         if not self.alive:
+            return
+        if self.world.now < self.stalled_until:
+            self.world.at(self.stalled_until, self.run, fn, *args)
             return
         fn(*args)
         if self.doomed is not None:
@@ -229,6 +245,20 @@ class SimProcess:
                 answers()
             for hook in self._turn_end:
                 hook()
+
+    def stall(self, until: int, threads: bool) -> None:
+        """Nothing of its loop runs until ``until`` (and, with ``threads``, nothing of its
+        other threads either: SIGSTOP); what reaches it meanwhile waits in its sockets."""
+        self.stalled_until = max(self.stalled_until, until)
+        self.threads_stalled = threads
+
+    def run_in_thread(self, fn: Callable[[], None]) -> None:
+        """``fn`` on another of its threads (ZooKeeper's: a topology refresh), which runs
+        while its loop is stalled (unless the whole process is); else one of its turns."""
+        if self.alive and self.world.now < self.stalled_until and not self.threads_stalled:
+            fn()
+        else:
+            self.run(fn)
 
     def call_at(self, when_ns: int, fn: Callable[[], None]) -> _Timer:
         h = _Timer()
@@ -368,15 +398,32 @@ class SimDealer:
         if self.closed:
             return False
         world = self.proc.world
+        for hold in world.queue_holds:
+            delay = hold(self, frame)
+            if delay > 0:
+                world.at(world.now + delay, self._unqueue, frame)
+                return True
+        self._go(frame)
+        return True
+
+    def _unqueue(self, frame: bytes) -> None:
+        """A frame held in the queue goes now, unless the DEALER was closed (its queue
+        dies with it: linger 0)."""
+        if not self.closed:
+            self._go(frame)
+
+    def _go(self, frame: bytes) -> None:
+        world = self.proc.world
         loss = LOSS_OF_LABEL.get(self.label, "client_loss")
         if loss is None:
             world.stream((self.route, "up"), self._arrive, frame)
         else:
             world.datagram(getattr(world.p, loss), self._arrive, frame)
-        return True
 
     def _arrive(self, frame: bytes, since: int | None = None) -> None:
         world = self.proc.world
+        if since is not None and self.closed:
+            return  # requeued while its peer was down, and the DEALER closed since: gone with its queue
         r = world.bound.get(self.addr)
         if isinstance(r, SimRouter):
             if self.label == "primary" and world.peer_link_cut(self.proc, r.proc):
@@ -389,9 +436,16 @@ class SimDealer:
             world.at(world.now + world.rng.randint(1, 20) * MS, self._arrive, frame,
                      world.now if since is None else since)
 
-    def deliver(self, frame: bytes) -> None:
+    def deliver(self, frame: bytes, held: bool = False) -> None:
+        world = self.proc.world
+        if not held and world.dealer_holds and not self.closed:
+            for hold in world.dealer_holds:
+                delay = hold(self, frame)
+                if delay > 0:
+                    world.at(world.now + delay, self.deliver, frame, True)
+                    return
         if not self.closed:
-            self.proc.world.tap("dealer", self, frame)
+            world.tap("dealer", self, frame)
             self.proc.run(self.on_frame, frame)
 
     def connect(self, addr: str) -> None:
@@ -597,10 +651,17 @@ class ZooKeeper:
         self.replicas: dict[tuple[int, int], tuple[str, Session]] = {}
         #: (shard, replica) -> the rate from which its registration says it passes by the clock
         self.replica_clock: dict[tuple[int, int], int] = {}
+        #: (shard, replica) -> the incarnation its registration names
+        self.replica_incs: dict[tuple[int, int], int] = {}
         self.mms: dict[str, tuple[dict[str, str], Session]] = {}
         self.fh: dict[str, tuple[dict[str, str], Session]] = {}
         self.elections: dict[str, list[tuple[Session, "SimElection"]]] = {}
         self.leaders: dict[str, "SimElection | None"] = {}
+        #: names each contender's lock node (a new one per time it joins, as ZooKeeper's
+        #: sequential nodes are)
+        self._locks = itertools.count(1)
+        #: leaders' writes refused because the writer's lock node was gone (deposed)
+        self.stale_leader_writes = 0
         self.views: list["SimTopology"] = []
         #: observers of every write: (what, data)
         self.watchers: list[Callable[[str, Any], None]] = []
@@ -639,6 +700,22 @@ class ZooKeeper:
         if gone:
             self.changed(f"session {session.name} expired")
 
+    def lock_held(self, path: str, fence: str | None) -> bool:
+        """The lock node ``fence`` still exists (its holder was neither deposed nor did
+        its session end): what a leader's transaction checks beside its versions."""
+        return fence is not None and any(e.lock == fence for _, e in self.elections.get(path, []))
+
+    def depose(self, path: str) -> "SimElection | None":
+        """The next in line deletes the leader's lock node (its beat went silent): the
+        next contender leads; the deposed one learns it at its next heartbeat."""
+        cands = self.elections.get(path, [])
+        if len(cands) < 2:
+            return None  # nobody in line watches the leader
+        _, leader = cands[0]
+        self.elections[path] = cands[1:]
+        self._elect(path)
+        return leader
+
     def _elect(self, path: str) -> None:
         cands = self.elections.get(path, [])
         leader = cands[0][1] if cands else None
@@ -661,6 +738,7 @@ class ZooKeeper:
         # every simulated replica runs this build: it reads what this build's senders add
         view.replica_reads = {s: {i: READS for i in reps[s]} for s in reps}
         view.replica_clock = {s: {i: self.replica_clock.get((s, i), 0) for i in reps[s]} for s in reps}
+        view.replica_incs = {s: {i: self.replica_incs.get((s, i), 0) for i in reps[s]} for s in reps}
         view.removed = frozenset(s for s, m in self.meta.items() if m.get("removed"))
         view.recovering = frozenset(s for s, m in self.meta.items() if m.get("recovering") is not None)
         view.history = [list(h) for h in self.history]
@@ -683,7 +761,7 @@ class SimTopology(TopologyView):
     def schedule(self, delay: int) -> None:
         if not self._pending:
             self._pending = True
-            self.proc.world.at(self.proc.world.now + delay, self.proc.run, self._refresh)
+            self.proc.world.at(self.proc.world.now + delay, self.proc.run_in_thread, self._refresh)
 
     def _refresh(self) -> None:
         self._pending = False
@@ -701,24 +779,45 @@ class SimElection:
         self.session = session
         self.path = ""
         self.on_elected: Callable[[], None] = lambda: None
+        self.on_lost: Callable[[], None] = lambda: None
+        #: this contender's lock node (a new one each time it joins)
+        self.lock = ""
 
     def run_election(self, path: str, identifier: str, on_elected: Callable[[], None],
                      on_lost: Callable[[], None]) -> None:
         self.path = path
         self.on_elected = on_elected
-        self.zk.elections.setdefault(path, []).append((self.session, self))
-        self.zk._elect(path)
+        self.on_lost = on_lost
+        self._join()
+
+    def _join(self) -> None:
+        self.lock = f"{self.path}/lock-{next(self.zk._locks)}"
+        self.zk.elections.setdefault(self.path, []).append((self.session, self))
+        self.zk._elect(self.path)
+
+    def fence(self) -> str | None:
+        return self.lock if self.zk.leaders.get(self.path) is self else None
 
     def heartbeat(self) -> None:
-        """The simulated ZooKeeper ends a dead leader's session itself (its model of
-        deposing a silent leader)."""
+        """A leader deposed (its lock node deleted while its loop stalled) learns it here,
+        from its beat's answer a moment later, and contends again with a new lock node.
+        (The simulated ZooKeeper ends a dead leader's session itself.)"""
+        if self.session.alive and not self.zk.lock_held(self.path, self.lock):
+            world = self.zk.world
+            world.at(world.now + world.rng.randint(100, 2000) * US, self._deposed, self.lock)
+
+    def _deposed(self, lock: str) -> None:
+        if self.lock != lock or not self.proc.alive or self.zk.lock_held(self.path, lock):
+            return
+        self.proc.run(self.on_lost)
+        self._join()
 
     def resign(self) -> None:
+        """Let go of the lock and contend again, with a new lock node, behind the others."""
         cands = self.zk.elections.get(self.path, [])
-        mine = [(s, e) for s, e in cands if e is self]
-        self.zk.elections[self.path] = [(s, e) for s, e in cands if e is not self] + mine
+        self.zk.elections[self.path] = [(s, e) for s, e in cands if e is not self]
         self.zk.leaders[self.path] = None
-        self.zk._elect(self.path)
+        self._join()
 
 
 class _Coordination:
@@ -736,11 +835,13 @@ class _Coordination:
 
 
 class SimStorageCoordination(_Coordination):
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0,
+                         inc: int = 0) -> None:
         zk = self.zk
         zk.meta.setdefault(shard, {"replicas": replicas})
         zk.replicas[(shard, replica)] = (addr, self.session)
         zk.replica_clock[(shard, replica)] = clock
+        zk.replica_incs[(shard, replica)] = inc
         zk.changed(f"replica {shard}.{replica} registered at {addr}")
 
     def membership_history(self) -> list[list[Any]]:
@@ -774,7 +875,10 @@ class SimMembershipCoordination(_Coordination):
         # A leader that died with its transaction in flight: it may or may not commit.
         if not self.proc.alive and zk.world.rng.random() < 0.5:
             return
-        ok = commit.block_version == zk.epoch_version and (commit.history is None or commit.history_version == zk.history_version)
+        fenced = zk.lock_held(layout.MMS_ELECTION, commit.fence)
+        zk.stale_leader_writes += not fenced
+        ok = (fenced and commit.block_version == zk.epoch_version
+              and (commit.history is None or commit.history_version == zk.history_version))
         if ok:
             zk.epoch_block = dict(commit.block)
             zk.epoch_version += 1
@@ -800,17 +904,19 @@ class SimHandlerCoordination(_Coordination):
         return (layout.dec(layout.enc(rec)) if rec else None), self.zk.record_versions.get(shard, -1)
 
     def write_record(self, shard: int, record: dict[str, Any], recovering: bool, version: int,
-                     on_done: Callable[[int | None], None]) -> None:
+                     on_done: Callable[[int | None], None], fence: str | None = None) -> None:
         world = self.zk.world
         world.at(world.now + world.rng.randint(200, 2000) * US, self._answer, shard, record, recovering, version,
-                 on_done)
+                 on_done, fence)
 
     def _answer(self, shard: int, record: dict[str, Any], recovering: bool, version: int,
-                on_done: Callable[[int | None], None]) -> None:
+                on_done: Callable[[int | None], None], fence: str | None) -> None:
         zk = self.zk
         if not self.proc.alive and zk.world.rng.random() < 0.5:
             return  # the leader died while its transaction was in flight: it may or may not commit
-        if zk.record_versions.get(shard, -1) != version:
+        fenced = zk.lock_held(layout.fh_election_path(0), fence)
+        zk.stale_leader_writes += not fenced
+        if zk.record_versions.get(shard, -1) != version or not fenced:
             self.proc.run(on_done, None)
             return
         zk.records[shard] = layout.dec(layout.enc(record))

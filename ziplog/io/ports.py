@@ -197,8 +197,10 @@ class StorageCoordination(Protocol):
     def on_change(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` (from any thread) whenever the topology view changed."""
 
-    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0) -> None:
-        """Create the shard's node if needed and this replica's ephemeral node."""
+    def register_replica(self, shard: int, replica: int, replicas: int, addr: str, clock: int = 0,
+                         inc: int = 0) -> None:
+        """Create the shard's node if needed and this replica's ephemeral node, naming its
+        address, what it reads, its clock-pass rate and its incarnation ``inc``."""
 
     def membership_history(self) -> list[list[Any]]:
         """The committed membership history, read fresh (synced)."""

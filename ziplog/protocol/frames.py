@@ -114,6 +114,10 @@ E_UNCOMMITTED = "UNCOMMITTED"
 #: The connection's CURVE key lacks the right the op needs (append, read, trim, admin),
 #: or is not registered (``ziplog client add``). Nothing of the request took effect.
 E_FORBIDDEN = "FORBIDDEN"
+#: Under CURVE: the server cannot show that it holds the current client key registry
+#: (its registry lease lapsed), so it judges no client key now. Nothing of the request
+#: took effect; not final: ask again (another replica, or later).
+E_REGISTRY_LAPSED = "REGISTRY_LAPSED"
 #: The server failed while handling this request (a bug: it dropped the request, logged
 #: it and goes on serving). Nothing of the request took effect; resending it is safe.
 E_INTERNAL = "INTERNAL"
@@ -259,7 +263,12 @@ class Count(Frame, kw_only=True):
 # -- storage server -> client ----------------------------------------------------------
 class Ack(Frame, kw_only=True):
     """``gsn`` for the insert ``req_id``: the decision when ``decided`` (always from the
-    primary), a backup's guess otherwise; ``final`` from the replica a recovery keeps."""
+    primary), a backup's guess otherwise; ``final`` from the replica a recovery keeps.
+    ``inc`` (optional, 0: not said) names the primary incarnation whose decision ``gsn``
+    is, or a backup's guess of: the primary's own, the one a backup follows. A client
+    counts a backup's ACK as agreeing with the primary's only when both name the same
+    incarnation (a guess made for a restarted primary never matches a decision its
+    previous incarnation took and lost)."""
     op: int = ACK
     req_id: U64
     gsn: U64
@@ -267,6 +276,7 @@ class Ack(Frame, kw_only=True):
     stable: U64
     decided: bool
     final: bool
+    inc: U64 = 0
 
 
 class Acks(Frame, kw_only=True):
@@ -343,11 +353,17 @@ class Error(Frame, kw_only=True):
 
 # -- replica <-> replica ---------------------------------------------------------------
 class Hello(Frame, kw_only=True):
+    """A backup's state (its frontier, its highest guess) for the primary incarnation
+    ``to_inc`` (as the primary's registration names it), from backup incarnation
+    ``inc``. Both optional (0: a backup of a build before them, which cannot say): a
+    primary acts only on a HELLO meant for its own incarnation."""
     op: int = HELLO
     shard: U64
     replica: U64
     frontier: U64
     guessed_top: U64
+    to_inc: U64 = 0
+    inc: U64 = 0
 
 
 class ForwardBody(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
@@ -358,15 +374,24 @@ class ForwardBody(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fiel
 
 
 class Forward(Frame, kw_only=True):
+    """The primary's decided stream. ``to_inc``: the backup incarnation it is meant for
+    (the one whose HELLO the primary took); ``inc``: the primary incarnation that sent it.
+    Both optional (0: left out, for a backup whose HELLO did not name its incarnation);
+    a backup applies only a FORWARD meant for it from the primary it follows."""
     op: int = FORWARD
     stable: U64
     body: ForwardBody
+    to_inc: U64 = 0
+    inc: U64 = 0
 
 
 class Prefix(Frame, kw_only=True):
+    """A backup's frontier, for the primary incarnation ``to_inc`` (optional, 0: not
+    said); a primary takes it only on the connection whose HELLO it took."""
     op: int = PREFIX
     replica: U64
     frontier: U64
+    to_inc: U64 = 0
 
 
 class Notice(Frame, kw_only=True):
@@ -577,37 +602,32 @@ class _EdgeDecoder:
 
     def _slow(self, frame: bytes) -> Any:
         """The frame's message, or the ProtocolError it earns, checked in this order:
-        msgpack, an array of two or more, the version, the op, the number of fields,
-        their types. (A frame gets here when it is bad, or when a field is encoded in
-        an unusual but valid way, such as a version of an edge that does not check it.)
+        authority (below), msgpack, an array of two or more, the version, the op, the
+        number of fields, their types. (A frame gets here when it is bad, or when a field
+        is encoded in an unusual but valid way, such as a version of an edge that does
+        not check it.)
         Every value read from the frame may be any msgpack value (an array where an int
         belongs, a map, a float, a huge integer): each is type-checked before it is used."""
-        # Authority is judged first: a frame whose op is a sealed op, or a SIGNED envelope
-        # that is not exactly [1, SIGNED, frame:bin, mac:bin], earns UNAUTHENTICATED
-        # whatever else is wrong with it (its version, its fields, bytes msgpack cannot
-        # build): nothing an outsider sends as authority is parsed further.
-        peeked = _second_element(frame) if self.sealed_ops else None
-        if peeked is not None and peeked in self.sealed_ops and peeked not in self.table:
-            raise ProtocolError(E_UNAUTHENTICATED, f"op {peeked} is accepted only sealed by a cluster member",
-                                request_id_of(frame))
-        envelope = peeked == SIGNED
+        # Authority is judged first, by the op alone (read without building the version
+        # before it or anything after it): a SIGNED frame is exactly [1, SIGNED, frame:bin,
+        # mac:bin] or earns UNAUTHENTICATED, and a sealed op sent bare earns it, whatever
+        # else is wrong with either (its version, its fields, bytes msgpack cannot build).
+        # Nothing an outsider sends as authority is parsed further.
+        if self.sealed_ops:  # (so SIGNED is in the table, and no sealed op is)
+            peeked = element_int(frame, 1)
+            if peeked == SIGNED:
+                return _exact_envelope(frame)
+            if peeked in self.sealed_ops:
+                req_id = element_int(frame, 2)
+                raise ProtocolError(E_UNAUTHENTICATED, f"op {peeked} is accepted only sealed by a cluster member",
+                                    req_id if req_id is not None and req_id >= 0 else None)
         try:
             msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types; all mean the same here
-            if envelope:
-                raise ProtocolError(E_UNAUTHENTICATED, "a SIGNED envelope must be [1, 50, frame:bin, mac:bin]") from None
             raise ProtocolError(E_MALFORMED, f"not a msgpack frame ({type(exc).__name__})") from None
         if type(msg) is not list or len(msg) < 2:
             raise ProtocolError(E_MALFORMED, "frame must be a msgpack array [version, op, ...]")
         version, op = msg[0], msg[1]
-        if envelope:
-            # An envelope is authenticated before anything it carries is read: one that is
-            # not exactly [1, SIGNED, frame:bin, mac:bin] vouches for nothing, whatever
-            # else is wrong with it (a well-formed one gets here only when the typed
-            # decoder refused it for a reason this check also finds).
-            if not (len(msg) == 4 and type(version) is int and version == PROTOCOL_VERSION
-                    and type(msg[2]) is bytes and type(msg[3]) is bytes):
-                raise ProtocolError(E_UNAUTHENTICATED, "a SIGNED envelope must be [1, 50, frame:bin, mac:bin]")
         req_id = msg[2] if len(msg) > 2 and type(msg[2]) is int and 0 <= msg[2] <= MAX_U64 else None
         if self.check_version and (type(version) is not int or version != PROTOCOL_VERSION):
             raise ProtocolError(E_VERSION, f"protocol version {_show(version)} unsupported, want {PROTOCOL_VERSION}",
@@ -633,19 +653,64 @@ class _EdgeDecoder:
                                 req_id) from None
 
 
-def _second_element(frame: bytes) -> Any:
-    """The second element of a frame that is a msgpack array (its op), read without
-    building the first (whatever it is), or None."""
+def element_int(frame: bytes, index: int) -> int | None:
+    """Element ``index`` of ``frame``, a msgpack array, if it is an integer, or None (not
+    an array, too few elements, cut short, another type). Read from its own header:
+    nothing before it is built (msgpack skips it, following up to 1024 levels of
+    nesting), nothing after it is read."""
+    if frame and 0x90 + index < frame[0] <= 0x9F and all(b <= 0x7F or b >= 0xE0 for b in frame[1:1 + index]):
+        return _int_at(frame, 1 + index)  # the usual shape: a fixarray, fixints before the element
     try:
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(frame), 1 << 10))
+        # (nothing is built, so no count needs a bound but the frame's length: msgpack's widest)
+        unpacker = msgpack.Unpacker(max_buffer_size=max(len(frame), 1 << 10), max_array_len=(1 << 32) - 1,
+                                    max_map_len=(1 << 32) - 1)
         unpacker.feed(frame)
-        if unpacker.read_array_header() < 2:
+        if unpacker.read_array_header() <= index:
             return None
-        unpacker.skip()
-        op = unpacker.unpack()
-    except Exception:  # not an array, cut short, or an op msgpack cannot build: no op here
+        for _ in range(index):
+            unpacker.skip()
+        at = unpacker.tell()
+    except Exception:  # not an array, or cut short or not msgpack before the element
         return None
-    return op if type(op) is int else None
+    return _int_at(frame, at)
+
+
+#: msgpack's integer formats beyond the fixints: type byte -> (bytes that follow, signed)
+_INT_FORMATS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+                0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+
+
+def _int_at(frame: bytes, i: int) -> int | None:
+    """The integer whose header is at ``frame[i]``, in any of msgpack's encodings; None
+    when no whole integer is there."""
+    if i >= len(frame):
+        return None
+    b = frame[i]
+    if b <= 0x7F or b >= 0xE0:  # positive and negative fixint
+        return b if b <= 0x7F else b - 0x100
+    fmt = _INT_FORMATS.get(b)
+    if fmt is None or i + 1 + fmt[0] > len(frame):
+        return None
+    return int.from_bytes(frame[i + 1:i + 1 + fmt[0]], "big", signed=fmt[1])
+
+
+_signed_decoder = msgspec.msgpack.Decoder(Signed)
+
+
+def _exact_envelope(frame: bytes) -> Signed:
+    """``frame``, whose op is SIGNED, as its envelope if it is exactly ``[1, SIGNED,
+    frame:bin, mac:bin]`` with nothing after it (its integers and headers in any of
+    msgpack's encodings); UNAUTHENTICATED otherwise. The typed decoder reads it header
+    by header and stops at the first that departs from that shape (an array of another
+    length, a field of another type): the inner frame and the MAC are copied, never
+    parsed, and nothing else is built. :func:`open_envelope` checks the MAC."""
+    try:
+        msg = _signed_decoder.decode(frame)
+    except (msgspec.MsgspecError, RecursionError):
+        msg = None
+    if msg is None or msg.v != PROTOCOL_VERSION or msg.op != SIGNED:
+        raise ProtocolError(E_UNAUTHENTICATED, "a SIGNED frame must be exactly [1, 50, frame:bin, mac:bin]")
+    return msg
 
 
 def _optional_tail(cls: type[Frame]) -> int:
@@ -709,7 +774,8 @@ def open_signed(key: ClusterKey, envelope: bytes, inner: _EdgeDecoder) -> Any:
 
 
 def open_envelope(key: ClusterKey, msg: Signed, inner: _EdgeDecoder) -> Any:
-    """The message a decoded SIGNED frame holds (see :func:`open_signed`)."""
+    """The message a decoded SIGNED frame holds (see :func:`open_signed`): the MAC is
+    checked over the inner frame's raw bytes before anything of them is read."""
     if not key.verify(msg.frame, msg.mac):
         raise ProtocolError(E_UNAUTHENTICATED, "bad MAC: not sealed with this cluster's key")
     return inner(msg.frame)
@@ -732,11 +798,18 @@ def error_frame(req_id: int | None, code: str, message: str) -> bytes:
 
 
 #: What a storage server of this build reads beyond the frames of the builds before it
-#: (its registration says so, ``"reads"``): 1, an EPOCH's and an EPOCH_SAME's ``stamp``
-#: and a NOTICE's ``hosted``. A sender puts those fields in only for receivers that read
-#: them; without them the frames are byte for byte those of the builds before, so a
-#: rolling upgrade never sends a server a frame it refuses.
-READS = 1
+#: (its registration says so, ``"reads"``): a level, each including those below it. A
+#: sender puts those fields in only for receivers that read them; without them the
+#: frames are byte for byte those of the builds before, so a rolling upgrade never sends
+#: a server a frame it refuses.
+#:
+#: 1 (:data:`READS_STAMP`): an EPOCH's and an EPOCH_SAME's ``stamp``, a NOTICE's ``hosted``;
+#: 2 (:data:`READS_FENCE`): the incarnations a HELLO, FORWARD and PREFIX name (``to_inc``,
+#: ``inc``). A server of this level also acts on a HELLO that names none only from a
+#: backup whose registration says it cannot (a level below 2).
+READS_STAMP = 1
+READS_FENCE = 2
+READS = READS_FENCE
 
 
 def encode_compact(msg: Frame) -> bytes:
@@ -767,7 +840,7 @@ class EpochEncoder:
                        True: b"\x97" + encode(PROTOCOL_VERSION) + encode(EPOCH)}
 
     def encode(self, epoch: int, shards: Members, rates: tuple[int, ...], stamp: int = 0) -> bytes:
-        """The EPOCH of ``epoch``; ``stamp`` 0 leaves it out (:data:`READS`)."""
+        """The EPOCH of ``epoch``; ``stamp`` 0 leaves it out (:data:`READS_STAMP`)."""
         key = (shards, rates)
         tail = encode(stamp) if stamp else b""
         if self._key is None or self._key[0] is not shards or self._key[1] is not rates:

@@ -25,6 +25,10 @@ class TopologyView:
         #: shard -> replica -> what its build reads beyond the builds before it
         #: (``frames.READS``; 0: a registration that does not say)
         self.replica_reads: dict[int, dict[int, int]] = {}
+        #: shard -> replica -> the incarnation its registration names (a nonce drawn by
+        #: each start of a server; 0: a registration of a build before incarnations): what a
+        #: backup's HELLO, FORWARD checks and ACKs name (``frames.Hello.to_inc``)
+        self.replica_incs: dict[int, dict[int, int]] = {}
         #: shard -> replica -> the rate from which it passes its slots by the clock and
         #: needs no NOTICE (``ReplicaSettings.clock_pass_rate``; 0: never, or not said)
         self.replica_clock: dict[int, dict[int, int]] = {}

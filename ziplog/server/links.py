@@ -50,6 +50,12 @@ class ReplicaLinks:
         self.primary_addr: str | None = None
         #: the ZooKeeper session that registered the primary we are linked to
         self.primary_owner: int | None = None
+        #: the incarnation the primary's registration names (0: it names none): what our
+        #: HELLOs and PREFIXes are meant for, and the only sender whose FORWARDs we take
+        self.primary_inc = 0
+        #: the primary reads the incarnations HELLO and PREFIX name (``frames.READS_FENCE``):
+        #: else they go as the builds before it sent them
+        self.primary_fences = False
         #: the primary's registration was seen gone (and the core told), until it is back
         self.primary_gone = False
         self.epochs: Endpoint | None = None  # one SUB on every MMS replica's PUB
@@ -102,6 +108,7 @@ class ReplicaLinks:
         shard = self.settings.shard
         addr = topo.replicas.get(shard, {}).get(0)
         owner = topo.replica_owners.get(shard, {}).get(0)
+        inc = topo.replica_incs.get(shard, {}).get(0, 0)
         if not addr:
             if self.primary_addr is not None and not self.primary_gone:
                 self.primary_gone = True
@@ -110,8 +117,10 @@ class ReplicaLinks:
         self.primary_gone = False
         # A new address, or another incarnation at the same one (a primary restarted on a
         # fixed port: our old connection would carry on to it, and the restarted primary,
-        # waiting for every backup's HELLO, would never hear ours).
-        if addr == self.primary_addr and owner == self.primary_owner:
+        # waiting for every backup's HELLO, would never hear ours). Every HELLO and PREFIX
+        # the old connection still queues was meant for the incarnation before: closing it
+        # drops them, and the new incarnation refuses any that reach it all the same.
+        if addr == self.primary_addr and owner == self.primary_owner and inc == self.primary_inc:
             return ""
         if self.primary is not None:
             self.primary.close()
@@ -120,6 +129,8 @@ class ReplicaLinks:
                                                                        self.settings.max_record_bytes))
         self.primary_addr = addr
         self.primary_owner = owner
+        self.primary_inc = inc
+        self.primary_fences = topo.replica_reads.get(shard, {}).get(0, 0) >= f.READS_FENCE and inc != 0
         return NEW_PRIMARY_LINK
 
     def endpoints_for(self, dest: object) -> list[Endpoint]:
@@ -144,11 +155,11 @@ class ReplicaLinks:
         host with one pid share a process (``ziplog.server --serve``), which hands the
         NOTICE to each replica it serves. A NOTICE then costs a message per process, not
         per replica. Unless every replica told registered its pid and reads ``hosted``
-        (``frames.READS``: a server of an earlier build refuses it), one per replica, not
+        (``frames.READS_STAMP``: a server of an earlier build refuses it), one per replica, not
         hosted."""
         topo = self.coord.topology
         if not self.settings.notice_per_process or any(
-                topo.replica_reads.get(s, {}).get(r, 0) < f.READS or r not in topo.replica_pids.get(s, {})
+                topo.replica_reads.get(s, {}).get(r, 0) < f.READS_STAMP or r not in topo.replica_pids.get(s, {})
                 for s in shards for r in topo.replicas.get(s, {})):
             return [ep for s in shards for ep in self.replicas_of(s)], False
         pids = topo.replica_pids

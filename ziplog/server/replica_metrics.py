@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ziplog.cores.replica import ReplicaCore, ReplicaSettings
-from ziplog.cores.replica.primary import PrimaryState
+from ziplog.cores.replica.primary import PrimarySequencer, PrimaryState
 from ziplog.cores.replica.recovery import RecoveryPhase
 from ziplog.io.ports import Disk
 from ziplog.protocol.gsna import epoch_of
@@ -53,7 +53,7 @@ def _role_and_requests(driver: MeteredReplica, lb: dict[str, str]) -> list[Metri
         gauge("ziplog_replica_blocked", "1 while this primary refuses every insert until a recovery (it lost "
               "state a backup holds)", int(core.blocked is not None), lb),
         gauge("ziplog_replica_backups_connected", "backups whose HELLO this primary holds",
-              len(getattr(role, "backup_routes", ())), lb),
+              len(role.fwd.backup_routes) if isinstance(role, PrimarySequencer) else 0, lb),
         counter("ziplog_replica_inserts", "new inserts this replica took (a duplicate or refused-before-the-role "
                 "insert excluded; a parked insert resent counts again)", stats["inserts"], lb),
         counter("ziplog_replica_fast_acks", "backup: inserts answered with this replica's own guess (the fast "

@@ -22,6 +22,7 @@ from ziplog.cores.replica.primary import PrimarySequencer
 from ziplog.shell.inbound import InboundGuard
 from ziplog.server.client_rights import ClientRights
 from ziplog.server.epoch_subscription import EpochSubscription
+from ziplog.server.fences import MemberGate, new_incarnation, to_backup, to_primary
 from ziplog.server.frame_counts import FrameCounts
 from ziplog.server.links import NEW_PRIMARY_LINK, PRIMARY_GONE, ReplicaLinks
 from ziplog.server.notices import NoticeFanout
@@ -60,8 +61,6 @@ MAX_DURABLE_WAITING = 64
 #: ``ziplog_replica_insert_turn_seconds``'s buckets: a turn's inserts take tens of
 #: microseconds, a stalled turn milliseconds
 INSERT_TURN_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
-#: Requests that carry a recovery generation.
-RECOVERY_REQUESTS = frozenset((f.Probe, f.Acquired, f.Fetch, f.Install, f.Resume))
 
 
 def replica_logger(shard: int, replica: int) -> logging.Logger:
@@ -73,21 +72,24 @@ def replica_logger(shard: int, replica: int) -> logging.Logger:
 class StorageDriver:
     def __init__(self, settings: ReplicaSettings, rt: Runtime, net: Network, coord: StorageCoordination,
                  disk: Disk | None, key: ClusterKey, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, access: AccessTable | None = None) -> None:
+                 advertise: str | None = None, access: AccessTable | None = None,
+                 incarnation: int | None = None) -> None:
         self.settings = settings
+        #: this start's nonce (:func:`new_incarnation`; the simulation draws its own)
+        self.incarnation = new_incarnation() if incarnation is None else incarnation
         #: this replica's logger (``ziplog.server.<shard>.<replica>``, named in every line):
         #: a process may serve replicas of several shards
         self.log = replica_logger(settings.shard, settings.replica)
         #: seals what this replica tells its peers and the control plane, and opens what
         #: they tell it
         self.key = key
-        #: the highest recovery generation seen committed in ZooKeeper for this shard
-        self.committed_gen = -1
         self.rt = rt
         self.net = net
         self.coord = coord
         self.disk = disk
-        self.core = ReplicaCore(settings)
+        self.core = ReplicaCore(settings, self.incarnation)
+        #: what a member's frame must show before the core takes it (:mod:`.fences`)
+        self.gate = MemberGate(settings.shard, self.incarnation, coord)
         self.core.driver_stats.update(inbound_failures=0, notices_handed_on=0, notices_by_clock=0)  # NoticeFanout's
         self.frames = FrameCounts(self.core.driver_stats)
         #: requests refused before they reached the core (undecodable, unsigned, an
@@ -163,7 +165,7 @@ class StorageDriver:
         s = self.settings
         self.coord.on_change(lambda: self.rt.call_soon_threadsafe(self.on_topology))
         self.on_topology()
-        self.coord.register_replica(s.shard, s.replica, s.replicas, self.addr, s.clock_pass_rate)
+        self.coord.register_replica(s.shard, s.replica, s.replicas, self.addr, s.clock_pass_rate, self.incarnation)
         self.log.info("shard %d replica %d serving on %s", s.shard, s.replica, self.addr)
 
     def on_topology(self) -> None:
@@ -172,7 +174,7 @@ class StorageDriver:
             return
         moved = self.links.follow_topology()
         if moved == NEW_PRIMARY_LINK:
-            self.core.connect_primary(self.rt.now())
+            self.core.connect_primary(self.rt.now(), self.links.primary_inc)
             self._perform(self.core.ready())
         elif moved == PRIMARY_GONE:
             self.core.primary_unregistered(self.rt.now())
@@ -183,9 +185,7 @@ class StorageDriver:
         try:
             msg = f.decode_request(frame)
             if type(msg) is f.Signed:  # a cluster member's: a peer or the failure handler
-                msg = f.open_envelope(self.key, msg, f.decode_member_request)
-                if type(msg) in RECOVERY_REQUESTS:
-                    self._check_generation(msg)
+                msg = self.gate.admit(f.open_envelope(self.key, msg, f.decode_member_request))
             elif self.rights is not None:
                 self.rights.check(route, msg)
             self.frames.received(type(msg))
@@ -208,22 +208,6 @@ class StorageDriver:
         if self.rights is not None and not self.closed:
             self.rights.load(entries, version)
             self._perform(self.core.ready())
-
-    def _check_generation(self, msg: f.Probe | f.Acquired | f.Fetch | f.Install | f.Resume) -> None:
-        """A recovery step counts only under a generation the failure handler committed
-        in ZooKeeper (it writes the record before it sends anything): a generation from
-        nowhere would freeze the shard under an authority that does not exist. Read once
-        per new generation."""
-        if msg.gen <= self.committed_gen:
-            return
-        try:
-            committed = self.coord.recovery_generation(self.settings.shard)
-        except CoordinationUnavailable as exc:  # the handler asks again
-            raise f.ProtocolError(f.E_UNCOMMITTED, f"cannot check generation {msg.gen} now: {exc}", msg.req_id) from None
-        self.committed_gen = max(self.committed_gen, committed)
-        if msg.gen > self.committed_gen:
-            raise f.ProtocolError(f.E_UNCOMMITTED, f"recovery generation {msg.gen} is not committed "
-                                  f"(ZooKeeper holds {self.committed_gen})", msg.req_id)
 
     def _count_inbound_failure(self, edge: str) -> None:
         self.core.driver_stats["inbound_failures"] += 1
@@ -373,7 +357,7 @@ class StorageDriver:
         router, sent = self.router, self.frames.sent
         for dest, msg in messages:
             if type(dest) is bytes:
-                router.send_to(dest, encode(msg))
+                router.send_to(dest, encode(msg) if type(msg) is not f.Forward else to_backup(msg))
                 self._answered = True
                 sent(type(msg))
             elif dest is Peer.MMS:
@@ -383,7 +367,8 @@ class StorageDriver:
                 self.notices.add(dest, msg)  # one copy per process, once all its shards are known
             else:
                 peers = self.links.endpoints_for(dest)
-                frame = f.seal(self.key, encode(msg))
+                frame = f.seal(self.key, encode(msg) if dest is not Peer.PRIMARY
+                               else to_primary(msg, self.links.primary_fences))
                 for ep in peers:
                     ep.send(frame)
                 sent(type(msg), len(peers))

@@ -32,6 +32,8 @@ PATH = Path(__file__).resolve().parents[2] / "docs" / "vectors.json"
 #: gsn 5 of epoch 1: every gsn from epoch 1 on is above 2^32 (docs/CLIENT.md, gsns)
 GSN = (1 << 32) + 5
 REQUEST_ID = 7
+#: an incarnation, as a primary's registration names it (a nonce above 2^32)
+PRIMARY_INC = 6_917_529_027_641_081_857
 
 
 def typed(value: Any) -> dict[str, Any]:
@@ -70,8 +72,8 @@ def untyped(value: dict[str, Any]) -> Any:
 
 def _examples() -> list[tuple[str, str, str, fr.Frame]]:
     """(name, direction, what it shows, frame) for each vector, in the file's order."""
-    ack = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=0, stable=GSN - 1, decided=True, final=False)
-    guess = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=1, stable=GSN - 1, decided=False, final=False)
+    ack = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=0, stable=GSN - 1, decided=True, final=False, inc=PRIMARY_INC)
+    guess = fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=1, stable=GSN - 1, decided=False, final=False, inc=PRIMARY_INC)
     status = {"shard": 0, "replica": 0, "primary": True, "epoch": 1, "stable": GSN, "blocked": None}
     starting = {"shard": 1, "replica": 1, "primary": False, "epoch": -1, "stable": 0, "link": "down"}
     out: list[tuple[str, str, str, fr.Frame]] = [
@@ -91,12 +93,13 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
          fr.Range(req_id=REQUEST_ID, lo=1, hi=GSN, max_bytes=65536)),
         ("COUNT", "request", "a shard's stable watermark: lo = hi = 2^63 - 1",
          fr.Count(req_id=REQUEST_ID, lo=(1 << 63) - 1, hi=(1 << 63) - 1, nth=0)),
-        ("ACK", "reply", "the primary's decision", ack),
-        ("ACK", "reply", "a backup's guess (decided false)", guess),
+        ("ACK", "reply", "the primary's decision, naming the primary's incarnation", ack),
+        ("ACK", "reply", "a backup's guess (decided false) of that incarnation's decision", guess),
         ("ACK", "reply", "final: failure recovery keeps the record at this gsn",
          fr.Ack(req_id=REQUEST_ID, gsn=GSN, replica=1, stable=GSN, decided=True, final=True)),
         ("ACKS", "reply", "two ACKs of one turn in one frame",
-         fr.Acks(acks=[ack, fr.Ack(req_id=8, gsn=GSN + 1, replica=0, stable=GSN - 1, decided=True, final=False)])),
+         fr.Acks(acks=[ack, fr.Ack(req_id=8, gsn=GSN + 1, replica=0, stable=GSN - 1, decided=True, final=False,
+                                   inc=PRIMARY_INC)])),
         ("READ_OK", "reply", "the record and the replica's stable watermark",
          fr.ReadOk(req_id=REQUEST_ID, gsn=GSN, data=b"hello", stable=GSN + 3)),
         ("TRIM_OK", "reply", "the shard's trim point after the trim", fr.TrimOk(req_id=REQUEST_ID, trim_point=100)),
@@ -121,9 +124,11 @@ def _examples() -> list[tuple[str, str, str, fr.Frame]]:
     return out
 
 
-#: bytes a server takes that the codecs never write: (name, what it shows, the fields)
-DECODE_ONLY: list[tuple[str, str, list[Any]]] = [
-    ("INSERT", "without the optional stamp: seven elements, read as stamp 0", [1, fr.INSERT, 9, 3, 3, 0, b"x"]),
+#: bytes the codecs never write but a peer takes: (name, direction, what it shows, the fields)
+DECODE_ONLY: list[tuple[str, str, str, list[Any]]] = [
+    ("INSERT", "request", "without the optional stamp: seven elements, read as stamp 0", [1, fr.INSERT, 9, 3, 3, 0, b"x"]),
+    ("ACK", "reply", "from a server of a build before incarnations: eight elements, read as inc 0 (names none)",
+     [1, fr.ACK, 7, GSN, 0, GSN - 1, True, False]),
 ]
 
 
@@ -139,13 +144,13 @@ def vectors() -> dict[str, Any]:
             "name": name, "op": values[1], "direction": direction, "note": note, "hex": raw.hex(),
             "fields": [{"name": f, "value": typed(v)} for f, v in zip(fields, values)],
         })
-    for name, note, values in DECODE_ONLY:
+    for name, direction, note, values in DECODE_ONLY:
         raw = msgpack.packb(values, use_bin_type=True)
         op = values[1]
         assert type(op) is int
-        cls = fr.REQUESTS[op]
+        cls = (fr.REQUESTS if direction == "request" else fr.REPLIES)[op]
         fields = list(cls.__struct_fields__)[:len(values)]
-        items.append({"name": name, "op": values[1], "direction": "request", "note": note, "decode_only": True,
+        items.append({"name": name, "op": values[1], "direction": direction, "note": note, "decode_only": True,
                       "hex": raw.hex(), "fields": [{"name": f, "value": typed(v)} for f, v in zip(fields, values)]})
     return {
         "protocol_version": fr.PROTOCOL_VERSION,
@@ -154,7 +159,7 @@ def vectors() -> dict[str, Any]:
                  "uint and int as decimal strings (JSON numbers lose integers above 2^53), bin as hex, "
                  "str, bool, nil as themselves, array as a list of values, map as a list of [key, value]. "
                  "A port should decode each hex to these fields and encode these fields to this hex "
-                 "(decode_only: bytes a server takes that ziplog never writes; decode them only). "
+                 "(decode_only: bytes ziplog never writes but a peer takes; decode them only). "
                  "Generated by python -m ziplog.tools.vectors; see docs/CLIENT.md.",
         "vectors": items,
     }

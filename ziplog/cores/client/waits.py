@@ -49,6 +49,12 @@ class InsertWait:
     it (``Redirect``): otherwise recovery could roll a backup's guess forward while the
     record is also stored elsewhere.
 
+    Every ACK names the primary incarnation its gsn belongs to (``Ack.inc``: the
+    primary's own; the one a backup follows): a backup's ACK agrees with the decision only
+    when both name the same one (or either names none: a server of a build before). A
+    guess a backup made for a restarted primary is no copy of a decision its previous
+    incarnation took and lost with its unwritten tail.
+
     Each resend is a new round under a new request id (:meth:`next_round`). An ACK of
     any round counts, as it would have then; a refusal and a backup's "no copy" count
     only in reply to the current round. They are promises of one process, kept in its
@@ -59,7 +65,8 @@ class InsertWait:
     decides it later: the record on two shards).
     """
 
-    __slots__ = ("req_id", "earlier", "n", "decided", "latest", "first", "stable", "refused", "frozen", "final")
+    __slots__ = ("req_id", "earlier", "n", "decided", "decided_inc", "latest", "latest_inc", "first", "stable",
+                 "refused", "frozen", "final")
 
     refused: wire.Error | None
 
@@ -70,7 +77,11 @@ class InsertWait:
         self.earlier: set[int] = set()
         self.n = replicas
         self.decided: int | None = None
+        #: the primary incarnation the decision's ACK named (0: none named)
+        self.decided_inc = 0
         self.latest: list[int | None] = [None] * replicas
+        #: the incarnation each replica's latest ACK named (0: none named)
+        self.latest_inc: list[int] = [0] * replicas
         self.first: list[int | None] = [None] * replicas
         self.stable = 0
         self.refused = None  # the primary's final refusal
@@ -126,12 +137,23 @@ class InsertWait:
                 # Only after a failure recovery that did not keep the record (it was never
                 # acknowledged): the recovered primary placed the resend anew.
                 self.latest = [None] * self.n
+                self.latest_inc = [0] * self.n
                 self.first = [None] * self.n
             self.decided = gsn
+            self.decided_inc = msg.inc
         if self.first[replica] is None:
             self.first[replica] = gsn
         self.latest[replica] = gsn
+        self.latest_inc[replica] = msg.inc
         return self.done
+
+    def _agrees(self, replica: int) -> bool:
+        """``replica``'s latest ACK is the decision: the same gsn, of the same primary
+        incarnation (when both name one)."""
+        if self.latest[replica] != self.decided:
+            return False
+        inc, decided_inc = self.latest_inc[replica], self.decided_inc
+        return inc == decided_inc or not inc or not decided_inc
 
     def settled(self, replica: int) -> bool:
         """Nothing more is expected from ``replica`` for now (for the primary: its
@@ -140,12 +162,18 @@ class InsertWait:
             return True
         if replica == 0:
             return self.decided is not None or self.refused is not None or self.frozen
-        return (self.decided is not None and self.latest[replica] == self.decided) or self.latest[replica] == NO_COPY
+        return (self.decided is not None and self._agrees(replica)) or self.latest[replica] == NO_COPY
 
     @property
     def done(self) -> bool:
-        d = self.decided
-        return self.final or (d is not None and self.latest.count(d) == self.n)
+        if self.final:
+            return True
+        if self.decided is None:
+            return False
+        for i in range(self.n):
+            if not self._agrees(i):
+                return False
+        return True
 
     @property
     def fast(self) -> bool:

@@ -10,8 +10,8 @@ primary learns what is stable.
 
 A backup is UNQUALIFIED from (re)start until the primary's first FORWARD shows it in
 step (its disk may lag what it acknowledged before a crash): it guesses nothing until
-then. Its link to the primary (:class:`Link`) is CONNECTING until the primary answers
-its HELLO, then IN_STEP.
+then. Its link to the primary (:class:`~.link.PrimaryLink`) is CONNECTING until the
+primary answers its HELLO, then IN_STEP; it names the primary incarnation followed.
 
 A backup stopped gracefully while in step and holding no unconfirmed guess vouches for
 its log (the clean-close marker, as a primary does): every record it acknowledged is
@@ -29,6 +29,7 @@ from typing import Callable
 
 from ziplog.cores.effects import Outbox, Peer
 from ziplog.cores.replica.clock_pass import ClockPass
+from ziplog.cores.replica.link import Link, PrimaryLink
 from ziplog.cores.replica.log import DecidedLog
 from ziplog.cores.replica.memory import Memory
 from ziplog.cores.replica.received import by_reference
@@ -48,15 +49,6 @@ class Qualification(enum.Enum):
     QUALIFIED = "qualified"
 
 
-class Link(enum.Enum):
-    #: no primary known yet
-    DOWN = "down"
-    #: HELLO sent (again every hello_retry) and not answered yet
-    CONNECTING = "connecting"
-    #: the primary's forwards arrive and apply
-    IN_STEP = "in_step"
-
-
 #: Qualification changes: a backup qualifies only by state that vouches for every record
 #: any replica acknowledged (a SERVING primary's whole catch-up or FORWARD, or a
 #: recovery's RESUME), and no event unqualifies it within an incarnation (a restart is a
@@ -64,15 +56,6 @@ class Link(enum.Enum):
 _QUALIFICATIONS = {
     Qualification.UNQUALIFIED: {Qualification.QUALIFIED},
     Qualification.QUALIFIED: {Qualification.QUALIFIED},
-}
-
-#: Link changes: DOWN only before the first HELLO or FORWARD; (re)connecting from any
-#: state (a new address, a RESUME, a HELLO repeated); IN_STEP only by a FORWARD that
-#: applies.
-_LINKS = {
-    Link.DOWN: {Link.CONNECTING, Link.IN_STEP},
-    Link.CONNECTING: {Link.CONNECTING, Link.IN_STEP},
-    Link.IN_STEP: {Link.CONNECTING, Link.IN_STEP},
 }
 
 
@@ -159,7 +142,7 @@ class BackupFollower:
     is_primary = False
 
     def __init__(self, settings: ReplicaSettings, log: DecidedLog, out: Outbox, error: ErrorReply,
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], incarnation: int = 0) -> None:
         self.s = settings
         self.shard = settings.shard
         self.log = log
@@ -170,8 +153,8 @@ class BackupFollower:
         #: restarted on the clean-close marker of an incarnation that held everything it
         #: acknowledged, and none of it was lost since (see the module's documentation)
         self.restarted_clean = False
-        self.link = Link.DOWN
-        self.hello_sent_at: int | None = None
+        #: our link to the primary, and the incarnation of it we follow (:mod:`.link`)
+        self.link = PrimaryLink(incarnation, settings.hello_retry_ns)
         self.spec: Speculation | None = None
         #: who asked for a record the primary has not decided yet: (route, req_id); when
         #: the decision arrives and differs from our guess we ACK it there
@@ -192,10 +175,6 @@ class BackupFollower:
         q = Qualification.QUALIFIED
         assert q in _QUALIFICATIONS[self.qualification], ("illegal qualification change", self.qualification, q)
         self.qualification = q
-
-    def _link_to(self, link: Link) -> None:
-        assert link in _LINKS[self.link], ("illegal link change", self.link, link)
-        self.link = link
 
     # -- what others ask ----------------------------------------------------------------------------
     deciding = False
@@ -225,20 +204,27 @@ class BackupFollower:
     def current_epoch(self) -> int:
         return self.spec.config.epoch if self.spec is not None else -1
 
+    @property
+    def ack_inc(self) -> int:
+        """The incarnation our ACKs name: the primary we follow (a guess of its decision)."""
+        return self.link.primary_inc
+
     # -- the primary ----------------------------------------------------------------------------
-    def connect_primary(self, now: int, frozen: bool) -> None:
-        """(Re)connected to the primary: introduce ourselves; :meth:`tick` repeats it until
-        the primary answers (it may not be up yet, or the hello may be lost)."""
+    def connect_primary(self, now: int, frozen: bool, primary_inc: int | None = None) -> None:
+        """(Re)connected to the primary (incarnation ``primary_inc``; None: the one we
+        follow, again): introduce ourselves; :meth:`tick` repeats it until the primary
+        answers (it may not be up yet, or the hello may be lost). From a new incarnation
+        on, every HELLO, PREFIX and ACK we send names it, and FORWARDs of another are
+        refused: the HELLO it acts on shows every guess we made for its predecessors."""
         self.waiting.clear()  # its catch-up brings what they held
-        self._link_to(Link.CONNECTING)
-        self.hello_sent_at = now
+        self.link.connect(now, primary_inc)
         if not frozen:  # frozen: our state is the recovery's business, not a primary's
             self.out.send(Peer.PRIMARY, self.hello())
 
     def hello(self) -> f.Hello:
         sp = self.spec
         guessed_top = max(sp.by_gsn, default=0) if sp is not None else 0
-        return f.Hello(shard=self.shard, replica=self.s.replica, frontier=self.log.frontier, guessed_top=guessed_top)
+        return self.link.hello(self.shard, self.s.replica, self.log.frontier, guessed_top)
 
     def on_forward(self, msg: f.Forward, now: int) -> None:
         self.waiting.offer(msg, now)  # now, or once the inserts it names arrived (by reference)
@@ -253,8 +239,7 @@ class BackupFollower:
         events = self.received.resolve(body.events)
         if events is None:
             return False
-        self.hello_sent_at = None
-        self._link_to(Link.IN_STEP)
+        self.link.in_step()
         # A FORWARD that does not end with the primary's frontier is one part of a
         # catch-up: more follows, asked for at once. Only a whole one puts us in step.
         partial = not events or type(events[-1]) is not FrontierEvent
@@ -296,14 +281,13 @@ class BackupFollower:
         # backups only the primary sees every PREFIX: it tells us.
         log.advance_stable(log.frontier if self.s.backup_knows_stable else msg.stable)
         if partial:
-            self._ask_catch_up(now)  # the next part, at once (hello_sent_at is None here)
+            self._ask_catch_up(now)  # the next part, at once (no HELLO is unanswered here)
         return True
 
     def _ask_catch_up(self, now: int) -> None:
         """Ask for everything above our frontier, at most once per hello_retry (it may be in flight)."""
-        if self.hello_sent_at is None or now - self.hello_sent_at > self.s.hello_retry_ns:
+        if self.link.may_ask(now):
             self.out.send(Peer.PRIMARY, self.hello())
-            self.hello_sent_at = now
 
     def _settle(self, ev: RecordEvent, now: int) -> None:
         """The primary decided ``ev``: our guess of it (if any) is confirmed or replaced,
@@ -331,7 +315,7 @@ class BackupFollower:
         elif pending is not None:
             self.stats["reacks"] += 1
             self.out.send(pending[0], f.Ack(req_id=pending[1], gsn=gsn, replica=self.s.replica, stable=self.log.stable,
-                                            decided=True, final=False))
+                                            decided=True, final=False, inc=self.link.primary_inc))
 
     def _drop_displaced_guesses(self, now: int) -> None:
         sp = self.spec
@@ -392,7 +376,7 @@ class BackupFollower:
 
     def _ack(self, route: bytes, req_id: int, gsn: int) -> None:
         self.out.send(route, f.Ack(req_id=req_id, gsn=gsn, replica=self.s.replica, stable=self.log.stable,
-                                   decided=False, final=False))
+                                   decided=False, final=False, inc=self.link.primary_inc))
 
     def _no_guess(self, route: bytes, req_id: int, key: Key, now: int, code: str = f.E_NO_GUESS,
                   message: str = "this backup holds no copy; the primary decides") -> None:
@@ -419,14 +403,14 @@ class BackupFollower:
     def on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
         pass  # only a primary takes HELLO
 
+
     def on_prefix(self, msg: f.Prefix, now: int) -> None:
         pass
 
     # -- time -----------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
         self.waiting.expire(now)
-        if (self.link is Link.CONNECTING and self.hello_sent_at is not None
-                and now - self.hello_sent_at > self.s.hello_retry_ns):
+        if self.link.retry_due(now):
             self.connect_primary(now, frozen=False)
 
     def prune(self, now: int) -> None:
@@ -437,8 +421,8 @@ class BackupFollower:
 
     def flush(self, now: int) -> None:
         if ((self.prefix_dirty and now - self.last_prefix_ns >= self.prefix_every_ns)
-                or (self.link is Link.IN_STEP and now - self.last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
-            self.out.send(Peer.PRIMARY, f.Prefix(replica=self.s.replica, frontier=self.log.frontier))
+                or (self.link.state is Link.IN_STEP and now - self.last_prefix_ns >= self.s.heartbeat_ns)):  # heartbeat
+            self.out.send(Peer.PRIMARY, self.link.prefix(self.s.replica, self.log.frontier))
             self.prefix_dirty = False
             self.last_prefix_ns = now
 
@@ -448,17 +432,16 @@ class BackupFollower:
         for t in (self.no_guess.next_prune(), self.received.next_prune(), self.waiting.deadline()):
             if t is not None and (best is None or t < best):
                 best = t
-        link = self.link
+        link = self.link.state
         if self.prefix_dirty or link is Link.IN_STEP:
             every = self.prefix_every_ns
             t = self.last_prefix_ns + (min(every, s.heartbeat_ns) if self.prefix_dirty and link is Link.IN_STEP
                                        else every if self.prefix_dirty else s.heartbeat_ns)
             if best is None or t < best:
                 best = t
-        if link is Link.CONNECTING and self.hello_sent_at is not None:
-            t = self.hello_sent_at + s.hello_retry_ns
-            if best is None or t < best:
-                best = t
+        t = self.link.deadline()
+        if t is not None and (best is None or t < best):
+            best = t
         return best
 
     def parked_insert_expired(self, p: object, now: int) -> None:
@@ -504,4 +487,4 @@ class BackupFollower:
         self.connect_primary(now, frozen=False)
 
     def status(self) -> dict[str, object]:
-        return {"backups_connected": [], "blocked": None, "link": self.link.value}
+        return {"backups_connected": [], "blocked": None, "link": self.link.state.value}

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple, Union
 
 from ziplog.cores.effects import Messages, Outbox, Ready
+from ziplog.cores.replica import restart
 from ziplog.cores.replica.backup import BackupFollower
 from ziplog.cores.replica.fanout import Fanout
 from ziplog.cores.replica.liveness import Liveness
@@ -87,13 +88,18 @@ def coalesce_acks(messages: Messages) -> Messages:
 
 
 class ReplicaCore:
-    def __init__(self, settings: ReplicaSettings) -> None:
+    def __init__(self, settings: ReplicaSettings, incarnation: int = 0) -> None:
+        """``incarnation``: this start's nonce, which its registration names (0: none, for
+        tests that build cores by hand): no message meant for another is acted on."""
+        assert 0 <= incarnation <= f.MAX_U64, incarnation
         self.s = settings
         self.shard = settings.shard
+        self.incarnation = incarnation
         self.out = Outbox()
         self.stats: dict[str, int] = {"inserts": 0, "fast_acks": 0, "confirmed_guesses": 0, "reacks": 0, "reads": 0,
                                       "errors": 0, "wrong_guesses_epoch": 0, "wrong_guesses_ahead": 0,
-                                      "wrong_guesses_behind": 0, "guesses_displaced": 0, "reference_misses": 0}
+                                      "wrong_guesses_behind": 0, "guesses_displaced": 0, "reference_misses": 0,
+                                      "stale_links": 0}
         #: error replies by code (the codes are the protocol's few constants: bounded)
         self.errors_by_code: dict[str, int] = {}
         #: counters the driver keeps about its own work, reported in STATUS beside ours
@@ -102,8 +108,10 @@ class ReplicaCore:
         self.held: list[tuple[bytes, Ordered]] = []
         self.log = DecidedLog(self.out)
         self.parking = Parking(settings.max_parked, settings.max_parked_per_connection)
-        self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats)
-                           if settings.is_primary else BackupFollower(settings, self.log, self.out, self.error, self.stats))
+        self.role: Role = (PrimarySequencer(settings, self.log, self.parking, self.out, self.error, self.stats,
+                                            incarnation)
+                           if settings.is_primary else BackupFollower(settings, self.log, self.out, self.error, self.stats,
+                                                                      incarnation))
         self.fanout = Fanout(settings, self.log, self.parking, self.out, self.error, self.stats)
         #: a backup keeps each insert's data as it arrives: a FORWARD read later in the
         #: same turn, before the turn's inserts are taken, may name it (by reference)
@@ -263,7 +271,7 @@ class ReplicaCore:
         decided = self.log.dedup.get(key)
         if decided is not None:  # a retry, or the primary's decision arrived first
             self.out.send(route, f.Ack(req_id=msg.req_id, gsn=decided, replica=self.s.replica, stable=self.log.stable,
-                                       decided=True, final=False))
+                                       decided=True, final=False, inc=self.role.ack_inc))
             return
         if len(msg.data) > self.s.max_record_bytes:
             self.error(route, msg.req_id, f.E_TOO_LARGE,
@@ -283,6 +291,9 @@ class ReplicaCore:
     def _on_hello(self, route: bytes, msg: f.Hello, now: int) -> None:
         if not self.is_primary or msg.shard != self.shard or not (1 <= msg.replica < self.s.replicas):
             return
+        if msg.to_inc != self.incarnation:  # a picture of the backup meant for another (ARCHITECTURE, Fencing)
+            self.stats["stale_links"] += 1
+            return
         self.liveness.hear(msg.replica, now)
         if self.recovery.frozen:
             return  # recovery, not a catch-up, will bring the backup in line
@@ -293,6 +304,9 @@ class ReplicaCore:
 
     def _on_prefix(self, route: bytes, msg: f.Prefix, now: int) -> None:
         if not self.is_primary or not (1 <= msg.replica < self.s.replicas):
+            return
+        if not self.role.fwd.prefix_fenced(route, msg):  # type: ignore[union-attr]
+            self.stats["stale_links"] += 1
             return
         self.liveness.hear(msg.replica, now)
         if self.recovery.frozen:
@@ -314,6 +328,9 @@ class ReplicaCore:
         """A FORWARD on a backup's own connection to its primary."""
         if self.is_primary or self.recovery.frozen:
             return  # frozen: we promised to store nothing new
+        if not self.role.link.forward_fenced(msg):  # type: ignore[union-attr]
+            self.stats["stale_links"] += 1
+            return
         self.liveness.hear(0, now)
         self.role.on_forward(msg, now)  # type: ignore[union-attr]
 
@@ -345,11 +362,12 @@ class ReplicaCore:
         cannot, no new records (DISK_FULL from a primary, no guesses); the rest serves."""
         self.log.disk_fault = fault
 
-    def connect_primary(self, now: int) -> None:
-        """(Re)connected to the primary (a new address): its silence counts from now."""
+    def connect_primary(self, now: int, primary_inc: int = 0) -> None:
+        """(Re)connected to the primary (a new address, or another incarnation, which its
+        registration names ``primary_inc``): its silence counts from now."""
         if not self.is_primary:
             self.liveness.restart_clock(0, now)
-            self.role.connect_primary(now, self.recovery.frozen)  # type: ignore[union-attr]
+            self.role.connect_primary(now, self.recovery.frozen, primary_inc)  # type: ignore[union-attr]
 
     def primary_unregistered(self, now: int) -> None:
         """The primary left ZooKeeper (a graceful stop does at once): silence counts from now."""
@@ -399,16 +417,8 @@ class ReplicaCore:
 
     # -- disk -----------------------------------------------------------------------------------
     def replay(self, events: Iterable[DiskEvent], clean_frontier: int | None = None) -> None:
-        """Rebuild the decided log from persisted events. ``clean_frontier``: what the
-        last incarnation vouched for at a graceful stop (:meth:`clean_close_frontier`);
-        a replica whose replayed log ends exactly there restarts clean."""
-        self.log.replay(events)
-        self.recovery.restore(self.log.recovery_mark)
-        role = self.role
-        if isinstance(role, PrimarySequencer):
-            role.fwd.mark_point()
-        if clean_frontier is not None and clean_frontier == self.log.frontier:
-            role.restart_clean()
+        """Rebuild the decided log from persisted events (:func:`.restart.replay`)."""
+        restart.replay(self, events, clean_frontier)
 
     @property
     def restarted_clean(self) -> bool:
@@ -416,20 +426,8 @@ class ReplicaCore:
         return self.role.restarted_clean
 
     def clean_close_frontier(self) -> int | None:
-        """What a graceful stop may vouch for, once every event decided is written, in no
-        recovery and with no disk fault: the frontier of a primary that holds every record
-        any replica acknowledged (serving, or restarted clean and not deciding yet), or of
-        a backup that holds every record it acknowledged in its log alone (in step, or
-        restarted clean, with no guess outstanding: guesses live in memory only). None
-        otherwise: a replica that cannot know, whose next incarnation must hear the
-        others out."""
-        role = self.role
-        if (not role.holds_everything_acked or self.recovery.phase is not RecoveryPhase.NORMAL
-                or self.log.disk_fault is not None):
-            return None
-        if isinstance(role, BackupFollower) and role.guessing:
-            return None
-        return self.log.frontier
+        """What a graceful stop may vouch for (:func:`.restart.clean_close_frontier`)."""
+        return restart.clean_close_frontier(self)
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

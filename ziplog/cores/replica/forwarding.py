@@ -29,12 +29,17 @@ from ziplog.protocol.events import (
 
 
 class Forwarding:
-    def __init__(self, settings: ReplicaSettings, log: DecidedLog, out: Outbox) -> None:
+    def __init__(self, settings: ReplicaSettings, log: DecidedLog, out: Outbox, incarnation: int = 0) -> None:
         self.s = settings
         self.log = log
         self.out = out
+        #: our incarnation: every FORWARD names it as its sender's
+        self.inc = incarnation
         #: backup -> the route its HELLO came on
         self.backup_routes: dict[int, bytes] = {}
+        #: backup -> the incarnation its HELLO named as its own (0: a backup of a build
+        #: before incarnations): every FORWARD to it names it as the one it is meant for
+        self.backup_incs: dict[int, int] = {}
         #: backup -> the frontier it reported (never above ours)
         self.prefixes: dict[int, int] = {}
         #: the decisions of this turn, not forwarded yet
@@ -62,6 +67,17 @@ class Forwarding:
             new = min(new, self.prefixes.get(r, 0))
         self.log.advance_stable(new)
 
+    def prefix_fenced(self, route: bytes, msg: f.Prefix) -> bool:
+        """A PREFIX counts only from the backup whose HELLO we took, on that HELLO's
+        connection, and (a backup that names incarnations) meant for this incarnation: a
+        frontier reported to the incarnation before us, or by the backup's incarnation
+        before its restart (its tail lost since), must not make positions stable that the
+        backup may not hold (ARCHITECTURE, Fencing)."""
+        replica = msg.replica
+        if self.backup_routes.get(replica) != route:
+            return False
+        return msg.to_inc == self.inc or (msg.to_inc == 0 and self.backup_incs.get(replica, 0) == 0)
+
     def on_prefix(self, msg: f.Prefix) -> None:
         replica, frontier = msg.replica, msg.frontier
         if frontier > self.prefixes.get(replica, 0):
@@ -82,13 +98,20 @@ class Forwarding:
         return i < len(gsns) and gsns[i] <= log.stable
 
     # -- backups ----------------------------------------------------------------------------------
-    def backup_at(self, replica: int, route: bytes, frontier: int) -> None:
-        """A backup's HELLO: where it is, and the route it is reached on."""
+    def backup_at(self, replica: int, route: bytes, frontier: int, inc: int = 0) -> None:
+        """A backup's HELLO: where it is, the route it is reached on, and its incarnation."""
         self.backup_routes[replica] = route
+        self.backup_incs[replica] = inc
         self.prefixes[replica] = frontier
 
-    def catch_up(self, route: bytes, frontier: int, next_slot: int) -> None:
-        """Send a backup at ``frontier`` everything decided above it, in parts of at most
+    def _forward_to(self, replica: int, stable: int, body: f.ForwardBody) -> f.Forward:
+        """A FORWARD meant for ``replica``'s incarnation, from ours (to a backup that named
+        no incarnation, one that names none either: the frame of the builds before)."""
+        to = self.backup_incs.get(replica, 0)
+        return f.Forward(stable=stable, body=body, to_inc=to, inc=self.inc if to else 0)
+
+    def catch_up(self, replica: int, frontier: int, next_slot: int) -> None:
+        """Send backup ``replica`` at ``frontier`` everything decided above it, in parts of at most
         forward_batch_bytes. A part ends with a record and no FRONTIER event (the backup's
         frontier is then that record's gsn, and it asks for the next part at once); the
         last part ends with our frontier, which puts the backup in step (QUALIFIED)."""
@@ -106,7 +129,8 @@ class Forwarding:
             size += n
         if not partial:
             events.append(FrontierEvent(log.frontier, log.last_epoch, next_slot))
-        self.out.send(route, f.Forward(stable=log.stable, body=f.ForwardBody(frontier, epoch_hint(frontier), events)))
+        self.out.send(self.backup_routes[replica],
+                      self._forward_to(replica, log.stable, f.ForwardBody(frontier, epoch_hint(frontier), events)))
 
     # -- the turn's decisions ---------------------------------------------------------------------
     def _wire_size(self, size: int) -> int:
@@ -165,9 +189,9 @@ class Forwarding:
         prev_f, prev_e = self.mark
         events = self.events
         events.append(FrontierEvent(log.frontier, log.last_epoch, next_slot))
-        msg = f.Forward(stable=log.stable, body=f.ForwardBody(prev_f, prev_e, events))
+        body = f.ForwardBody(prev_f, prev_e, events)
         for r in sorted(self.backup_routes):
-            self.out.send(self.backup_routes[r], msg)
+            self.out.send(self.backup_routes[r], self._forward_to(r, log.stable, body))
         self.events = []
         self.bytes = 0
         self.stable_record_sent = log.stable

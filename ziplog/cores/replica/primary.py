@@ -57,15 +57,16 @@ class PrimarySequencer:
     is_primary = True
 
     def __init__(self, settings: ReplicaSettings, log: DecidedLog, parking: Parking, out: Outbox,
-                 error: ErrorReply, stats: dict[str, int]) -> None:
+                 error: ErrorReply, stats: dict[str, int], incarnation: int = 0) -> None:
         self.s = settings
         self.shard = settings.shard
+        self.ack_inc = incarnation  # this start's: our ACKs name it (we decide)
         self.log = log
         self.out = out
         self.error = error
         self.stats = stats
         self.admission = Admission(settings, log, parking, error)
-        self.fwd = Forwarding(settings, log, out)
+        self.fwd = Forwarding(settings, log, out, incarnation)
         self.progress = Progress(settings, out, stats)
         backups = set(range(1, settings.replicas))
         self.state = PrimaryState.STARTING if backups else PrimaryState.SERVING
@@ -109,10 +110,6 @@ class PrimarySequencer:
     @property
     def refused(self) -> Memory[tuple[int, int], str]:
         return self.admission.refused
-
-    @property
-    def backup_routes(self) -> dict[int, bytes]:
-        return self.fwd.backup_routes
 
     @property
     def holds_everything_acked(self) -> bool:
@@ -163,7 +160,8 @@ class PrimarySequencer:
         log = self.log
         log.apply_record(ev)
         log.advance_frontier(cur.gsn(k + 1) - 1)
-        self.out.send(route, f.Ack(req_id=msg.req_id, gsn=gsn, replica=0, stable=log.stable, decided=True, final=False))
+        self.out.send(route, f.Ack(req_id=msg.req_id, gsn=gsn, replica=0, stable=log.stable, decided=True, final=False,
+                                   inc=self.ack_inc))
         fwd.add_record(ev, size)
         self.progress.decided(gsn)
         fwd.stable_changed()
@@ -285,7 +283,7 @@ class PrimarySequencer:
             self.error(route, None, f.E_NOT_READY, self.blocked_reason)
             return
         fwd = self.fwd
-        fwd.backup_at(replica, route, frontier)
+        fwd.backup_at(replica, route, frontier, msg.inc)
         if self.state is PrimaryState.STARTING:
             # A catch-up makes a backup QUALIFIED (holding every acknowledged record): a
             # starting primary cannot vouch for that (another backup's HELLO may yet show
@@ -295,15 +293,15 @@ class PrimarySequencer:
                 # No backup is ahead of us: we hold everything acknowledged; decide again.
                 self._become(PrimaryState.SERVING)
                 for r in sorted(fwd.backup_routes):
-                    self._catch_up(fwd.backup_routes[r], fwd.prefixes[r])
+                    self._catch_up(r, fwd.prefixes[r])
                 self._take_stashed(now)
             return
-        self._catch_up(route, frontier)
+        self._catch_up(replica, frontier)
 
-    def _catch_up(self, route: bytes, frontier: int) -> None:
+    def _catch_up(self, replica: int, frontier: int) -> None:
         """Only a SERVING primary may put a backup in step (see :mod:`.forwarding`)."""
         assert self.state is PrimaryState.SERVING, ("a catch-up from a primary that does not serve", self.state)
-        self.fwd.catch_up(route, frontier, self.next_slot)
+        self.fwd.catch_up(replica, frontier, self.next_slot)
 
     def on_prefix(self, msg: f.Prefix, now: int) -> None:
         self.fwd.on_prefix(msg)
