@@ -194,6 +194,11 @@ class FailureHandlerDriver(ElectedDriver):
             return
         self.seen_generation = topo.generation
         now = self.rt.now()
+        # The history first: a record loaded below is advanced at once, and its end (the
+        # last epoch that included the shard) read from this history; an older copy (a
+        # leader that took over long ago, or whose loop stalled) may not show the shard
+        # at all, and would install the wrong epochs.
+        core.on_history(topo.history, now)
         for shard, n in topo.replica_counts.items():
             if shard % self.groups != self.group:
                 continue  # another group's shard: its SUSPECTs are ignored here
@@ -211,7 +216,6 @@ class FailureHandlerDriver(ElectedDriver):
                 ep = self.net.dealer(addr, self._reply_handler(shard, replica), "handler",
                                      max_bytes=wire.RECOVERY_REPLY_LIMIT)
                 self.dealers[(shard, replica)] = (addr, ep)
-        core.on_history(topo.history, now)
         self._act()
 
     def _reply_handler(self, shard: int, replica: int) -> Callable[[bytes], None]:

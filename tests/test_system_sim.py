@@ -93,7 +93,12 @@ def test_every_fault_kind_was_exercised() -> None:
                  "rate_reports",
                  # a block's later epochs broadcast as "same as" its first, and replicas that
                  # missed that base (lost frames, a late start, a new leader) reading the block
-                 "epochs_same", "block_reads"):
+                 "epochs_same", "block_reads",
+                 # fencing: HELLOs and PREFIXes kept in a DEALER's queue, FORWARDs held back,
+                 # clients' INSERTs to a backup delayed, primaries killed as a HELLO left,
+                 # stalls, leaders deposed while stalled, and what the fences refused
+                 "links_held", "forwards_held", "inserts_held", "killed_on_hello", "stalls", "deposed",
+                 "stale_links", "stale_leader_writes"):
         assert total.get(what, 0) > 0, (what, total)
     # Recoveries are the common case, not a fluke: most seeds with a replica crash recover.
     assert total["recoveries"] >= total["crashes_primary"] // 2, total
@@ -388,7 +393,7 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
-@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782])
+@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -403,7 +408,12 @@ def test_recovery_regression_seeds(seed: int) -> None:
     disowned the guesses that answer had reported (a record stored on two shards).
     2069782: a replica restarted after resuming a generation forgot it, and took that
     generation's INSTALL again from a new handler leader, below positions made stable
-    since (the shard's next recovery could never end; tests/test_install_durable.py)."""
+    since (the shard's next recovery could never end; tests/test_install_durable.py).
+    40002477, 40006065: a failure handler leader whose loop stalled (deposed meanwhile,
+    it learns that at its next beat) resumed and loaded a shard's acquired record before
+    it took the history its view held: the record's end came from a history that did
+    not show the shard, its install's epochs were wrong, and its core's own checks
+    stopped it (two leaders then drove one recovery with different ends)."""
     run(seed)
 
 
@@ -435,3 +445,47 @@ def test_a_backup_restarted_while_its_primary_was_down_recovers_the_shard() -> N
     its state: every invariant holds and the shard serves again (it waited for ever when
     no replica could vouch)."""
     run(108430, stop_guards_peer=False)
+
+
+# -- the simulated DEALER's queue, as ZeroMQ's ------------------------------------------------------
+def test_a_dealers_queue_goes_in_order_and_dies_with_it() -> None:
+    """A frame held in a DEALER's queue holds every frame sent after it (the queue is in
+    order); whatever is still queued when the DEALER closes is gone (linger 0), and so is
+    a frame requeued while its peer was down: none reaches the next process bound at the
+    address."""
+    from tests.sim.world import MS, SimProcess, World
+
+    world = World(1, NetParams(min_delay=10, max_delay=10, reorder=0.0, duplicate=0.0, client_loss=0.0, peer_loss=0.0))
+    server = SimProcess(world, "server", host="h")
+    got: list[bytes] = []
+    router = server.router(lambda route, frame: got.append(frame), lambda route, n: None)
+    client = SimProcess(world, "client")
+    dealer = client.dealer(router.addr, lambda frame: None, "primary")
+    held = {b"first"}
+    world.queue_holds.append(lambda d, frame: 5 * MS if frame in held else 0)
+    for frame in (b"first", b"second", b"third"):
+        dealer.send(frame)
+    while world.step():
+        pass
+    assert got == [b"first", b"second", b"third"], got
+    # held, then the DEALER closes: gone, though a process is bound at the address
+    held.add(b"fourth")
+    dealer.send(b"fourth")
+    dealer.close()
+    while world.step():
+        pass
+    assert got == [b"first", b"second", b"third"]
+    # requeued while nothing is bound at the address, then closed: gone too
+    world.requeue_unbound = 1.0
+    second = client.dealer(router.addr, lambda frame: None, "primary")
+    router.close()
+    second.send(b"fifth")
+    world.step()  # it arrives to no one and waits in the queue
+    assert world.requeued == 1
+    second.close()
+    server.kill()
+    again = SimProcess(world, "server#2", host="h")  # the next incarnation, at the same address
+    assert again.router(lambda route, frame: got.append(frame), lambda route, n: None).addr == router.addr
+    while world.step():
+        pass
+    assert got == [b"first", b"second", b"third"], got
