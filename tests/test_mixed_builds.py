@@ -92,3 +92,56 @@ def test_a_cluster_of_this_build_gets_stamped_epochs() -> None:
         finally:
             sub.close(linger=0)
             ctx.term()
+
+
+# -- incarnations (frames.READS_FENCE) ------------------------------------------------------------
+#: how many fields HELLO, FORWARD, PREFIX and ACK had in the builds before incarnations
+BEFORE_FENCE = {f.HELLO: 6, f.FORWARD: 4, f.PREFIX: 4, f.ACK: 8}
+
+
+def test_a_backup_sends_a_primary_of_the_build_before_the_frames_it_knows() -> None:
+    from ziplog.server.fences import to_primary
+
+    hello = f.Hello(shard=0, replica=1, frontier=5, guessed_top=9, to_inc=11, inc=22)
+    prefix = f.Prefix(replica=1, frontier=5, to_inc=11)
+    for msg in (hello, prefix):
+        old = _fields(to_primary(msg, fences=False))
+        assert len(old) == BEFORE_FENCE[old[1]], old
+        assert len(_fields(to_primary(msg, fences=True))) == BEFORE_FENCE[old[1]] + (2 if msg is hello else 1)
+
+
+def test_a_forward_to_a_backup_that_named_no_incarnation_is_the_frame_of_the_build_before() -> None:
+    from ziplog.server.fences import to_backup
+
+    body = f.ForwardBody(0, -1, [])
+    assert len(_fields(to_backup(f.Forward(stable=0, body=body)))) == BEFORE_FENCE[f.FORWARD]
+    fenced = f.decode_from_primary(to_backup(f.Forward(stable=0, body=body, to_inc=3, inc=4)))
+    assert isinstance(fenced, f.Forward) and (fenced.to_inc, fenced.inc) == (3, 4)
+    # an ACK of the build before decodes, naming no incarnation
+    old_ack = f.encode([1, f.ACK, 7, 5, 0, 4, True, False])
+    ack = f.decode_reply(old_ack)
+    assert isinstance(ack, f.Ack) and ack.inc == 0
+
+
+def test_an_unfenced_hello_is_taken_only_from_a_backup_of_the_build_before() -> None:
+    """A primary of this build takes a HELLO that names no incarnation as meant for it only
+    from a backup whose registration reads below READS_FENCE (it cannot name one); from a
+    backup of this build (which names it to every primary that reads it), or one the view
+    does not show, it stays unfenced and the core refuses it."""
+    from ziplog.server.fences import MemberGate
+
+    class Coord:
+        def __init__(self, topology: TopologyView) -> None:
+            self.topology = topology
+
+    hello = f.Hello(shard=0, replica=1, frontier=5, guessed_top=0)
+    # (its registration's reads: None, it says none; "gone": ZooKeeper shows no backup 1)
+    for reads, taken in ((1, True), (None, True), (f.READS_FENCE, False), ("gone", False)):
+        topo = TopologyView()
+        if reads != "gone":
+            topo.replicas = {0: {0: "tcp://10.0.0.1:1", 1: "tcp://10.0.0.2:1"}}
+        if type(reads) is int:
+            topo.replica_reads = {0: {1: reads}}
+        topo.changed()
+        got = MemberGate(0, 42, Coord(topo)).admit(hello)  # type: ignore[arg-type]
+        assert isinstance(got, f.Hello) and got.to_inc == (42 if taken else 0), (reads, got)

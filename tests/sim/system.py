@@ -810,13 +810,13 @@ class SystemSim:
         """How long a frame waits in its DEALER's queue (see the fencing draws)."""
         rng = self.fence_rng
         r = self.by_proc.get(dealer.proc)
-        if r is not None and dealer.label == "primary":  # a backup's link to its primary
+        if r is not None and dealer.label == "primary" and (r.shard, self.replicas - 1) in self.reps:
+            # (a backup's link to its primary, once its shard is created whole)
             try:
                 msg = wire.open_signed(CLUSTER_KEY, frame, wire.decode_member_request)
             except wire.ProtocolError:
                 return 0
-            if (type(msg) is wire.Hello and self.kills_on_hello > 0 and self.now < self.fault_end
-                    and (r.shard, self.replicas - 1) in self.reps):  # (the shard is created whole)
+            if type(msg) is wire.Hello and self.kills_on_hello > 0 and self.now < self.fault_end:
                 p = self.reps[(r.shard, 0)]
                 if p.up and p.core is not None and self.may_fail(r.shard) and rng.random() < 0.3:
                     self.kills_on_hello -= 1
@@ -825,7 +825,10 @@ class SystemSim:
                             f"in the DEALER's queue past the restart")
                     self.crash_rep(p, same_address=True)
                     return rng.randint(130, 300) * MS  # the restart takes 10-120 ms
-            if type(msg) in (wire.Hello, wire.Prefix) and self.hold_links and rng.random() < self.hold_links:
+            # (a link held past the suspicion timeout is a partition: only where the shard
+            # tolerates one more failure, as every fault of the plan)
+            if (type(msg) in (wire.Hello, wire.Prefix) and self.hold_links and rng.random() < self.hold_links
+                    and self.now < self.fault_end and self.may_fail(r.shard)):
                 self.outcome.links_held += 1
                 return rng.randint(5, 250) * MS
             return 0
@@ -843,11 +846,13 @@ class SystemSim:
         return 0
 
     def _forward_hold(self, dealer: Any, frame: bytes) -> int:
-        """How long a FORWARD to a backup is held back on its link."""
-        if dealer.label != "primary" or self.by_proc.get(dealer.proc) is None:
+        """How long a FORWARD to a backup is held back on its link (where the shard
+        tolerates one more failure: a silence past the suspicion timeout is a partition)."""
+        r = self.by_proc.get(dealer.proc)
+        if dealer.label != "primary" or r is None or (r.shard, self.replicas - 1) not in self.reps:
             return 0
         rng = self.fence_rng
-        if rng.random() >= self.hold_forwards:
+        if rng.random() >= self.hold_forwards or self.now >= self.fault_end or not self.may_fail(r.shard):
             return 0
         self.outcome.forwards_held += 1
         return rng.randint(5, 250) * MS

@@ -88,8 +88,9 @@ class World:
         self.holds: list[Callable[[Any, bytes, bytes], int]] = []
         #: queue hold-backs: fn(dealer, frame) -> ns a frame a DEALER sends waits in its
         #: queue before it goes (0: at once), as one does while its connection is down or
-        #: slow: it then reaches whoever is bound at the address by then (a next
-        #: incarnation at the same address), unless the DEALER was closed meanwhile
+        #: slow, and every frame sent after it waits behind it (the queue is in order): it
+        #: then reaches whoever is bound at the address by then (a next incarnation at the
+        #: same address), unless the DEALER was closed meanwhile
         self.queue_holds: list[Callable[["SimDealer", bytes], int]] = []
         #: delivery hold-backs: fn(dealer, frame) -> ns a frame to a DEALER is held back
         #: before it reaches its process (0: now), on the same connection; held at most once
@@ -392,17 +393,24 @@ class SimDealer:
         self.label = label
         self.route = route
         self.closed = False
+        #: frames sent before this time wait in the queue, in order (a queue hold-back)
+        self.queued_until = 0
         proc.world.routes[route] = self
 
     def send(self, frame: bytes) -> bool:
         if self.closed:
             return False
         world = self.proc.world
+        until = self.queued_until
         for hold in world.queue_holds:
             delay = hold(self, frame)
             if delay > 0:
-                world.at(world.now + delay, self._unqueue, frame)
-                return True
+                until = max(until, world.now + delay)
+                break
+        if until > world.now:  # held, or behind a frame held: the queue goes in order
+            self.queued_until = until
+            world.at(until, self._unqueue, frame)
+            return True
         self._go(frame)
         return True
 

@@ -48,8 +48,10 @@ class MemberGate:
         if t in RECOVERY_REQUESTS:
             self._check_generation(msg)  # type: ignore[arg-type]
         elif t is f.Hello and not msg.to_inc:  # type: ignore[union-attr]
-            reads = self.coord.topology.replica_reads.get(self.shard, {})
-            if reads.get(msg.replica, f.READS_FENCE) < f.READS_FENCE:  # type: ignore[union-attr]
+            topo = self.coord.topology
+            replica = msg.replica  # type: ignore[union-attr]
+            if (replica in topo.replicas.get(self.shard, {})  # registered, and says it reads less (or nothing)
+                    and topo.replica_reads.get(self.shard, {}).get(replica, 0) < f.READS_FENCE):
                 return msgspec.structs.replace(msg, to_inc=self.incarnation)
         return msg
 
