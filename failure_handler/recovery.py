@@ -254,8 +254,18 @@ class RecoveryCore:
         rec.fetch_for = {q: t for q, t in rec.fetch_for.items() if t != replica}
 
     def tick(self, now: int) -> None:
+        retry = self.s.retry_ns
         for rec in list(self.active.values()):
             self._advance(rec, now)
+            if rec.persisting:
+                continue
+            for r in rec.reps.values():
+                if r.pending is not None and now - r.sent_at >= retry:
+                    # Due, and not sent again: its step is not the recovery's now (a RESUME
+                    # answered by nobody while another replica, restarted, is installed
+                    # again). Looked at again a retry interval from now: a deadline left
+                    # in the past had the handler's loop spin without time passing.
+                    r.sent_at = now
 
     def next_deadline(self) -> int | None:
         """When :meth:`tick` next has a request to resend (a recovery waiting for its

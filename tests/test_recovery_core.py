@@ -406,3 +406,37 @@ def test_a_fetch_with_no_holder_up_waits_for_one_without_spinning() -> None:
         deadline = core.next_deadline()
         assert deadline is not None and deadline > now, (deadline, now)
         now = deadline
+
+
+def test_a_request_its_recovery_no_longer_sends_again_waits_its_retry_interval() -> None:
+    """Found by the system simulation: a RESUME the source had not answered when another
+    replica restarted (forgotten, so the recovery is back to installing it) is not sent
+    again until every replica is installed again; its deadline stayed in the past and the
+    handler's loop spun without time passing."""
+    from failure_handler.recovery import ACQUIRED, HandlerSettings, RecoveryCore
+
+    core = RecoveryCore(HandlerSettings(retry_ns=20 * MS))
+    x = epoch_end(0) + 5
+    core.load(0, 2, {"gen": 0, "phase": ACQUIRED, "source": 1, "stable": x, "frontier": x, "records": [],
+                     "guesses": [], "membership": []}, 0)
+    core.on_history([[0, [0, 1]], [1, [0, 1]], [2, [1]]], 0)
+    rec = core.active[0]
+
+    def answer(replica: int, op: int, payload: dict[str, object]) -> None:
+        pending = rec.reps[replica].pending
+        assert pending is not None and pending[1] == op, (replica, pending)
+        core.on_reply(0, replica, wire.RecoveryOk(req_id=pending[0], payload=payload), 0)
+
+    for replica in (0, 1):
+        answer(replica, wire.PROBE, {"frontier": x, "frozen": True, "qualified": replica == 1})
+    for replica in (0, 1):
+        answer(replica, wire.INSTALL, {"frontier": rec.end})
+    pending = rec.reps[1].pending
+    assert pending is not None and pending[1] == wire.RESUME, "the source is told RESUME first"
+    core._forget(rec, 0)  # the other replica restarted: installed again before anyone resumes
+    now = 30 * MS
+    for _ in range(3):
+        core.tick(now)
+        deadline = core.next_deadline()
+        assert deadline is not None and deadline > now, (deadline, now)
+        now = deadline

@@ -393,7 +393,7 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
-@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065])
+@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065, 50015079])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -413,7 +413,10 @@ def test_recovery_regression_seeds(seed: int) -> None:
     it learns that at its next beat) resumed and loaded a shard's acquired record before
     it took the history its view held: the record's end came from a history that did
     not show the shard, its install's epochs were wrong, and its core's own checks
-    stopped it (two leaders then drove one recovery with different ends)."""
+    stopped it (two leaders then drove one recovery with different ends). 50015079: a
+    RESUME the source had not answered when another replica restarted was due and never
+    sent again (the recovery was installing that replica anew): the handler's loop spun
+    on its deadline without simulated time passing."""
     run(seed)
 
 
