@@ -4,7 +4,7 @@ the codec (encoded, then decoded at its edge), as it would on the wire."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from failure_handler.recovery import RecoveryCore
 from ziplog.cores.effects import Peer, ReadHistory, ReplicaOf, ShardReplicas, WriteRecovery
@@ -31,6 +31,29 @@ def backup_route(replica: int) -> bytes:
     return b"backup" if replica == 1 else b"backup%d" % replica
 
 
+class _Backup:
+    """Backup 1's core as a test holds it (every attribute its core's), whose
+    ``connect_primary(now)`` names no incarnation: it links to the primary incarnation
+    up now, as its driver does when ZooKeeper shows that incarnation's registration."""
+
+    __slots__ = ("_harness", "_core")
+
+    def __init__(self, harness: ShardHarness, core: ReplicaCore) -> None:
+        object.__setattr__(self, "_harness", harness)
+        object.__setattr__(self, "_core", core)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._core, name, value)
+
+    def connect_primary(self, now: int, primary_inc: int | None = None) -> None:
+        primary = self._harness.cores[0]
+        inc = primary_inc if primary_inc is not None else primary.incarnation if primary is not None else 0
+        self._core.connect_primary(now, inc)
+
+
 class ShardHarness:
     """Replicas 0 (primary) and 1 (backup) of shard 0 (and 2.. with ``replicas``), a
     client route, and the failure handler. A core set to None is down: it hears nothing."""
@@ -42,7 +65,8 @@ class ShardHarness:
         self.settings = {"prefix_interval_ns": 0, **(settings or {})}
         self.replicas = replicas
         #: each new core is a new incarnation (1, 2, ...), as a server's start is: a backup
-        #: links to the primary's with :meth:`connect` (unfenced, every core is 0)
+        #: links to the primary's with :meth:`connect`, or ``B.connect_primary(now)``
+        #: (unfenced, every core is 0, as a build before incarnations)
         self.fenced = fenced
         self.incarnations = 0
         self.now = 0
@@ -88,7 +112,7 @@ class ShardHarness:
     def B(self) -> ReplicaCore:
         core = self.cores[1]
         assert core is not None
-        return core
+        return cast(ReplicaCore, _Backup(self, core))
 
     @B.setter
     def B(self, core: ReplicaCore | None) -> None:
