@@ -3,7 +3,7 @@ driven step by step (no network, no clock): the protocol of dissertation 4.2.5."
 
 from __future__ import annotations
 
-from failure_handler.recovery import DONE
+from failure_handler.recovery import DONE, RecoveryCore
 from tests.harness import MS, ShardHarness
 from ziplog.cores.client.waits import InsertWait, Redirect
 from ziplog.protocol import frames as wire
@@ -374,6 +374,15 @@ def test_a_replica_frozen_for_a_recovery_comes_back_frozen_after_a_restart() -> 
     assert not h.P.frozen and not h.B.frozen and h.P.log.gsns == h.B.log.gsns
 
 
+def _assert_time_passes(core: RecoveryCore, now: int) -> None:
+    """Each tick leaves the handler's next deadline in the future: its loop waits."""
+    for _ in range(3):
+        core.tick(now)
+        deadline = core.next_deadline()
+        assert deadline is not None and deadline > now, (deadline, now)
+        now = deadline
+
+
 def test_a_fetch_with_no_holder_up_waits_for_one_without_spinning() -> None:
     """Found by the system simulation (a leader's loop resumed after a stall): a replica that
     needs records below the recovery's stable point, whose holder refused the FETCH (it
@@ -400,12 +409,7 @@ def test_a_fetch_with_no_holder_up_waits_for_one_without_spinning() -> None:
     answer_probe(0, 3)
     fetch = next(m for _, m in core.ready().messages if isinstance(m, wire.Fetch))
     core.on_reply(0, 1, wire.Error(req_id=fetch.req_id, code=wire.E_STALE, message="restarted"), 0)
-    now = 30 * MS
-    for _ in range(3):
-        core.tick(now)
-        deadline = core.next_deadline()
-        assert deadline is not None and deadline > now, (deadline, now)
-        now = deadline
+    _assert_time_passes(core, 30 * MS)
 
 
 def test_a_request_its_recovery_no_longer_sends_again_waits_its_retry_interval() -> None:
@@ -434,9 +438,4 @@ def test_a_request_its_recovery_no_longer_sends_again_waits_its_retry_interval()
     pending = rec.reps[1].pending
     assert pending is not None and pending[1] == wire.RESUME, "the source is told RESUME first"
     core._forget(rec, 0)  # the other replica restarted: installed again before anyone resumes
-    now = 30 * MS
-    for _ in range(3):
-        core.tick(now)
-        deadline = core.next_deadline()
-        assert deadline is not None and deadline > now, (deadline, now)
-        now = deadline
+    _assert_time_passes(core, 30 * MS)
