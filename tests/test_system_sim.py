@@ -430,14 +430,17 @@ def test_same_address_regression_seeds(seed: int) -> None:
     run(seed)
 
 
-@pytest.mark.parametrize("seed", [102616, 108430])
+@pytest.mark.parametrize("seed", [102616, 108430, 50033508])
 def test_a_stop_under_way_keeps_its_peer_from_other_faults(seed: int) -> None:
     """Seeds whose worlds broke the fault model (f = 1), not the system: a graceful stop
     decided for the end of a replica's next turn let a crash take its peer first, so both
     replicas of a shard went down (102616: an acknowledged record, never written on the
     full disks, was lost with both; 108430: neither restarted replica could vouch for the
     shard, and its recovery waited for ever). A stop under way now makes its shard no
-    longer whole, as the operator's rule (one replica of a whole shard at a time) says."""
+    longer whole, as the operator's rule (one replica of a whole shard at a time) says.
+    50033508: the same with a kill decided at a NOTICE for the end of a primary's turn,
+    which waited out the primary's SIGSTOP (81 ms) while its peer crashed; neither
+    restarted replica could vouch for the shard."""
     run(seed)
 
 

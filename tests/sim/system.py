@@ -251,8 +251,9 @@ class Rep:
         self.session: Session | None = None
         self.inc = 0
         self.blocked_seen = False
-        #: a graceful stop was decided and waits for the end of this replica's next turn:
-        #: its shard is no longer whole (no other fault may take its peer meanwhile)
+        #: a graceful stop, or a kill, was decided and waits for the end of this replica's
+        #: next turn (later still if it is stalled): its shard is no longer whole (no other
+        #: fault may take its peer meanwhile)
         self.stopping = False
         #: a STARTING primary took one backup's HELLO (A's window, while it lasts)
         self.took_hello_starting = False
@@ -983,6 +984,7 @@ class SystemSim:
                 # killed once the notice made it pass slots, before it forwarded or wrote them
                 self.faults_left -= 1
                 self.outcome.killed_after_notice += 1
+                r.stopping = True  # its turn may wait out a stall: its peer is spared till then
                 r.proc.doomed = lambda: self.crash_rep(r)
         if (isinstance(msg, (wire.Install, wire.Resume)) and self.power_after_install and self.faults_left_install > 0
                 and self.now < self.fault_end and self.widen.random() < self.power_after_install
