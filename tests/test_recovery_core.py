@@ -439,3 +439,94 @@ def test_a_request_its_recovery_no_longer_sends_again_waits_its_retry_interval()
     assert pending is not None and pending[1] == wire.RESUME, "the source is told RESUME first"
     core._forget(rec, 0)  # the other replica restarted: installed again before anyone resumes
     _assert_time_passes(core, 30 * MS)
+
+
+def test_a_source_restarted_before_resume_still_hands_over_what_it_said_the_shard_will_not_hold() -> None:
+    """Found by the system simulation (seed 50051893, a record stored in two shards): the
+    source told a client NOT_HELD, the client placed the record in another shard, the
+    source lost power before RESUME and came back without that promise, so RESUME handed
+    nothing over and a copy of the client's INSERT delayed on its way to another replica
+    was placed here too. The NOT_HELD leaves once written (a RefusedEvent), a restart
+    reads it back, RESUME hands it over, and every replica refuses the delayed copy."""
+    from ziplog.protocol.events import RefusedEvent
+
+    h = Harness()
+    h.next_epoch()
+    h.insert(1, b"one")
+    h.pump()
+    h.insert(2, b"two")
+    h.pump(drop_from={0})  # the primary "crashed" with record two's acks and forwards
+    h.P = h.new_core(0)
+    h.P.replay(list(h.disk[0]))
+    h.now += 400 * MS
+    h.B.tick(h.now)
+    h.pump()
+    h.auto_drop = False
+    h.handler.on_suspect(0, 1, h.now)
+    h.pump()
+    assert h.B.recovery.authority
+    # the client's INSERT of record 4 reaches the source (answered NOT_HELD: the client
+    # places the record elsewhere); its copy to the primary is delayed in the network
+    h.insert(4, b"four", to=(1,))
+    h.B.flush(h.now)
+    ready = h.B.ready()
+    assert [(ev.client_id, ev.seq) for ev in ready.persist if isinstance(ev, RefusedEvent)] == [(7, 4)]
+    assert not [m for _, m in ready.messages if isinstance(m, wire.Error)], "the NOT_HELD waits for the disk"
+    (_, refused), = [(d, m) for d, m in ready.durable if isinstance(m, wire.Error)]
+    assert refused.code == wire.E_NOT_HELD
+    assert not ready.coordinate and len(ready.messages) + len(ready.durable) == 1, ready
+    h.disk[1].extend(ready.persist)
+    # the source loses power: it comes back from what its disk holds
+    h.B = h.new_core(1)
+    h.B.replay(list(h.disk[1]))
+    h.connect(1)
+    h.drop()
+    h.pump()
+    assert h.handler.completed == [(0, 0)], h.handler.completed
+    # the delayed copy reaches the primary, and a retry the source: neither holds it
+    h.client.clear()
+    h.insert(4, b"four", to=(0,))
+    h.insert(4, b"four", to=(1,))
+    h.pump()
+    for core in (h.P, h.B):
+        assert (7, 4) not in core.log.dedup
+    assert not [m for _, m in h.replies(4) if isinstance(m, wire.Ack)], h.replies(4)
+
+
+def test_refusals_survive_a_new_segment_and_old_snapshots_still_load() -> None:
+    """A segment's snapshot repeats the refusals of its recovery mark's generation (an
+    older segment may be gone), and a snapshot written before refusals were kept loads."""
+    import msgpack
+
+    from ziplog.cores.effects import Outbox
+    from ziplog.cores.replica.log import DecidedLog
+    from ziplog.protocol.events import (
+        RECOVERY_FROZEN,
+        RecoveryEvent,
+        RefusedEvent,
+        SnapshotEvent,
+        decode_events,
+        encode_events,
+    )
+
+    log = DecidedLog(Outbox())
+    log.mark_recovery(RecoveryEvent(2, RECOVERY_FROZEN))
+    log.mark_refused(2, (7, 4))
+    log.mark_recovery(RecoveryEvent(3, RECOVERY_FROZEN))
+    log.mark_refused(3, (7, 5))
+    log.mark_refused(3, (8, 1))
+    blob = encode_events([log.snapshot()])
+    (snap, _), = decode_events(blob)
+    assert isinstance(snap, SnapshotEvent) and snap.refused == ((7, 5), (8, 1))
+    again = DecidedLog(Outbox())
+    again.replay([snap])
+    assert again.refused_gen == 3 and list(again.refused) == [(7, 5), (8, 1)]
+    # the events themselves, replayed: the newest generation's only
+    replayed = DecidedLog(Outbox())
+    replayed.replay([ev for ev, _ in decode_events(encode_events(log.out.persist))])
+    assert replayed.refused_gen == 3 and list(replayed.refused) == [(7, 5), (8, 1)]
+    assert any(isinstance(ev, RefusedEvent) for ev in log.out.persist)
+    # a snapshot of the build before (no refusals field) decodes with none
+    old = msgpack.packb([5, [], 0, 0, 0, [7, 3, 0, 0]])
+    (snap, _), = decode_events(old)
+    assert isinstance(snap, SnapshotEvent) and snap.refused == () and snap.recovery == RecoveryEvent(3, 0, 0)

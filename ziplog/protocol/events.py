@@ -33,6 +33,7 @@ EV_SNAPSHOT = 5
 EV_TRUNCATE = 6
 EV_RECOVERY = 7
 EV_RECORD_REF = 8
+EV_REFUSED = 9
 
 #: :class:`RecoveryEvent` phases
 RECOVERY_FROZEN = 0
@@ -130,6 +131,19 @@ class RecoveryEvent(_Event, tag=EV_RECOVERY, frozen=True):
     end: U64 = 0
 
 
+class RefusedEvent(_Event, tag=EV_REFUSED, frozen=True):
+    """Disk only: in failure recovery generation ``gen`` this replica, the recovery's
+    source, told the client of ``(client_id, seq)`` that the shard will not hold that
+    record (NOT_HELD). Written and fsynced before that answer leaves: the client places
+    the record in another shard on its word, so a restart before the recovery ends must
+    still hand the key over at RESUME, for every replica to refuse a copy of that INSERT
+    delayed in the network."""
+
+    gen: U64
+    client_id: U64
+    seq: U64
+
+
 class SnapshotEvent(_Event, tag=EV_SNAPSHOT, frozen=True):
     """Disk only: the state a segment file opens with, so no older segment is needed
     (``recovery``: the last :class:`RecoveryEvent` written, if any)."""
@@ -139,6 +153,9 @@ class SnapshotEvent(_Event, tag=EV_SNAPSHOT, frozen=True):
     stable: U64
     trim: U64
     recovery: RecoveryEvent | None = None
+    #: the records this replica, as the source of ``recovery``'s generation, told their
+    #: clients the shard will not hold (its :class:`RefusedEvent` s of that generation)
+    refused: tuple[tuple[U64, U64], ...] = ()
 
 
 class TruncateEvent(_Event, tag=EV_TRUNCATE, frozen=True):
@@ -176,7 +193,7 @@ StreamEvent = Union[RecordEvent, RecordRefEvent, FrontierEvent, EpochEvent]
 InstallEvent = Union[RecordEvent, EpochEvent]
 #: What a segment file holds.
 DiskEvent = Union[RecordEvent, FrontierEvent, EpochEvent, TrimEvent, StableEvent, SnapshotEvent, TruncateEvent,
-                  RecoveryEvent]
+                  RecoveryEvent, RefusedEvent]
 
 _encoder = msgspec.msgpack.Encoder()
 _disk_decoder = msgspec.msgpack.Decoder(DiskEvent)  # type: ignore[arg-type]

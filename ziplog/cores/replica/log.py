@@ -24,6 +24,7 @@ from ziplog.protocol.events import (
     Members,
     RecordEvent,
     RecoveryEvent,
+    RefusedEvent,
     SnapshotEvent,
     StableEvent,
     TrimEvent,
@@ -70,6 +71,11 @@ class DecidedLog:
         #: this replica's last step in a failure recovery, as persisted (its disk's
         #: word on it after a restart; every new segment's snapshot repeats it)
         self.recovery_mark: RecoveryEvent | None = None
+        #: the records this replica, as the source of recovery generation
+        #: ``refused_gen``, told their clients the shard will not hold, as persisted
+        #: (every new segment's snapshot repeats those of the mark's generation)
+        self.refused: dict[tuple[int, int], None] = {}
+        self.refused_gen = -1
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -241,6 +247,18 @@ class DecidedLog:
         self.recovery_mark = mark
         self.out.persist.append(mark)
 
+    def mark_refused(self, gen: int, key: tuple[int, int]) -> None:
+        """Persist that, as the source of recovery generation ``gen``, this replica told
+        the client of ``key`` the shard will not hold its record."""
+        self._note_refused(gen, key)
+        self.out.persist.append(RefusedEvent(gen, key[0], key[1]))
+
+    def _note_refused(self, gen: int, key: tuple[int, int]) -> None:
+        if gen != self.refused_gen:
+            assert gen > self.refused_gen, ("refusals of an older recovery generation", gen, self.refused_gen)
+            self.refused, self.refused_gen = {}, gen
+        self.refused[key] = None
+
     # -- disk -----------------------------------------------------------------------------------
     def replay(self, events: Iterable[DiskEvent]) -> None:
         """Rebuild from persisted events (see ``ziplog.io.segments``); nothing is persisted
@@ -275,17 +293,26 @@ class DecidedLog:
                 self.trim_point = max(self.trim_point, ev.trim)
                 if ev.recovery is not None:
                     self.recovery_mark = ev.recovery
+                    if ev.recovery.gen >= self.refused_gen:
+                        for client_id, seq in ev.refused:
+                            self._note_refused(ev.recovery.gen, (client_id, seq))
             elif t is RecoveryEvent:
                 assert isinstance(ev, RecoveryEvent)
                 self.recovery_mark = ev
+            elif t is RefusedEvent:
+                assert isinstance(ev, RefusedEvent)
+                if ev.gen >= self.refused_gen:
+                    self._note_refused(ev.gen, (ev.client_id, ev.seq))
         self.stable = min(self.stable, self.frontier)
         self.out.persist.clear()
         self.drop_trimmed()
 
     def snapshot(self) -> SnapshotEvent:
         """What a new segment file opens with."""
+        mark = self.recovery_mark
+        refused = tuple(self.refused) if mark is not None and mark.gen == self.refused_gen else ()
         return SnapshotEvent([(f, la, tuple(m)) for f, la, m in self.membership], self.frontier, self.stable,
-                             self.trim_point, self.recovery_mark)
+                             self.trim_point, mark, refused)
 
     def flush_marks(self) -> list[DiskEvent]:
         """The watermarks written with every batch of events on disk."""

@@ -59,8 +59,9 @@ class RecoveryPhase(enum.Enum):
     RESTORED = "restored"
 
 
-#: NOT_HELD answers an authority remembers per generation (each a client's record in
-#: doubt during one recovery; beyond it the oldest clients' copies are not guarded)
+#: NOT_HELD answers an authority gives per generation (each a client's record in doubt
+#: during one recovery, remembered and written to its disk); beyond it, an insert it
+#: would refuse hears FROZEN and waits for the recovery's end
 MAX_NOT_HELD = 100_000
 
 _TRANSITIONS = {
@@ -108,6 +109,10 @@ class RecoveryParticipant:
         if mark is None:
             return
         self.gen = mark.gen
+        if self.log.refused_gen == mark.gen:
+            # what this replica, as the source, said the shard will not hold: handed over
+            # at RESUME (a repeat too), and refused here once resumed
+            self.not_held = dict(self.log.refused)
         if mark.phase == RECOVERY_RESUMED:
             self.installed_gen = mark.gen
             return
@@ -140,11 +145,17 @@ class RecoveryParticipant:
             if held is not None:
                 self.out.send(route, f.Ack(req_id=req_id, gsn=held, replica=self.replica, stable=self.log.stable,
                                            decided=True, final=True))
-            else:
+            elif len(self.not_held) < MAX_NOT_HELD:
+                # A promise the client acts on (it places the record elsewhere): it leaves
+                # once written, so that a restart before RESUME still hands the key over
+                # for every replica to refuse a delayed copy of this INSERT.
                 self.role.refused_for_recovery(key, now)
-                if len(self.not_held) < MAX_NOT_HELD:
-                    self.not_held[key] = None
-                self.error(route, req_id, f.E_NOT_HELD, f"shard {self.shard} is recovering and will not hold this record")
+                self.not_held[key] = None
+                self.log.mark_refused(self.gen, key)
+                self.out.send_durable(route, f.Error(req_id=req_id, code=f.E_NOT_HELD, message=(
+                    f"shard {self.shard} is recovering and will not hold this record")))
+            else:  # no room to remember one more promise: the client waits for RESUME
+                self.error(route, req_id, f.E_FROZEN, f"shard {self.shard} is frozen for failure recovery")
             return
         if not self.role.is_primary:
             self.role.wait_for_authority(route, req_id, key, now)  # type: ignore[union-attr]
@@ -311,6 +322,8 @@ class RecoveryParticipant:
         # here now that the client has moved it elsewhere.
         for client_id, seq in refused:
             self.role.refused_for_recovery((client_id, seq), now)
+        for key in self.not_held:  # ours (restored from the disk after a restart too)
+            self.role.refused_for_recovery(key, now)
         self._become(RecoveryPhase.NORMAL)
         self.log.mark_recovery(RecoveryEvent(self.gen, RECOVERY_RESUMED))
         self.log.advance_stable(stable)
