@@ -393,7 +393,8 @@ def test_regression_seeds(seed: int) -> None:
     run(seed, stops=0)
 
 
-@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065, 50015079, 50051893])
+@pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065, 50015079, 50051893,
+                                  50065961, 50067428])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -419,7 +420,9 @@ def test_recovery_regression_seeds(seed: int) -> None:
     on its deadline without simulated time passing. 50051893: the source told a client a
     record was not held, lost power before RESUME and came back without that promise;
     a copy of the INSERT delayed on its way to another replica was placed after the
-    recovery, while the client had placed the record in another shard."""
+    recovery, while the client had placed the record in another shard (50065961,
+    50067428: the same with the source SIGKILLed; a record on two shards, and one in the
+    log that every shard had called not held)."""
     run(seed)
 
 
