@@ -25,6 +25,17 @@ class Harness(ShardHarness):
         self.B.connect_primary(0)
         self.pump()
 
+    def backup_acquired(self) -> None:
+        """The backup hears nothing from its primary for the suspicion timeout and asks
+        for recovery; the handler acquires its state (the shard is not dropped yet)."""
+        self.now += 400 * MS
+        self.B.tick(self.now)
+        self.pump()
+        self.auto_drop = False
+        self.handler.on_suspect(0, 1, self.now)
+        self.pump()
+        assert self.B.recovery.authority
+
     def drop(self) -> None:
         """The MMS leaves shard 0 out of the next epoch."""
         self.history = self.history + [[self.epoch + 1, [1]]]
@@ -163,13 +174,7 @@ def test_a_primary_timeout_does_not_settle_an_insert_a_backup_guessed() -> None:
     # The primary fails for good; the backup suspects it, recovery acquires the backup's
     # state (the primary never qualified) and the backup answers the resend for good.
     h.P = None
-    h.now += 400 * MS
-    h.B.tick(h.now)
-    h.pump()
-    h.auto_drop = False
-    h.handler.on_suspect(0, 1, h.now)
-    h.pump()
-    assert h.B.recovery.authority
+    h.backup_acquired()
     h.client.clear()
     h.insert(2, b"two", to=(1,))
     h.pump()
@@ -458,13 +463,7 @@ def test_a_source_restarted_before_resume_still_hands_over_what_it_said_the_shar
     h.pump(drop_from={0})  # the primary "crashed" with record two's acks and forwards
     h.P = h.new_core(0)
     h.P.replay(list(h.disk[0]))
-    h.now += 400 * MS
-    h.B.tick(h.now)
-    h.pump()
-    h.auto_drop = False
-    h.handler.on_suspect(0, 1, h.now)
-    h.pump()
-    assert h.B.recovery.authority
+    h.backup_acquired()
     # the client's INSERT of record 4 reaches the source (answered NOT_HELD: the client
     # places the record elsewhere); its copy to the primary is delayed in the network
     h.insert(4, b"four", to=(1,))
