@@ -89,9 +89,13 @@ class RecoveryParticipant:
         #: the end of the last INSTALL (part) applied in ``installed_gen``: an INSTALL
         #: ending at or below it repeats one applied already
         self.installed_end = -1
-        #: records this replica, as the recovery's authority, said the shard will not
-        #: hold (NOT_HELD), this generation: handed to the others at RESUME
-        self.not_held: dict[Key, None] = {}
+
+    @property
+    def not_held(self) -> dict[Key, None]:
+        """Records this replica, as the recovery's authority, said the shard will not
+        hold (NOT_HELD), this generation, as its disk holds them: handed to the others
+        at RESUME (a repeat too, and after a restart), and refused here once resumed."""
+        return self.log.refused if self.log.refused_gen == self.gen else {}
 
     def _become(self, phase: RecoveryPhase) -> None:
         assert phase in _TRANSITIONS[self.phase], ("illegal recovery transition", self.phase, phase)
@@ -109,10 +113,6 @@ class RecoveryParticipant:
         if mark is None:
             return
         self.gen = mark.gen
-        if self.log.refused_gen == mark.gen:
-            # what this replica, as the source, said the shard will not hold: handed over
-            # at RESUME (a repeat too), and refused here once resumed
-            self.not_held = dict(self.log.refused)
         if mark.phase == RECOVERY_RESUMED:
             self.installed_gen = mark.gen
             return
@@ -150,7 +150,6 @@ class RecoveryParticipant:
                 # once written, so that a restart before RESUME still hands the key over
                 # for every replica to refuse a delayed copy of this INSERT.
                 self.role.refused_for_recovery(key, now)
-                self.not_held[key] = None
                 self.log.mark_refused(self.gen, key)
                 self.out.send_durable(route, f.Error(req_id=req_id, code=f.E_NOT_HELD, message=(
                     f"shard {self.shard} is recovering and will not hold this record")))
@@ -202,7 +201,6 @@ class RecoveryParticipant:
             self._become(RecoveryPhase.FROZEN)
             self.installed_gen = -1
             self.installed_end = -1
-            self.not_held = {}
             self.role.frozen()
             log.mark_recovery(RecoveryEvent(gen, RECOVERY_FROZEN))
             # Inserts parked for an epoch would be decided after the recovery, though the
