@@ -320,8 +320,11 @@ class RecoveryCore:
         guesses = state.get("guesses") or []
         records = state.get("records") or []
         assert all(g[0] > state["frontier"] for g in guesses), "a guess at or below the frontier"
+        # The source vouches for what it holds: a stable point above its frontier (a
+        # replica of a build that kept one after an install ending below it) is no
+        # replica's, and fetching up to it would wait for ever.
         rec.acquired = {
-            "gen": rec.gen, "phase": ACQUIRED, "source": replica, "stable": state["stable"],
+            "gen": rec.gen, "phase": ACQUIRED, "source": replica, "stable": min(state["stable"], state["frontier"]),
             "frontier": state["frontier"], "records": records, "guesses": guesses,
             "membership": state.get("membership") or [],
         }

@@ -529,3 +529,80 @@ def test_refusals_survive_a_new_segment_and_old_snapshots_still_load() -> None:
     old = msgpack.packb([5, [], 0, 0, 0, [7, 3, 0, 0]])
     (snap, _), = decode_events(old)
     assert isinstance(snap, SnapshotEvent) and snap.refused == () and snap.recovery == RecoveryEvent(3, 0, 0)
+
+
+def test_an_install_ending_below_the_stable_point_leaves_stable_within_the_frontier() -> None:
+    """Found by the system simulation (seed 60007781, a recovery that never ended): after a
+    recovery, a FORWARD its primary sent before the freeze reached the backup and brought
+    epochs without the shard (its positions there are no-ops), which the backup, alone
+    with its primary, counted stable. The next recovery took the primary's state (it never
+    applied them again): its install ended below the backup's stable point, the backup
+    kept that point above its frontier, and the recovery after took the backup's state and
+    waited for ever for some replica to hold records up to it."""
+    h = Harness()
+    h.auto_drop = False
+    h.next_epoch()  # epoch 0: shards 0 and 1
+    h.insert(1, b"one")
+    h.pump()
+    # The MMS leaves shard 0 out of epochs 1 to 3; the primary's FORWARDs of them to the
+    # backup are held back on the way.
+    h.history = h.history + [[1, [1]]]
+    h.handler.on_history(h.history, h.now)
+    sent_before = len(h.sent)
+    for e in (1, 2, 3):
+        h.epoch = e
+        h.send_epoch(e, (1,), to=(0,))
+        h.pump(lose=("forward",))
+    held = [m for i, dest, m in h.sent[sent_before:] if i == 0 and isinstance(m, wire.Forward)]
+    assert held and h.P.frontier > epoch_end(0) >= h.B.frontier
+    high = h.P.frontier
+
+    def recover(source: int) -> None:
+        """The other replica suspects ``source``'s peer; ``source`` answers PROBE first
+        (the other is away for it), so its state is the recovery's."""
+        other = 1 - source
+        away = h.cores[other]
+        h.now += 600 * MS  # past the handler's quiet time after the last recovery
+        h.cores[other] = None
+        done = len(h.handler.completed)
+        assert h.handler.on_suspect(0, source, h.now)
+        h.pump()
+        h.cores[other] = away
+        for _ in range(20):
+            if len(h.handler.completed) > done:
+                return
+            h.now += 20 * MS
+            h.handler.tick(h.now)  # resends what went unanswered
+            h.tick()
+        raise AssertionError(("the recovery did not end", h.handler.waiting_for_a_source(), h.handler.active))
+
+    recover(source=1)  # the backup's state: the primary goes back to the end of epoch 0
+    assert h.P.frontier == h.B.frontier == epoch_end(0)
+    for m in held:  # now the held FORWARDs arrive
+        h.B.on_forward(m, h.now)
+    h.pump()
+    assert h.B.frontier == h.B.log.stable == high > h.P.frontier
+    recover(source=0)  # the primary's state, which ends below the backup's stable point
+    for core in (h.P, h.B):
+        assert core.frontier == epoch_end(0) and core.log.stable <= core.frontier, (core.frontier, core.log.stable)
+    recover(source=1)  # before, this one waited for ever
+    assert [g for _, g in h.handler.completed] == [0, 1, 2]
+
+
+def test_a_source_naming_a_stable_point_above_its_frontier_vouches_only_for_its_frontier() -> None:
+    """A replica of a build that kept its stable point above its frontier after such an
+    install: the handler takes its frontier as the recovery's stable point (no replica
+    holds anything above it to fetch)."""
+    core = RecoveryCore()
+    core.load(0, 2, None, 0)
+    core.on_history([[0, [0, 1]], [1, [1]]], 0)
+    assert core.on_suspect(0, 0, 0)
+    core.on_persisted(0, 0, 0)
+    rec = core.active[0]
+    pending = rec.reps[1].pending
+    assert pending is not None and pending[1] == wire.PROBE
+    frontier = epoch_end(0)
+    core.on_reply(0, 1, wire.RecoveryOk(req_id=pending[0], payload={
+        "frontier": frontier, "stable": frontier + (3 << 32), "frozen": True, "qualified": True, "records": [],
+        "guesses": [], "membership": [[0, 0, [0, 1]]]}), 0)
+    assert rec.acquired is not None and rec.acquired["stable"] == frontier

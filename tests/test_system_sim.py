@@ -394,7 +394,7 @@ def test_regression_seeds(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065, 50015079, 50051893,
-                                  50065961, 50067428])
+                                  50065961, 50067428, 60007781])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -422,7 +422,11 @@ def test_recovery_regression_seeds(seed: int) -> None:
     a copy of the INSERT delayed on its way to another replica was placed after the
     recovery, while the client had placed the record in another shard (50065961,
     50067428: the same with the source SIGKILLed; a record on two shards, and one in the
-    log that every shard had called not held)."""
+    log that every shard had called not held). 60007781: a FORWARD held past a recovery
+    brought a backup epochs without its shard, which it counted stable; the next
+    recovery's install ended below them and left its stable point above its frontier, and
+    the recovery after that, from its state, waited for ever for records up to that point
+    (tests/test_recovery_core.py)."""
     run(seed)
 
 

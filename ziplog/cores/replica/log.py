@@ -196,6 +196,19 @@ class DecidedLog:
             for fn in self.stable_listeners:
                 fn()
 
+    def stable_within_frontier(self) -> None:
+        """After a recovery's last install part: ``stable`` back to at most the frontier.
+        The install ended at the recovery's end, which may lie below positions this
+        replica had made stable: the no-ops of epochs without the shard (its positions
+        after it left), taken from a FORWARD its primary sent before the freeze when the
+        source never applied those epochs. Positions at or below the source's stable
+        point are never truncated (``base = min(frontier, X)``), and no record of the
+        shard can lie in an epoch that left it out: only no-ops go, and come back as the
+        same no-ops when the shard learns those epochs again. Left above the frontier,
+        the next recovery's source would name a stable point no replica holds, and
+        wait for it for ever."""
+        self.stable = min(self.stable, self.frontier)
+
     def advance_stable(self, stable: int) -> bool:
         """Every replica holds the log up to ``stable`` (never beyond our frontier)."""
         stable = min(stable, self.frontier)

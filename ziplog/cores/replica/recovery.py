@@ -324,6 +324,7 @@ class RecoveryParticipant:
             self.role.refused_for_recovery(key, now)
         self._become(RecoveryPhase.NORMAL)
         self.log.mark_recovery(RecoveryEvent(self.gen, RECOVERY_RESUMED))
+        self.log.stable_within_frontier()
         self.log.advance_stable(stable)
         self.role.resumed(now)
         self.on_resume(now)
