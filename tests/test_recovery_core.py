@@ -606,3 +606,48 @@ def test_a_source_naming_a_stable_point_above_its_frontier_vouches_only_for_its_
         "frontier": frontier, "stable": frontier + (3 << 32), "frozen": True, "qualified": True, "records": [],
         "guesses": [], "membership": [[0, 0, [0, 1]]]}), 0)
     assert rec.acquired is not None and rec.acquired["stable"] == frontier
+
+
+def test_a_replica_that_loses_power_after_resume_still_refuses_what_the_source_refused() -> None:
+    """Found by the system simulation (seed 90001806, a record stored in two shards): the
+    source told a client NOT_HELD and handed the record over at RESUME; another replica
+    kept that in memory only, lost power, came back, and guessed a copy of the client's
+    INSERT delayed in the network, which the client had placed in another shard. Every
+    replica writes what it is handed before its (durable) RESUME answer."""
+    from ziplog.protocol.events import RefusedEvent
+
+    h = Harness()
+    h.next_epoch()
+    h.insert(1, b"one")
+    h.pump()
+    h.auto_drop = False
+    h.handler.on_suspect(0, 0, h.now)
+    h.pump()
+    assert h.P.recovery.authority, "the primary's state is the recovery's"
+    h.insert(4, b"four", to=(0,))  # the source answers NOT_HELD; the copy to the backup is delayed
+    h.pump()
+    assert [m.code for _, m in h.replies(4) if isinstance(m, wire.Error)] == [wire.E_NOT_HELD], h.replies(4)
+    h.drop()
+    h.pump()
+    assert h.handler.completed == [(0, 0)], h.handler.completed
+    assert any(isinstance(ev, RefusedEvent) and (ev.client_id, ev.seq) == (7, 4) for ev in h.disk[1]), \
+        "the backup wrote what RESUME handed it"
+    # the backup loses power and comes back from its disk; the MMS takes the shard back
+    h.B = h.new_core(1)
+    h.B.replay(list(h.disk[1]))
+    h.connect(1)
+    h.history = h.history + [[h.epoch + 1, list(SHARDS)]]
+    h.next_epoch()
+    h.next_epoch()
+    h.client.clear()
+    h.insert(5, b"five")
+    h.pump()
+    assert {i for i, m in h.replies(5) if isinstance(m, wire.Ack)} == {0, 1}, h.replies(5)
+    # the delayed copy reaches the backup (which guesses what it may), a retry the primary
+    h.insert(4, b"four", to=(1,))
+    h.pump()
+    h.insert(4, b"four", to=(0,))
+    h.pump()
+    for core in (h.P, h.B):
+        assert (7, 4) not in core.log.dedup
+    assert not [m for _, m in h.replies(4) if isinstance(m, wire.Ack)], h.replies(4)

@@ -394,7 +394,7 @@ def test_regression_seeds(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [201030, 203172, 2012375, 2013945, 2069782, 40002477, 40006065, 50015079, 50051893,
-                                  50065961, 50067428, 60007781])
+                                  50065961, 50067428, 60007781, 90001806])
 def test_recovery_regression_seeds(seed: int) -> None:
     """Seeds that broke an invariant in a recovery. 201030: a replica answered an INSTALL
     before the install was on its disk (full, on both replicas), stopped, and came back
@@ -426,7 +426,10 @@ def test_recovery_regression_seeds(seed: int) -> None:
     brought a backup epochs without its shard, which it counted stable; the next
     recovery's install ended below them and left its stable point above its frontier, and
     the recovery after that, from its state, waited for ever for records up to that point
-    (tests/test_recovery_core.py)."""
+    (tests/test_recovery_core.py). 90001806: a replica handed the source's refusals at
+    RESUME kept them in memory only, lost power, and guessed a delayed copy of a refused
+    INSERT, which the next recovery rolled forward (a record in two shards;
+    tests/test_recovery_core.py)."""
     run(seed)
 
 

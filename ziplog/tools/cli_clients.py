@@ -68,10 +68,14 @@ def cmd_client_add(args: argparse.Namespace, hosts: str, out: Callable[[str], No
             public = pair.public
         try:
             version = registry.add(args.name, public, rights)
+            behind = wait_loaded(registry, version, args.timeout)
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
     finally:
         stop(session)
+    if behind:
+        out(f"warning: these servers did not load registry version {version} within {args.timeout:g} s and refuse "
+            f"the key until they do: {', '.join(behind)}")
     if pair is not None:
         write_key_file(args.out, args.name, pair, server)
         out(f"registered client {args.name!r} with {', '.join(sorted(r.value for r in rights)) or 'no rights'} "
@@ -160,6 +164,21 @@ def vouch_removal(registry: Any, version: int, committed: float, timeout: float,
                 unknown.append(name)
         if not unknown or now >= deadline:
             return Vouched(confirmed, lapsed, unknown)
+        pause(LOOK_EVERY_S)
+
+
+def wait_loaded(registry: Any, version: int, timeout: float, clock: Callable[[], float] = time.monotonic,
+                pause: Callable[[float], None] = time.sleep) -> list[str]:
+    """Look every LOOK_EVERY_S until every server that judges client keys holds registry
+    ``version`` (or later), or ``timeout`` passed: the servers that do not yet (they
+    refuse a key added since, FORBIDDEN, until they do). An added key is usable at once
+    only after this: a client handed it as soon as it was written was refused by a
+    server whose watch had not fired yet."""
+    deadline = clock() + timeout
+    while True:
+        behind = [name for name, held in sorted(registry.loaded().items()) if held.version < version]
+        if not behind or clock() >= deadline:
+            return behind
         pause(LOOK_EVERY_S)
 
 

@@ -375,8 +375,15 @@ class LocalCluster:
         from ziplog.io.zk_clients import ClientRegistry
         from ziplog.protocol.keys import parse_rights
 
+        from ziplog.tools.cli_clients import wait_loaded
+
         pair = new_keypair()
-        ClientRegistry(self._zkc, self.key).add(name, pair.public, parse_rights(rights))
+        registry = ClientRegistry(self._zkc, self.key)
+        version = registry.add(name, pair.public, parse_rights(rights))
+        # Usable once every server holds the new registry (each refuses the key before).
+        behind = wait_loaded(registry, version, 30.0)
+        if behind:
+            raise RuntimeError(f"servers {behind} did not load client registry version {version} within 30 s")
         path = self.data_dir / "keys" / f"{name}.key"
         path.parent.mkdir(exist_ok=True)
         write_key_file(str(path), name, pair, self.key.curve_server().public)

@@ -50,7 +50,9 @@ class Admission:
         if blocked_reason is not None:
             self.refuse(route, msg.req_id, key, now, f.E_NOT_READY, blocked_reason)
             return True
-        if key in self.refused:
+        if key in self.refused or key in self.log.refused:
+            # (``log.refused``: what the last recovery's source said the shard will not
+            # hold, as the disk holds it, past a restart and the memory's 20 s.)
             # Again with the first refusal's code: a client that asked again meanwhile
             # still learns why (DISK_FULL, TIMEOUT, ...) rather than a bare NOT_MEMBER.
             code = self.refused.get(key) or f.E_NOT_MEMBER

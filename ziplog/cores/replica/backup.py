@@ -350,7 +350,7 @@ class BackupFollower:
             self._no_guess(route, msg.req_id, key, now, *refusal)
             return
         if (sp is None or sp.cursor is None or not self.qualified or epoch_of(msg.after + 1) > sp.config.epoch
-                or key in self.no_guess or len(sp.by_gsn) >= self.s.max_guesses):
+                or key in self.no_guess or key in self.log.refused or len(sp.by_gsn) >= self.s.max_guesses):
             # No guess possible (not a member by our view, the rid is ahead of us, or we
             # have not synchronised with the primary since we started: a guess acked then
             # would look, to a restarted primary, like a record it lost). The primary

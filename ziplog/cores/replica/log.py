@@ -71,9 +71,10 @@ class DecidedLog:
         #: this replica's last step in a failure recovery, as persisted (its disk's
         #: word on it after a restart; every new segment's snapshot repeats it)
         self.recovery_mark: RecoveryEvent | None = None
-        #: the records this replica, as the source of recovery generation
-        #: ``refused_gen``, told their clients the shard will not hold, as persisted
-        #: (every new segment's snapshot repeats those of the mark's generation)
+        #: the records recovery generation ``refused_gen``'s source told their clients
+        #: the shard will not hold (this replica, as that source, or the source at
+        #: RESUME), as persisted (every new segment's snapshot repeats those of the
+        #: mark's generation): never placed here, past a restart too
         self.refused: dict[tuple[int, int], None] = {}
         self.refused_gen = -1
 
@@ -261,8 +262,9 @@ class DecidedLog:
         self.out.persist.append(mark)
 
     def mark_refused(self, gen: int, key: tuple[int, int]) -> None:
-        """Persist that, as the source of recovery generation ``gen``, this replica told
-        the client of ``key`` the shard will not hold its record."""
+        """Persist that recovery generation ``gen``'s source (this replica, or the one
+        that handed it over at RESUME) told the client of ``key`` the shard will not
+        hold its record."""
         self._note_refused(gen, key)
         self.out.persist.append(RefusedEvent(gen, key[0], key[1]))
 

@@ -92,9 +92,10 @@ class RecoveryParticipant:
 
     @property
     def not_held(self) -> dict[Key, None]:
-        """Records this replica, as the recovery's authority, said the shard will not
-        hold (NOT_HELD), this generation, as its disk holds them: handed to the others
-        at RESUME (a repeat too, and after a restart), and refused here once resumed."""
+        """Records the recovery's authority said the shard will not hold (NOT_HELD),
+        this generation, as this replica's disk holds them (its own, as the authority,
+        or handed over at RESUME): the authority hands them to the others at RESUME (a
+        repeat too, and after a restart), and every replica refuses them once resumed."""
         return self.log.refused if self.log.refused_gen == self.gen else {}
 
     def _become(self, phase: RecoveryPhase) -> None:
@@ -317,9 +318,15 @@ class RecoveryParticipant:
         if self.installed_gen != self.gen:
             return "resume before install"
         # Records the source refused: a copy delayed in the network must not be placed
-        # here now that the client has moved it elsewhere.
+        # here now that the client has moved it elsewhere. Written, as the source wrote
+        # them, before this answer leaves (it is durable): a copy that reaches this
+        # replica after it lost power and came back is refused too (system seed 90001806).
+        log = self.log
         for client_id, seq in refused:
-            self.role.refused_for_recovery((client_id, seq), now)
+            key = (client_id, seq)
+            if log.refused_gen != self.gen or key not in log.refused:
+                log.mark_refused(self.gen, key)
+            self.role.refused_for_recovery(key, now)
         for key in self.not_held:  # ours (restored from the disk after a restart too)
             self.role.refused_for_recovery(key, now)
         self._become(RecoveryPhase.NORMAL)
