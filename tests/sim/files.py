@@ -95,6 +95,9 @@ class SimFiles:
     def read(self, path: str) -> bytes:
         return bytes(self._inode(path).data)
 
+    def read_at(self, path: str, offset: int, length: int) -> bytes:
+        return bytes(self._inode(path).data[offset:offset + length])
+
     def size(self, path: str) -> int | None:
         try:
             return len(self._inode(path).data)

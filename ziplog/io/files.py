@@ -23,6 +23,9 @@ class Files(Protocol):
     def read(self, path: str) -> bytes:
         """A whole file (FileNotFoundError when there is none)."""
 
+    def read_at(self, path: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of a file from ``offset`` (fewer at its end)."""
+
     def size(self, path: str) -> int | None:
         """A file's size, None when there is none."""
 
@@ -73,6 +76,13 @@ class OsFiles:
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
+
+    def read_at(self, path: str, offset: int, length: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
 
     def size(self, path: str) -> int | None:
         try:

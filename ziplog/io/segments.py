@@ -63,10 +63,21 @@ from typing import Callable, Iterator, Sequence
 import msgspec
 
 from ziplog.io.files import OS_FILES, Files
+from ziplog.io.segment_index import (
+    IndexBuilder,
+    SegmentIndex,
+    build_index,
+    dead_above_by_segment,
+    index_path,
+    load_index,
+    read_records,
+    write_index,
+)
 from ziplog.protocol.events import (
     DiskEvent,
     RecordEvent,
     SnapshotEvent,
+    TruncateEvent,
     decode_events,
     encode_event,
     encode_events_into,
@@ -127,6 +138,11 @@ class SegmentLog:
         self.torn = False
         #: where a batch is encoded (kept across batches: see ``encode_events_into``)
         self._batch = bytearray()
+        #: the index of every segment but the open one (seq -> index): replaced whole,
+        #: never changed in place, so a reader on another thread may take it at any time
+        #: (``ziplog.io.segment_index``); the open one's is built as its batches go out
+        self.indexes: dict[int, SegmentIndex] = {}
+        self._builder = IndexBuilder()
 
     def _path(self, name: str) -> str:
         return f"{self._d}/{name}"
@@ -136,7 +152,9 @@ class SegmentLog:
         return sorted(self.dir / n for n in self.files.listdir(self._d) if n.startswith("seg-") and n.endswith(".log"))
 
     def load(self) -> Iterator[DiskEvent]:
-        """Every event persisted, oldest first. Truncates a torn tail in place."""
+        """Every event persisted, oldest first. Truncates a torn tail in place. Each
+        segment's index is taken from its file if that is whole and describes the
+        segment as it is, else built again (and written, best effort)."""
         for path in self.segments():
             seq = int(path.stem.split("-")[1])
             self._seq = max(self._seq, seq)
@@ -150,6 +168,11 @@ class SegmentLog:
             if good < len(blob):
                 self.torn = True
                 self.files.truncate(str(path), good)
+            idx = load_index(self.files, str(path))
+            if idx is None:
+                idx = build_index(memoryview(blob)[:good])
+                self._write_index(str(path), idx)
+            self.indexes = {**self.indexes, seq: idx}
 
     # -- writing ------------------------------------------------------------------------------
     # The server's loop thread writes (a write to the page cache costs microseconds and
@@ -200,6 +223,12 @@ class SegmentLog:
             files.close(fd)
             files.unlink(path)
             raise
+        if old is not None and self._open_seq is not None:
+            # The segment just sealed (synced above): its index, beside it.
+            sealed = self._builder.build(self._size)
+            self._write_index(self._path(f"seg-{self._open_seq:08d}.log"), sealed)
+            self.indexes = {**self.indexes, self._open_seq: sealed}
+        self._builder = IndexBuilder()
         self._fd, self._seq, self._size = fd, seq, len(opening)
         self._open_seq = seq
         self._rotate_due = False
@@ -220,9 +249,17 @@ class SegmentLog:
         start = encode_events_into(events if type(events) is list else list(events), batch)
         size = len(batch) - start
         top = 0
+        first = 0
+        truncating = False
         for ev in events:
-            if type(ev) is RecordEvent and ev.gsn > top:
-                top = ev.gsn
+            t = type(ev)
+            if t is RecordEvent:
+                if ev.gsn > top:  # type: ignore[union-attr]
+                    top = ev.gsn  # type: ignore[union-attr]
+                if first == 0:
+                    first = ev.gsn  # type: ignore[union-attr]
+            elif t is TruncateEvent:
+                truncating = True
         if sys.getsizeof(batch) > BATCH_BUFFER_KEPT:
             self._batch = bytearray()
         fd, before = self._fd, self._size
@@ -234,6 +271,7 @@ class SegmentLog:
                 self.files.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
             raise
         self._size = before + size
+        self._index_batch(events, before, first, top, truncating)
         seq = self._seq
         if top > self.max_gsn.get(seq, 0):
             self.max_gsn[seq] = top
@@ -257,6 +295,62 @@ class SegmentLog:
                 self.error = exc
         if self._size >= self.segment_bytes:
             self._rotate_due = True
+
+    def _index_batch(self, events: Sequence[DiskEvent], at: int, first: int, top: int, truncating: bool) -> None:
+        """The open segment's index after a batch written at offset ``at``: one entry for
+        the batch's first record (at the batch's start, an event's start), or, for a
+        batch with a recovery's truncate (rare), each event at its own offset, since
+        records after the truncate in the same batch stay live."""
+        b = self._builder
+        if not truncating:
+            if first:
+                b.record(first, at, top)
+            return
+        off = at
+        for ev in events:
+            n = len(encode_event(ev))  # the file holds each event as encode_event makes it
+            t = type(ev)
+            if t is RecordEvent:
+                b.record(ev.gsn, off)  # type: ignore[union-attr]
+            elif t is TruncateEvent:
+                b.truncate(off + n, ev.base)  # type: ignore[union-attr]
+            off += n
+        assert off == self._size, ("batch offsets", off, self._size)
+
+    def _write_index(self, segment_path: str, idx: SegmentIndex) -> None:
+        """Best effort: an index that could not be written is built again at the next
+        load (a full disk must not stop a rotation)."""
+        try:
+            write_index(self.files, segment_path, idx, self._d)
+        except OSError:
+            self.files.unlink(index_path(segment_path) + ".tmp")
+
+    def read(self, lo: int, hi: int, max_bytes: int) -> list[RecordEvent]:
+        """The live records with ``lo <= gsn <= hi`` in the segments before the open one,
+        from the files, in gsn order: at least one when any, then while their data stays
+        within ``max_bytes``. Safe on another thread than the writer's (it reads only the
+        sealed segments and their indexes; one deleted meanwhile ends the read short)."""
+        indexes = self.indexes
+        seqs = sorted(indexes)
+        idxs = [indexes[q] for q in seqs]
+        dead = dead_above_by_segment(idxs)
+        # (the open segment's truncates undo the sealed segments' records above them too)
+        open_low = min((b for _, b in self._builder.truncates), default=None)
+        out: list[RecordEvent] = []
+        size = 0
+        for q, idx, d in zip(seqs, idxs, dead):
+            if open_low is not None:
+                d = open_low if d is None else min(d, open_low)
+            try:
+                for r in read_records(self.files, self._path(f"seg-{q:08d}.log"), idx, lo, hi, max_bytes - size, d):
+                    out.append(r)
+                    size += len(r.data)
+            except FileNotFoundError:
+                break
+            if size >= max_bytes:
+                break
+        out.sort(key=lambda r: r.gsn)
+        return out
 
     def _sync_again(self) -> None:
         """A sync failed since the last append: try again before writing anything more."""
@@ -412,7 +506,9 @@ class SegmentLog:
                 self._sync_newest()  # what replaces the segments that go is on disk first
                 synced = True
             files.unlink(str(path))
+            files.unlink(index_path(str(path)))
             self.max_gsn.pop(seq, None)
+            self.indexes = {q: i for q, i in self.indexes.items() if q != seq}
             removed += 1
         seq = newest
         if self._snapshot is not None and seq in self.max_gsn and self.max_gsn[seq] < gsn:
@@ -426,7 +522,9 @@ class SegmentLog:
                 self._open_next()  # the reserve's room holds a snapshot many times over
             self._sync_open()  # the new segment that replaces it is on disk first
             files.unlink(self._path(f"seg-{seq:08d}.log"))
+            files.unlink(self._path(f"seg-{seq:08d}.index"))
             self.max_gsn.pop(seq, None)
+            self.indexes = {q: i for q, i in self.indexes.items() if q != seq}
             removed += 1
             self._ensure_reserve()
         return removed
