@@ -353,3 +353,16 @@ def test_a_read_asks_again_the_replicas_whose_answer_was_lost() -> None:
     assert again == ("tcp://s0r1",) and msg2 == msg  # the same request: only the silent replica
     call.on_reply("tcp://s0r1", wire.ReadOk(req_id=msg.req_id, gsn=9, data=b"r", stable=5), call.wake_at + 1, topo)
     assert call.done and call.result() == b"r"
+
+
+def test_a_status_reply_naming_no_stable_point_counts_as_zero_for_a_recent_subscription() -> None:
+    """A subscription from RID_RECENT starts just past the lowest stable point the
+    replicas report; a STATUS reply without one (another build, a malformed reply) used
+    to stop the positioning on a KeyError: it counts as 0 (never above what is stable)."""
+    from ziplog.client.driver import _stable_of
+
+    assert _stable_of({"stable": 7}) == 7
+    assert _stable_of({}) == 0
+    assert _stable_of({"stable": "7"}) == 0
+    assert _stable_of({"stable": -1}) == 0
+    assert _stable_of(None) == 0

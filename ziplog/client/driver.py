@@ -34,6 +34,12 @@ from ziplog.protocol.types import RID_RECENT, RecordId
 UNSUBSCRIBE_LINGER_MS = 200
 
 
+def _stable_of(status: object) -> int:
+    """The stable point a replica's STATUS reports (0 when it names none)."""
+    value = status.get("stable") if isinstance(status, dict) else None
+    return value if type(value) is int and value >= 0 else 0
+
+
 class Record:
     """A record delivered by a subscription."""
 
@@ -272,7 +278,9 @@ class ClientDriver:
                 except ZiplogError as exc:
                     sub.perform(core.failed(exc))
                     return
-                stables = [min(r.status["stable"] for r in reps) for reps in replies.values() if reps]
+                # A reply that names no stable point (another build, a malformed STATUS)
+                # counts as 0: the position is never above what a shard made stable.
+                stables = [min(_stable_of(r.status) for r in reps) for reps in replies.values() if reps]
                 sub.positioned(max(min(stables), 0) + 1 if stables else 1)
 
             self.start(status, positioned)
