@@ -36,6 +36,12 @@ class Harness(ShardHarness):
         self.pump()
         assert self.B.recovery.authority
 
+    def readd(self) -> None:
+        """The MMS takes shard 0 back: two epochs with every shard (it decides again)."""
+        self.history = self.history + [[self.epoch + 1, list(SHARDS)]]
+        self.next_epoch()
+        self.next_epoch()
+
     def drop(self) -> None:
         """The MMS leaves shard 0 out of the next epoch."""
         self.history = self.history + [[self.epoch + 1, [1]]]
@@ -101,9 +107,7 @@ def test_primary_crash_keeps_acknowledged_guesses_and_resumes() -> None:
     # reached a primary still frozen; it says HELLO again 10 ms later.
     h.tick(20_000_000)
     # The shard comes back: the MMS re-adds it and the primary decides again.
-    h.history = h.history + [[h.epoch + 1, list(SHARDS)]]
-    h.next_epoch()
-    h.next_epoch()
+    h.readd()
     h.client.clear()
     h.insert(5, b"five")
     h.pump()
@@ -636,9 +640,7 @@ def test_a_replica_that_loses_power_after_resume_still_refuses_what_the_source_r
     h.B = h.new_core(1)
     h.B.replay(list(h.disk[1]))
     h.connect(1)
-    h.history = h.history + [[h.epoch + 1, list(SHARDS)]]
-    h.next_epoch()
-    h.next_epoch()
+    h.readd()
     h.client.clear()
     h.insert(5, b"five")
     h.pump()
