@@ -71,3 +71,29 @@ def test_merge_two_shards(benchmark: Any) -> None:
             while m.pop() is not None:
                 pass
     benchmark(run)
+
+
+@pytest.mark.parametrize("records", [1, 20])
+def test_segment_append(benchmark: Any, tmp_path: Any, records: int) -> None:
+    """A batch of 4 KiB records written by the segment log (encoded, written, its index
+    entry kept; no sync): the replica loop's disk cost per batch."""
+    from ziplog.io.segments import SegmentLog
+    from ziplog.protocol.events import FrontierEvent, RecordEvent, SnapshotEvent
+
+    log = SegmentLog(tmp_path, fsync="never", segment_bytes=1 << 40, background=False)
+    list(log.load())
+    snap = SnapshotEvent([], 0, 0, 0)
+    log.start(snap)
+    gsn = itertools.count(1)
+
+    def append() -> None:
+        first = next(gsn)
+        for _ in range(records - 1):
+            next(gsn)
+        evs: list[Any] = [RecordEvent(first + i, 0, 1, first + i, DATA) for i in range(records)]
+        evs.append(FrontierEvent(first + records - 1, 1, 0))
+        log.append(evs, snap)
+    try:
+        benchmark(append)
+    finally:
+        log.close()
