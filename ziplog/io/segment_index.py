@@ -102,16 +102,17 @@ class IndexBuilder:
         self.truncates: list[tuple[int, int]] = []
         self.first = 0
         self.last = 0
-        self._last_entry = -interval
+        #: the offset of the last entry (the next one is due ``interval`` bytes after it)
+        self.last_entry = -interval
 
     def record(self, gsn: int, offset: int, last: int | None = None) -> None:
         """A record at ``offset`` (an event's start) with ``gsn``; ``last``: the highest
         gsn of the batch it starts, when it stands for several."""
-        if offset - self._last_entry >= self.interval:
+        if offset - self.last_entry >= self.interval:
             assert not self.gsns or gsn > self.gsns[-1], ("live records out of gsn order", gsn, self.gsns[-1])
             self.gsns.append(gsn)
             self.offsets.append(offset)
-            self._last_entry = offset
+            self.last_entry = offset
         if self.first == 0:
             self.first = gsn
         self.last = max(self.last, gsn if last is None else last)
@@ -127,7 +128,7 @@ class IndexBuilder:
             self.first = self.last = 0
         else:
             self.last = min(self.last, base)
-        self._last_entry = -self.interval
+        self.last_entry = -self.interval
 
     def build(self, length: int) -> SegmentIndex:
         return SegmentIndex(length, self.first, self.last, np.asarray(self.gsns, dtype=_PAIR),

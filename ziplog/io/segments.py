@@ -249,16 +249,12 @@ class SegmentLog:
         start = encode_events_into(events if type(events) is list else list(events), batch)
         size = len(batch) - start
         top = 0
-        first = 0
         truncating = False
         for ev in events:
-            t = type(ev)
-            if t is RecordEvent:
+            if type(ev) is RecordEvent:
                 if ev.gsn > top:  # type: ignore[union-attr]
                     top = ev.gsn  # type: ignore[union-attr]
-                if first == 0:
-                    first = ev.gsn  # type: ignore[union-attr]
-            elif t is TruncateEvent:
+            elif type(ev) is TruncateEvent:
                 truncating = True
         if sys.getsizeof(batch) > BATCH_BUFFER_KEPT:
             self._batch = bytearray()
@@ -271,7 +267,16 @@ class SegmentLog:
                 self.files.ftruncate(fd, before)  # a torn batch would be cut on load anyway; now, too
             raise
         self._size = before + size
-        self._index_batch(events, before, first, top, truncating)
+        if truncating:
+            self._index_events(events, before)
+        elif top:
+            b = self._builder
+            if b.first == 0 or before - b.last_entry >= b.interval:
+                # An entry at the batch's start (an event's start), for its first record.
+                first = next(ev.gsn for ev in events if type(ev) is RecordEvent)  # type: ignore[union-attr]
+                b.record(first, before, top)
+            elif top > b.last:
+                b.last = top
         seq = self._seq
         if top > self.max_gsn.get(seq, 0):
             self.max_gsn[seq] = top
@@ -296,16 +301,12 @@ class SegmentLog:
         if self._size >= self.segment_bytes:
             self._rotate_due = True
 
-    def _index_batch(self, events: Sequence[DiskEvent], at: int, first: int, top: int, truncating: bool) -> None:
-        """The open segment's index after a batch written at offset ``at``: one entry for
-        the batch's first record (at the batch's start, an event's start), or, for a
-        batch with a recovery's truncate (rare), each event at its own offset, since
-        records after the truncate in the same batch stay live."""
+    def _index_events(self, events: Sequence[DiskEvent], at: int) -> None:
+        """The open segment's index after a batch written at offset ``at`` that holds a
+        recovery's truncate (rare): each event at its own offset, since records after
+        the truncate in the same batch stay live. (Any other batch gets at most one
+        entry, at its start, for its first record: ``append``.)"""
         b = self._builder
-        if not truncating:
-            if first:
-                b.record(first, at, top)
-            return
         off = at
         for ev in events:
             n = len(encode_event(ev))  # the file holds each event as encode_event makes it
