@@ -16,12 +16,12 @@ from ziplog.io.files import OS_FILES
 from ziplog.io.segment_index import (
     SegmentIndex,
     build_index,
-    dead_above_by_segment,
     decode_index,
     encode_index,
     index_path,
     load_index,
     read_records,
+    read_segments,
     write_index,
 )
 from ziplog.protocol.events import (
@@ -90,10 +90,7 @@ def _write(files: SimFiles, segs: list[list[DiskEvent]]) -> list[str]:
 
 
 def _read_all(files: SimFiles, paths: list[str], idxs: list[SegmentIndex], lo: int, hi: int) -> list[RecordEvent]:
-    out: list[RecordEvent] = []
-    for path, idx, dead in zip(paths, idxs, dead_above_by_segment(idxs)):
-        out.extend(read_records(files, path, idx, lo, hi, 1 << 40, dead))
-    return sorted(out, key=lambda r: r.gsn)
+    return read_segments(files, list(zip(paths, idxs)), lo, hi, 1 << 40)
 
 
 @settings(max_examples=300, deadline=None)

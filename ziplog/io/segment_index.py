@@ -27,12 +27,12 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ziplog.io.files import Files
-from ziplog.protocol.events import RecordEvent, TruncateEvent, decode_events
+from ziplog.protocol.events import DiskEvent, RecordEvent, TruncateEvent, decode_events
 
 #: one index entry per this many bytes of a segment's records (Kafka's default too)
 INDEX_INTERVAL = 4096
@@ -130,6 +130,18 @@ class IndexBuilder:
             self.last = min(self.last, base)
         self.last_entry = -self.interval
 
+    def add_events(self, events: Iterable[tuple[DiskEvent, int]], start: int) -> int:
+        """Index events one by one, each given with the offset just past it, the first
+        starting at ``start``; the offset past the last."""
+        for ev, end in events:
+            t = type(ev)
+            if t is RecordEvent:
+                self.record(ev.gsn, start)  # type: ignore[union-attr]
+            elif t is TruncateEvent:
+                self.truncate(end, ev.base)  # type: ignore[union-attr]
+            start = end
+        return start
+
     def build(self, length: int) -> SegmentIndex:
         return SegmentIndex(length, self.first, self.last, np.asarray(self.gsns, dtype=_PAIR),
                             np.asarray(self.offsets, dtype=_PAIR), tuple(self.truncates))
@@ -139,15 +151,7 @@ def build_index(blob: bytes | memoryview, interval: int = INDEX_INTERVAL) -> Seg
     """Index a segment's bytes (a torn tail is left out: the index covers the whole
     events only)."""
     b = IndexBuilder(interval)
-    start = 0
-    for ev, end in decode_events(bytes(blob)):
-        t = type(ev)
-        if t is RecordEvent:
-            b.record(ev.gsn, start)  # type: ignore[union-attr]
-        elif t is TruncateEvent:
-            b.truncate(end, ev.base)  # type: ignore[union-attr]
-        start = end
-    return b.build(start)
+    return b.build(b.add_events(decode_events(bytes(blob)), 0))
 
 
 def encode_index(idx: SegmentIndex) -> bytes:
@@ -168,16 +172,15 @@ def decode_index(blob: bytes) -> SegmentIndex | None:
     magic, length, first, last, n, nt, crc = _HEADER.unpack_from(blob)
     if magic != MAGIC or n < 0 or nt < 0 or length < 0 or len(blob) != _HEADER.size + 16 * (n + nt):
         return None
+    if (first == 0) != (last == 0) or not 0 <= first <= last:
+        return None
     body = blob[_HEADER.size:]
     if zlib.crc32(body, zlib.crc32(blob[:_HEADER.size - 8])) != crc:
         return None
     pairs = np.frombuffer(body, dtype=_PAIR, count=2 * n).reshape(-1, 2)
     truncs = np.frombuffer(body, dtype=_PAIR, count=2 * nt, offset=16 * n).reshape(-1, 2)
-    try:
-        return SegmentIndex(length, first, last, pairs[:, 0].copy(), pairs[:, 1].copy(),
-                            tuple((int(o), int(b)) for o, b in truncs))
-    except AssertionError:
-        return None
+    return SegmentIndex(length, first, last, pairs[:, 0].copy(), pairs[:, 1].copy(),
+                        tuple((int(o), int(b)) for o, b in truncs))
 
 
 def write_index(files: Files, segment_path: str, idx: SegmentIndex, directory: str) -> None:
@@ -204,7 +207,7 @@ def load_index(files: Files, segment_path: str) -> SegmentIndex | None:
     size = files.size(segment_path)
     try:
         blob = files.read(index_path(segment_path))
-    except (FileNotFoundError, OSError):
+    except OSError:  # missing too
         return None
     idx = decode_index(blob)
     if idx is None or size is None or idx.length != size:
@@ -256,6 +259,30 @@ def read_records(files: Files, segment_path: str, idx: SegmentIndex, lo: int, hi
         if not got:
             return  # the file is shorter than its index says: cut since (nothing more to read)
         buf = rest + got
+
+
+def read_segments(files: Files, segments: Sequence[tuple[str, SegmentIndex]], lo: int, hi: int, max_bytes: int,
+                  dead_above: int | None = None) -> list[RecordEvent]:
+    """The live records with ``lo <= gsn <= hi`` in ``segments`` (path and index, oldest
+    first), in gsn order (live records were written in it): at least one when any, then
+    while their data stays within ``max_bytes``. ``dead_above``: the lowest base of the
+    truncates written after them all (a segment still being written), or None. A
+    segment deleted meanwhile ends the read short."""
+    out: list[RecordEvent] = []
+    size = 0
+    later = dead_above_by_segment([idx for _, idx in segments])
+    for (path, idx), d in zip(segments, later):
+        if dead_above is not None:
+            d = dead_above if d is None else min(d, dead_above)
+        try:
+            for r in read_records(files, path, idx, lo, hi, max_bytes - size, d):
+                out.append(r)
+                size += len(r.data)
+        except FileNotFoundError:
+            break
+        if size >= max_bytes:
+            break
+    return out
 
 
 def dead_above_by_segment(indexes: Sequence[SegmentIndex]) -> list[int | None]:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import sys
 import threading
 import time
@@ -67,10 +68,9 @@ from ziplog.io.segment_index import (
     IndexBuilder,
     SegmentIndex,
     build_index,
-    dead_above_by_segment,
     index_path,
     load_index,
-    read_records,
+    read_segments,
     write_index,
 )
 from ziplog.protocol.events import (
@@ -306,17 +306,10 @@ class SegmentLog:
         recovery's truncate (rare): each event at its own offset, since records after
         the truncate in the same batch stay live. (Any other batch gets at most one
         entry, at its start, for its first record: ``append``.)"""
-        b = self._builder
-        off = at
-        for ev in events:
-            n = len(encode_event(ev))  # the file holds each event as encode_event makes it
-            t = type(ev)
-            if t is RecordEvent:
-                b.record(ev.gsn, off)  # type: ignore[union-attr]
-            elif t is TruncateEvent:
-                b.truncate(off + n, ev.base)  # type: ignore[union-attr]
-            off += n
-        assert off == self._size, ("batch offsets", off, self._size)
+        ends = itertools.accumulate((len(encode_event(ev)) for ev in events), initial=at)
+        next(ends)  # the file holds each event as encode_event makes it
+        end = self._builder.add_events(zip(events, ends), at)
+        assert end == self._size, ("batch offsets", end, self._size)
 
     def _write_index(self, segment_path: str, idx: SegmentIndex) -> None:
         """Best effort: an index that could not be written is built again at the next
@@ -332,26 +325,10 @@ class SegmentLog:
         within ``max_bytes``. Safe on another thread than the writer's (it reads only the
         sealed segments and their indexes; one deleted meanwhile ends the read short)."""
         indexes = self.indexes
-        seqs = sorted(indexes)
-        idxs = [indexes[q] for q in seqs]
-        dead = dead_above_by_segment(idxs)
         # (the open segment's truncates undo the sealed segments' records above them too)
         open_low = min((b for _, b in self._builder.truncates), default=None)
-        out: list[RecordEvent] = []
-        size = 0
-        for q, idx, d in zip(seqs, idxs, dead):
-            if open_low is not None:
-                d = open_low if d is None else min(d, open_low)
-            try:
-                for r in read_records(self.files, self._path(f"seg-{q:08d}.log"), idx, lo, hi, max_bytes - size, d):
-                    out.append(r)
-                    size += len(r.data)
-            except FileNotFoundError:
-                break
-            if size >= max_bytes:
-                break
-        out.sort(key=lambda r: r.gsn)
-        return out
+        return read_segments(self.files, [(self._path(f"seg-{q:08d}.log"), indexes[q]) for q in sorted(indexes)],
+                             lo, hi, max_bytes, open_low)
 
     def _sync_again(self) -> None:
         """A sync failed since the last append: try again before writing anything more."""

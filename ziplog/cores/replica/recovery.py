@@ -321,11 +321,10 @@ class RecoveryParticipant:
         # here now that the client has moved it elsewhere. Written, as the source wrote
         # them, before this answer leaves (it is durable): a copy that reaches this
         # replica after it lost power and came back is refused too (system seed 90001806).
-        log = self.log
         for client_id, seq in refused:
             key = (client_id, seq)
-            if log.refused_gen != self.gen or key not in log.refused:
-                log.mark_refused(self.gen, key)
+            if key not in self.not_held:
+                self.log.mark_refused(self.gen, key)
             self.role.refused_for_recovery(key, now)
         for key in self.not_held:  # ours (restored from the disk after a restart too)
             self.role.refused_for_recovery(key, now)
